@@ -1,0 +1,104 @@
+"""Hugging Face checkpoint directories: config.json + one or many safetensors (+ index)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ssdlib.config import ModelConfig
+from ssdlib.errors import CheckpointError
+from ssdlib.loading.checkpoint import Checkpoint
+
+
+class SafetensorsWeights:
+    """Tensors of one or many safetensors files, read lazily and by slice."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._handles: dict[str, object] = {}
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{directory}: no .safetensors files (ssdlib does not read "
+                                      "pickle-based .bin/.pt checkpoints)")
+            weight_map = {}
+            for fname in files:
+                for name in self._open(fname).keys():
+                    weight_map[name] = fname
+        self._map: dict[str, str] = weight_map
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            path = os.path.join(self.directory, fname)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: listed in the index but missing")
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+            self._handles[fname] = handle
+        return self._handles[fname]
+
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def _slice(self, name: str):
+        if name not in self._map:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} missing from the checkpoint")
+        return self._open(self._map[name]).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def get(self, name: str, dim: int | None = None, start: int = 0,
+            stop: int | None = None) -> torch.Tensor:
+        sl = self._slice(name)
+        try:
+            if dim is None:
+                t = sl[:]
+            else:
+                index = [slice(None)] * len(sl.get_shape())
+                index[dim] = slice(start, stop)
+                t = sl[tuple(index)]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{self.directory}: cannot read tensor {name!r} ({e})") from None
+        return t
+
+
+def load_hf_dir(directory: str) -> Checkpoint:
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{directory}: no config.json (not an HF checkpoint directory)")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: unreadable JSON ({e})") from None
+    config = ModelConfig.from_hf_dict(raw, source=cfg_path)
+    gen_cfg = os.path.join(directory, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        try:
+            with open(gen_cfg) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if eos is not None:
+            config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    weights = SafetensorsWeights(directory)
+
+    def tokenizer_factory():
+        from ssdlib.tokenizer import load_tokenizer_dir
+        return load_tokenizer_dir(directory, config)
+
+    return Checkpoint(source=directory, config=config, weights=weights,
+                      tokenizer_factory=tokenizer_factory)
