@@ -1,0 +1,28 @@
+"""Packing ragged rows (different lengths, different start positions) into one forward."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_rows(rows: list[list[int]], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``rows`` into ids [b, s] and positions [b, s].
+
+    Row i's tokens go to positions starts[i], starts[i]+1, ...; padding continues the positions
+    (its KV lands beyond the row's length, where it is never attended to and later overwritten).
+    """
+    s = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), s, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    positions = torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(s).view(1, -1)
+    return ids.to(device), positions.to(device)
+
+
+def slots_tensor(seqs, device) -> torch.Tensor:
+    return torch.tensor([q.slot for q in seqs], dtype=torch.int64, device=device)
+
+
+def last_index(lengths: list[int], device) -> torch.Tensor:
+    """logits_index [b, 1] selecting each row's last real token."""
+    return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64, device=device)

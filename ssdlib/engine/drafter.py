@@ -1,0 +1,77 @@
+"""The draft model proposing K tokens per row autoregressively (SD, and SSD's jit fallback).
+
+The draft's KV cache is kept in step with the committed tokens lazily: ``valid[slot]`` counts the
+leading committed tokens whose KV is correct. Each proposal first feeds the committed tokens the
+draft has not seen (usually 1, or 2 after a fully accepted round), then K-1 single-token steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.engine.batching import last_index, pack_rows, slots_tensor
+from ssdlib.sampling import target_probs
+
+
+class Drafter:
+    def __init__(self, runner, vocab_size: int):
+        self.runner = runner
+        self.vocab_size = vocab_size  # the target's: draft logits are cut/padded to it
+        self.valid: dict[int, int] = {}
+
+    def reset(self, slot: int) -> None:
+        self.valid[slot] = 0
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        v = logits.shape[-1]
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if v < self.vocab_size:
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits
+
+    def _q(self, logits: torch.Tensor, seqs) -> torch.Tensor:
+        """Distribution each row's draft token is sampled from: [b, V] (one-hot for greedy rows)."""
+        q = torch.empty_like(logits)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy:
+                q[i].zero_()
+                q[i, logits[i].argmax()] = 1.0
+            else:
+                q[i] = target_probs(logits[i], p.temperature, p.top_k, p.top_p)
+        return q
+
+    @torch.inference_mode()
+    def propose(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft k tokens per row. Returns tokens [b, k] and q [b, k, V] (float32)."""
+        device = self.runner.device
+        rows = [q.tokens[self.valid.get(q.slot, 0):] for q in seqs]
+        starts = [self.valid.get(q.slot, 0) for q in seqs]
+        ids, pos = pack_rows(rows, starts, device)
+        slots = slots_tensor(seqs, device)
+        logits = self._logits(self.runner.forward(ids, pos, slots,
+                                                  last_index([len(r) for r in rows], device))[:, 0])
+        tokens, qs = [], []
+        for j in range(k):
+            q = self._q(logits, seqs)
+            tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
+                               if not s.params.greedy else q[i].argmax()
+                               for i, s in enumerate(seqs)])
+            tokens.append(tok)
+            qs.append(q)
+            if j + 1 < k:
+                positions = torch.tensor([len(s.tokens) + j for s in seqs], device=device)
+                logits = self._logits(self.runner.forward(tok.view(-1, 1), positions.view(-1, 1),
+                                                          slots)[:, 0])
+        for s in seqs:
+            # KV now holds the committed tokens plus the first k-1 drafted ones
+            self.valid[s.slot] = len(s.tokens) + k - 1
+        return torch.stack(tokens, 1), torch.stack(qs, 1)
+
+    def after_commit(self, seqs, accepted: list[int], k: int) -> None:
+        """Keep draft KV only for committed tokens: prefix + accepted drafts (never the bonus)."""
+        for s, a in zip(seqs, accepted):
+            # committed = old prefix n + a accepted + bonus; the draft fed s_1..s_{k-1} only
+            self.valid[s.slot] = len(s.tokens) - a - 1 + min(a, k - 1)

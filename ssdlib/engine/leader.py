@@ -1,0 +1,64 @@
+"""The leader (verifier rank 0): owns the sequences, schedules them, streams and collects output.
+
+The per-mode decoding logic lives in a *loop* object (``ARLoop``, ``SDLoop``, the SSD verifier)
+with two methods: ``admit(new_seqs)`` (prefill, first token) and ``step(active_seqs)`` (one round).
+Continuous batching: finished rows leave and free their KV slot, waiting requests are admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+from ssdlib.engine.sequence import Output, Request, Sequence
+
+# on_event(index, text_delta, new_token_ids)
+EventFn = Callable[[int, str, list], None]
+
+
+class Leader:
+    def __init__(self, loop, tokenizer, eos_ids: list[int], n_slots: int, max_len: int,
+                 device: torch.device):
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.n_slots = n_slots
+        self.limit = max_len - getattr(loop, "lookahead", 1)
+        self.device = device
+
+    def generate(self, requests: list[Request], on_event: EventFn | None = None) -> list[Output]:
+        pending = deque(requests)
+        free = list(range(self.n_slots))
+        active: list[Sequence] = []
+        outputs: dict[int, Output] = {}
+        while pending or active:
+            new = []
+            while pending and free and getattr(self.loop, "can_admit", lambda a: True)(active):
+                new.append(Sequence(pending.popleft(), free.pop(0), self.eos_ids,
+                                    self.tokenizer, self.device))
+            if new:
+                before = [len(q.tokens) for q in new]
+                self.loop.admit(new)
+                self._after(new, before, on_event)
+                active += new
+            if active:
+                before = [len(q.tokens) for q in active]
+                self.loop.step(active)
+                self._after(active, before, on_event)
+            done = [q for q in active if q.finished]
+            for q in done:
+                outputs[q.request.index] = q.to_output()
+                free.append(q.slot)
+                if hasattr(self.loop, "release"):
+                    self.loop.release(q)
+            active = [q for q in active if not q.finished]
+        return [outputs[r.index] for r in requests]
+
+    def _after(self, seqs, before, on_event) -> None:
+        for q, n in zip(seqs, before):
+            if not q.finished and len(q.tokens) >= self.limit:
+                q.finish_reason = "length"
+            if on_event is not None and len(q.tokens) > n:
+                on_event(q.request.index, q.take_text_delta(), q.tokens[n:])

@@ -1,0 +1,59 @@
+"""Mode ``sd``: plain speculative decoding, the draft on the leader rank (the paper's SD baseline).
+
+Each round: the draft proposes K tokens per row, the target verifies K+1 positions in one
+forward, the exact rule accepts a prefix k and picks t*, both models keep only committed KV.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ssdlib.engine.ar_loop import prefill
+from ssdlib.engine.drafter import Drafter
+from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine.sampler import sample_rows
+from ssdlib.engine.metrics import record_acceptance
+from ssdlib.engine.verify import commit_outcome, verify_round
+from ssdlib.errors import ConfigError
+from ssdlib.loading import load_checkpoint
+from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.speculative.acceptance import DraftQ
+
+
+class SDLoop:
+    def __init__(self, target, drafter: Drafter, k: int, device):
+        self.target = target
+        self.drafter = drafter
+        self.k = k
+        self.device = device
+        self.lookahead = k + 1
+
+    def admit(self, seqs) -> None:
+        logits = prefill(self.target, seqs, self.device)
+        for q, t in zip(seqs, sample_rows(logits, seqs)):
+            q.commit([t])
+            self.drafter.reset(q.slot)
+
+    def step(self, seqs) -> None:
+        t0 = time.perf_counter()
+        tokens, q = self.drafter.propose(seqs, self.k)
+        t1 = time.perf_counter()
+        draft_q = None if all(s.params.greedy for s in seqs) else DraftQ.from_probs(q)
+        outcome = verify_round(self.target, seqs, tokens, draft_q, self.device)
+        ks = commit_outcome(seqs, tokens, outcome)
+        self.drafter.after_commit(seqs, ks, self.k)
+        t2 = time.perf_counter()
+        record_acceptance(seqs, outcome, self.k)
+        for s in seqs:
+            s.metrics["draft_s"] = s.metrics.get("draft_s", 0.0) + (t1 - t0)
+            s.metrics["verify_s"] = s.metrics.get("verify_s", 0.0) + (t2 - t1)
+
+
+def build_sd_loop(cfg, world, target, target_ck):
+    if cfg.draft_placement != "leader":
+        raise ConfigError("--draft-placement separate is not implemented yet; use leader")
+    draft_ck = load_checkpoint(cfg.draft)
+    check_draft_compatible(target_ck, draft_ck)
+    runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len)
+    loop = SDLoop(target, Drafter(runner, target_ck.config.vocab_size), cfg.k, world.device)
+    return loop, lambda: None

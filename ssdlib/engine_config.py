@@ -1,0 +1,87 @@
+"""The engine configuration shared by the CLI, ``Generator`` and every rank (a small dataclass).
+
+Validated once, with clear errors, before any process is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ssdlib.errors import ConfigError
+
+MODES = ("ar", "sd", "ssd")
+FALLBACKS = ("auto", "jit", "ngram", "random")
+
+
+@dataclass
+class EngineConfig:
+    target: str = "smollm2-135m"
+    draft: str | None = None
+    mode: str = "ar"
+    tp: int = 1
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    k: int = 5
+    fan_out: str = "auto"
+    fan_out_budget: int = 16
+    saguaro_c: float = 1.0
+    fallback: str = "auto"
+    draft_placement: str = "leader"  # sd only: "leader" (on verifier rank 0) or "separate"
+    max_batch: int = 8
+    max_len: int = 2048  # tokens per sequence, prompt + generated
+    backend: str | None = None  # default: gloo on CPU, nccl on CUDA
+    timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "EngineConfig":
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"--tp must be a positive integer, got {self.tp!r}")
+        if self.mode in ("sd", "ssd") and not self.draft:
+            raise ConfigError(f"--mode {self.mode} needs a draft model (--draft)")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda requested but no CUDA GPU is available")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.k, int) or not (1 <= self.k <= 32):
+            raise ConfigError(f"--k must be an integer in [1, 32], got {self.k!r}")
+        if not (0.0 < float(self.saguaro_c) <= 1.0):
+            raise ConfigError(f"--saguaro-c must be in (0, 1], got {self.saguaro_c!r}")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if self.draft_placement not in ("leader", "separate"):
+            raise ConfigError("--draft-placement must be leader or separate")
+        if self.max_batch < 1 or self.max_len < 8:
+            raise ConfigError("max_batch must be >= 1 and max_len >= 8")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        name = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        return getattr(torch, name)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this configuration needs: tp verifier ranks (+1 speculator / separate draft)."""
+        extra = self.mode == "ssd" or (self.mode == "sd" and self.draft_placement == "separate")
+        return self.tp + (1 if extra else 0)
+
+    @property
+    def dist_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            extra = " + 1 speculator rank" if self.world_size > self.tp else ""
+            raise ConfigError(
+                f"world size {world_size} does not fit --tp {self.tp} --mode {self.mode}: "
+                f"it needs {self.world_size} ranks ({self.tp} verifier rank(s){extra}); "
+                f"use torchrun --nproc_per_node {self.world_size}")

@@ -1,0 +1,78 @@
+"""Vocab-parallel embedding and LM head (vocab padded to a multiple of the TP size)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ssdlib.layers.linear import load_padded_block, all_reduce, tp_size_rank
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_group=None):
+        super().__init__()
+        tp, rank = tp_size_rank(tp_group)
+        self.tp_group = tp_group
+        self.vocab_size = vocab_size
+        self.local_vocab = padded_vocab(vocab_size, tp) // tp
+        self.vocab_start = rank * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size))
+        self.checkpoint_shape = (vocab_size, hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp_group)
+
+    def load(self, weights, name: str) -> None:
+        w = self.weight
+        w.data = load_padded_block(weights, name, 0, self.vocab_start,
+                                    self.vocab_start + self.local_vocab, self.vocab_size,
+                                    tuple(w.shape), w.dtype, w.device)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the full vocab: each rank computes its vocab block, then an all-gather.
+
+    With tied embeddings it reuses the embedding's (local) weight.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_group=None,
+                 tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        tp, rank = tp_size_rank(tp_group)
+        self.tp_group = tp_group
+        self.vocab_size = vocab_size
+        self.local_vocab = padded_vocab(vocab_size, tp) // tp
+        self.vocab_start = rank * self.local_vocab
+        self.tied = tied
+        self.checkpoint_shape = (vocab_size, hidden_size)
+        if tied is None:
+            self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.tied.weight if self.tied is not None else self.weight
+        logits = nn.functional.linear(x, weight)  # [..., V_local]
+        tp, _ = tp_size_rank(self.tp_group)
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.vocab_size]
+
+    def load(self, weights, name: str) -> None:
+        if self.tied is not None:
+            return
+        w = self.weight
+        w.data = load_padded_block(weights, name, 0, self.vocab_start,
+                                    self.vocab_start + self.local_vocab, self.vocab_size,
+                                    tuple(w.shape), w.dtype, w.device)

@@ -1,0 +1,36 @@
+"""Draft/target compatibility: speculation is only meaningful over one shared vocabulary."""
+
+from __future__ import annotations
+
+from ssdlib.errors import CheckpointError
+from ssdlib.loading.checkpoint import Checkpoint
+
+
+def check_draft_compatible(target: Checkpoint, draft: Checkpoint) -> None:
+    """Raise CheckpointError unless draft and target tokenize identically.
+
+    Embedding-row counts may differ (checkpoints pad their vocab differently) when the tokenizers
+    are identical; without tokenizer files on either side the vocab sizes must match exactly.
+    """
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None:
+        if tt.fingerprint() != dt.fingerprint():
+            diff = _first_difference(tt, dt)
+            raise CheckpointError(
+                f"draft {draft.source!r} and target {target.source!r} have different tokenizers"
+                f"{diff}; speculative decoding needs a draft trained on the target's tokenizer")
+        return
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise CheckpointError(
+            f"draft vocab size {draft.config.vocab_size} != target vocab size "
+            f"{target.config.vocab_size} ({draft.source!r} vs {target.source!r})")
+
+
+def _first_difference(a, b) -> str:
+    va, vb = a.get_vocab(), b.get_vocab()
+    if len(va) != len(vb):
+        return f" ({len(vb)} vs {len(va)} tokens)"
+    for tok, i in va.items():
+        if vb.get(tok) != i:
+            return f" (token {tok!r} is id {i} in the target, {vb.get(tok)} in the draft)"
+    return " (special tokens differ)"

@@ -1,0 +1,100 @@
+"""What each rank of a job runs, by role.
+
+- leader (rank 0): target shard + sequences + the mode's loop; serves generate requests;
+- TP follower (ranks 1..tp-1): target shard; executes the leader's forwards;
+- speculator (rank tp, mode ssd): draft + speculation cache (``ssdlib.engine.speculator``).
+"""
+
+from __future__ import annotations
+
+from ssdlib.distributed.tp_channel import TargetExecutor, TPChannel
+from ssdlib.distributed.world import World, destroy_world, init_world
+from ssdlib.engine.leader import Leader
+from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine_config import EngineConfig
+from ssdlib.errors import ConfigError
+from ssdlib.loading import load_checkpoint
+from ssdlib.log import get_logger, setup_logging
+
+log = get_logger(__name__)
+
+
+class LeaderRuntime:
+    """Everything rank 0 holds; ``generate`` runs one batch of requests."""
+
+    def __init__(self, cfg: EngineConfig, world: World, leader: Leader, shutdown):
+        self.cfg = cfg
+        self.world = world
+        self.leader = leader
+        self._shutdown = shutdown
+
+    def generate(self, requests, on_event=None):
+        return self.leader.generate(requests, on_event)
+
+    def close(self) -> None:
+        self._shutdown()
+
+
+def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
+    """Join the world and build this rank's role. Non-leader ranks serve until shutdown and
+    return None; the leader returns its runtime."""
+    world = init_world(cfg)
+    target_ck = load_checkpoint(cfg.target)
+    dtype = cfg.torch_dtype
+    if world.is_speculator:
+        from ssdlib.engine.speculator import serve_speculator
+        serve_speculator(cfg, world, target_ck)
+        destroy_world()
+        return None
+    runner = ModelRunner(target_ck, world.tp_group, world.device, dtype, cfg.max_batch, cfg.max_len)
+    channel = TPChannel(world.tp_group, world.device) if cfg.tp > 1 else None
+    if not world.is_leader:
+        channel.serve(runner)
+        destroy_world()
+        return None
+    target = TargetExecutor(runner, channel)
+    tokenizer = target_ck.tokenizer
+    eos_ids = list(target_ck.config.eos_token_ids or ([] if tokenizer is None
+                                                       else tokenizer.eos_token_ids))
+    loop, loop_close = _build_loop(cfg, world, target, target_ck)
+    leader = Leader(loop, tokenizer, eos_ids, cfg.max_batch, cfg.max_len, world.device)
+
+    def shutdown():
+        loop_close()
+        target.shutdown()
+        destroy_world()
+
+    return LeaderRuntime(cfg, world, leader, shutdown)
+
+
+def _build_loop(cfg, world, target, target_ck):
+    if cfg.mode == "ar":
+        from ssdlib.engine.ar_loop import ARLoop
+        return ARLoop(target, world.device), lambda: None
+    if cfg.mode == "sd":
+        from ssdlib.engine.sd_loop import build_sd_loop
+        return build_sd_loop(cfg, world, target, target_ck)
+    if cfg.mode == "ssd":
+        from ssdlib.engine.verifier import build_ssd_verifier
+        return build_ssd_verifier(cfg, world, target, target_ck)
+    raise ConfigError(f"unknown mode {cfg.mode!r}")
+
+
+def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
+    """Body of a spawned rank: the leader serves requests from ``inbox`` until 'close'."""
+    setup_logging(log_level)
+    runtime = build_rank(cfg)
+    if runtime is None:
+        return
+    outbox.put(("ready", None))
+    while True:
+        msg = inbox.get()
+        if msg[0] == "close":
+            runtime.close()
+            outbox.put(("closed", None))
+            return
+        _, requests, stream = msg
+        on_event = (lambda i, d, ids: outbox.put(("event", (i, d, ids)))) if stream else None
+        outputs = runtime.generate(requests, on_event)
+        outbox.put(("result", outputs))
+
