@@ -206,6 +206,11 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     decode_s = max((o.metrics.get("decode_s", 0.0) for o in outputs), default=0.0)
     out["decode_tok_s"] = (tokens - len(outputs)) / decode_s if decode_s > 0 else 0.0
     out["rounds"] = sum(o.metrics.get("rounds", 0) for o in outputs)
-    for key in ("prefill_s",):
-        out[key] = max((o.metrics.get(key, 0.0) for o in outputs), default=0.0)
+    out["prefill_s"] = max((o.metrics.get("prefill_s", 0.0) for o in outputs), default=0.0)
+    drafted = sum(o.metrics.get("drafted", 0) for o in outputs)
+    if drafted:
+        accepted = sum(o.metrics.get("accepted", 0) for o in outputs)
+        out["acceptance_rate"] = accepted / drafted
+        out["mean_accepted"] = accepted / out["rounds"]
+        out["tokens_per_round"] = (accepted + out["rounds"]) / out["rounds"]
     return out

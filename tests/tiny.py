@@ -47,3 +47,21 @@ def make_tiny_llama(directory: str, name: str = "gqa", seed: int = 0, scale: flo
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def make_noisy_draft(target_dir: str, directory: str, noise: float, seed: int = 1) -> str:
+    """A draft = the target with Gaussian noise on its matrices (agrees often for small noise)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(directory, exist_ok=True)
+    for f in os.listdir(target_dir):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(target_dir, f), directory)
+    sd = load_file(os.path.join(target_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: (v + noise * torch.randn(v.shape, generator=g)) if v.dim() > 1 else v
+          for k, v in sd.items()}
+    save_file(sd, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -37,7 +38,9 @@ def _child(rank: int, world_size: int, port: int, fn, args, errors) -> None:
         else:
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         try:
-            errors.put((rank, msg))
+            errors.put((time.time(), rank, msg))
+            errors.close()
+            errors.join_thread()  # flush before dying: os._exit skips the queue's feeder thread
         finally:
             os._exit(1)
 
@@ -57,20 +60,30 @@ class RankGroup:
             self.procs.append(p)
 
     def check(self) -> None:
-        """Raise RankFailure if any rank reported an error or died."""
+        """Raise RankFailure if any rank reported an error or died.
+
+        When one rank fails, its peers usually fail too (their collectives break); the report
+        names the *earliest* error, the cause.
+        """
+        reports = []
         try:
-            rank, msg = self.errors.get_nowait()
+            reports.append(self.errors.get_nowait())
         except queue.Empty:
             dead = [(i, p.exitcode) for i, p in enumerate(self.procs)
                     if p.exitcode not in (None, 0)]
             if not dead:
                 return
-            # give a dying rank a moment to deliver its message
+            reports.append((float("inf"), dead[0][0],
+                            f"rank {dead[0][0]} died (exit code {dead[0][1]})"))
+        deadline = time.time() + 1.0  # let the other ranks' reports arrive
+        while time.time() < deadline:
             try:
-                rank, msg = self.errors.get(timeout=1.0)
+                reports.append(self.errors.get(timeout=0.1))
             except queue.Empty:
-                rank, msg = dead[0][0], f"rank {dead[0][0]} died (exit code {dead[0][1]})"
+                if all(p.exitcode is not None for p in self.procs):
+                    break
         self.kill()
+        _, rank, msg = min(reports, key=lambda r: r[0])
         raise RankFailure(f"rank {rank} failed: {msg}")
 
     def wait(self, q, timeout_s: float | None = None):

@@ -44,6 +44,17 @@ class Drafter:
         return q
 
     @torch.inference_mode()
+    def prefill(self, seqs) -> None:
+        """Feed every committed token of ``seqs`` (all but none held back) into the draft KV."""
+        device = self.runner.device
+        rows = [q.tokens for q in seqs]
+        ids, pos = pack_rows(rows, [0] * len(rows), device)
+        self.runner.forward(ids, pos, slots_tensor(seqs, device),
+                            last_index([len(r) for r in rows], device))
+        for q in seqs:
+            self.valid[q.slot] = len(q.tokens)
+
+    @torch.inference_mode()
     def propose(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft k tokens per row. Returns tokens [b, k] and q [b, k, V] (float32)."""
         device = self.runner.device

@@ -13,12 +13,20 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, n_slots: int, kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 tree_len: int = 0):
         shape = (num_layers, n_slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The speculator's branch scratch: [layers, slots, kv_heads, B*K, head_dim], fixed size.
+        tree_shape = (num_layers, n_slots, kv_heads, tree_len, head_dim)
+        self.tree_k = torch.zeros(tree_shape, dtype=dtype, device=device) if tree_len else None
+        self.tree_v = torch.zeros(tree_shape, dtype=dtype, device=device) if tree_len else None
         self.n_slots = n_slots
         self.max_len = max_len
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int):
+        """(k, v, tree_k, tree_v) of layer i; the tree pair is None without a tree region."""
+        if self.tree_k is None:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.tree_k[i], self.tree_v[i]

@@ -26,6 +26,8 @@ class Leader:
         self.eos_ids = eos_ids
         self.n_slots = n_slots
         self.limit = max_len - getattr(loop, "lookahead", 1)
+        if hasattr(loop, "limit"):
+            loop.limit = self.limit
         self.device = device
 
     def generate(self, requests: list[Request], on_event: EventFn | None = None) -> list[Output]:
@@ -54,6 +56,9 @@ class Leader:
                 if hasattr(self.loop, "release"):
                     self.loop.release(q)
             active = [q for q in active if not q.finished]
+        if hasattr(self.loop, "batch_metrics"):  # e.g. the speculator's idle fraction
+            for o in outputs.values():
+                o.metrics.update(self.loop.batch_metrics())
         return [outputs[r.index] for r in requests]
 
     def _after(self, seqs, before, on_event) -> None:

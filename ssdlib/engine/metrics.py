@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from ssdlib.speculative.acceptance import QKind
+
+FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random"}
+
 
 def record_acceptance(seqs, outcome: VerifyOutcome, k: int) -> None:
     mask = outcome.accepted_mask.tolist()
@@ -16,9 +20,34 @@ def record_acceptance(seqs, outcome: VerifyOutcome, k: int) -> None:
 
 
 def finalize_acceptance_metrics(m: dict) -> None:
-    """Derived per-output metrics: acceptance rate a_p, mean accepted length per round."""
+    """Derived per-output metrics: acceptance rate a_p, mean accepted length per round; SSD's
+    hit rates and idle fractions."""
+    finalize_ssd_metrics(m)
     if m.get("drafted"):
         m["acceptance_rate"] = m["accepted"] / m["drafted"]
         m["mean_accepted"] = m["accepted"] / m["rounds"]
         m["tokens_per_round"] = (m["accepted"] + m["rounds"]) / m["rounds"]
         m["acceptance_by_pos"] = [a / m["rounds"] for a in m["accepted_by_pos"]]
+
+
+def record_lookup(m: dict, k: int, hit: bool, kind: int) -> None:
+    """SSD: the speculation answering outcome k came from the cache (hit) or a fallback."""
+    m["lookups"] = m.get("lookups", 0) + 1
+    m["hits"] = m.get("hits", 0) + int(hit)
+    by_k = m.setdefault("lookups_by_k", {})
+    entry = by_k.setdefault(str(k), [0, 0])
+    entry[0] += 1
+    entry[1] += int(hit)
+    if not hit:
+        fb = m.setdefault("fallbacks", {})
+        name = FALLBACK_NAMES.get(kind, "other")
+        fb[name] = fb.get(name, 0) + 1
+
+
+def finalize_ssd_metrics(m: dict) -> None:
+    if m.get("lookups"):
+        m["hit_rate"] = m["hits"] / m["lookups"]
+        m["hit_rate_by_k"] = {k: h / n for k, (n, h) in sorted(m["lookups_by_k"].items()) if n}
+    if "wait_s" in m:
+        busy = m.get("verify_s", 0.0)
+        m["verifier_idle_frac"] = m["wait_s"] / (m["wait_s"] + busy) if m["wait_s"] + busy else 0.0

@@ -15,7 +15,7 @@ POSITION_SLACK = 64
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
-                 dtype: torch.dtype, n_slots: int, max_len: int):
+                 dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0):
         config = checkpoint.config
         self.config = config
         self.device = device
@@ -28,7 +28,7 @@ class ModelRunner:
         model.load_weights(checkpoint.weights)
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache(config.num_hidden_layers, n_slots, model.kv_heads_local, alloc,
-                             config.head_dim, dtype, device)
+                             config.head_dim, dtype, device, tree_len)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -36,3 +36,12 @@ class ModelRunner:
         """input_ids/positions: [b, s]; slots: [b] -> logits [b, s or n, V] (float32)."""
         meta = AttentionMetadata.build(positions, slots)
         return self.model(input_ids, self.cache, meta, logits_index).float()
+
+    @torch.inference_mode()
+    def tree_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     tree_index: torch.Tensor, kv_len: int, tree_len: int,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """One tree-decode step: input_ids/positions/tree_index [b, s] (s = branches),
+        mask [b, 1, s, kv_len + tree_len] -> logits [b, s, V] (float32)."""
+        meta = AttentionMetadata(positions, slots, kv_len, mask, None, tree_index, tree_len)
+        return self.model(input_ids, self.cache, meta).float()

@@ -23,6 +23,11 @@ class AttentionMetadata:
     kv_len: int  # keys [0, kv_len) are read; >= max(positions) + 1
     mask: torch.Tensor  # [b, 1, s, kv_len] bool, True = may attend
     slot_start: int | None = None  # rows use slots slot_start.. contiguously (no gather needed)
+    # Tree-decode mode (speculator branches): new K/V go to the tree scratch region at
+    # tree_index [b, s] instead of the slot; keys = slot [0, kv_len) ++ tree [0, tree_len);
+    # mask is then [b, 1, s, kv_len + tree_len].
+    tree_index: torch.Tensor | None = None
+    tree_len: int = 0
 
     @classmethod
     def build(cls, positions: torch.Tensor, slots: torch.Tensor) -> "AttentionMetadata":
@@ -43,10 +48,21 @@ class CachedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [b, s, hq, hd]; k, v: [b, s, hkv, hd]; caches [slots, hkv, L, hd] -> [b, s, hq*hd]."""
+                meta: AttentionMetadata, tree_k: torch.Tensor | None = None,
+                tree_v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [b, s, hq, hd]; k, v: [b, s, hkv, hd]; caches [slots, hkv, L, hd] -> [b, s, hq*hd].
+
+        In tree mode the slot is read-only; tree_k/tree_v [slots, hkv, T, hd] receive the new K/V.
+        """
         b, s = q.shape[:2]
+        if k_cache is None:  # training / scoring: plain causal attention over these tokens
+            out = nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            return out.transpose(1, 2).reshape(b, s, -1)
         rows = meta.slots.view(-1, 1)
+        if meta.tree_index is not None:
+            return self._tree(q, k, v, k_cache, v_cache, tree_k, tree_v, meta)
         k_cache[rows, :, meta.positions] = k
         v_cache[rows, :, meta.positions] = v
         if meta.slot_start is not None:
@@ -58,4 +74,19 @@ class CachedAttention(nn.Module):
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads)  # [b, hq, s, hd]
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _tree(self, q, k, v, k_cache, v_cache, tree_k, tree_v, meta):
+        b, s = q.shape[:2]
+        rows = meta.slots.view(-1, 1)
+        tree_k[rows, :, meta.tree_index] = k
+        tree_v[rows, :, meta.tree_index] = v
+        # shared prefix and the row's branch tokens, one softmax over both (concatenated keys)
+        keys = torch.cat([k_cache[meta.slots, :, :meta.kv_len],
+                          tree_k[meta.slots, :, :meta.tree_len]], dim=2)
+        values = torch.cat([v_cache[meta.slots, :, :meta.kv_len],
+                            tree_v[meta.slots, :, :meta.tree_len]], dim=2)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(b, s, -1)

@@ -47,13 +47,13 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = CachedAttention(self.q_local, self.kv_local, hd)
 
-    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, tree_k=None, tree_v=None):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.q_local, self.head_dim)
         k = self.k_proj(x).view(b, s, self.kv_local, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_local, self.head_dim)
         q, k = self.rotary(meta.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, k_cache, v_cache, meta))
+        return self.o_proj(self.attn(q, k, v, k_cache, v_cache, meta, tree_k, tree_v))
 
 
 class LlamaMLP(nn.Module):
@@ -79,8 +79,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp_group)
 
-    def forward(self, x, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta)
+    def forward(self, x, k_cache, v_cache, meta, tree_k=None, tree_v=None):
+        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta, tree_k, tree_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -97,7 +97,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, kv_cache, meta):
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_cache.k[i], kv_cache.v[i], meta)
+            if kv_cache is None:
+                x = layer(x, None, None, meta)
+            else:
+                k, v, tree_k, tree_v = kv_cache.layer(i)
+                x = layer(x, k, v, meta, tree_k, tree_v)
         return self.norm(x)
 
 
@@ -121,6 +125,13 @@ class LlamaForCausalLM(nn.Module):
         if logits_index is not None:
             hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return self.lm_head(hidden)
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal forward (training, scoring): input_ids [b, s] -> logits [b, s, V]."""
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        meta = AttentionMetadata(positions, None, s, None)
+        return self.lm_head(self.model(input_ids, None, meta))
 
     def load_weights(self, weights) -> None:
         """Each parallel layer reads its own shard of its HF-named tensor."""

@@ -1,0 +1,56 @@
+"""Command-line flags shared by ``ssdlib.generate``, ``ssdlib.chat`` and tools/batch_generate.py.
+
+Flag names match ``Generator``'s and ``SamplingParams``' keyword names.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ssdlib.sampling import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models and layout")
+    g.add_argument("--target", default="smollm2-135m",
+                   help="target: HF dir, .gguf file or named default (default: smollm2-135m)")
+    g.add_argument("--draft", default=None, help="draft model for --mode sd/ssd")
+    g.add_argument("--mode", default="ar", choices=["ar", "sd", "ssd"])
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel verifier ranks")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
+    s = p.add_argument_group("speculation")
+    s.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    s.add_argument("--fan-out", default="auto",
+                   help="'auto' (Thm 12), a list like 8,5,3,2,1,4 (K+1 entries), or all-accepted:N")
+    s.add_argument("--fan-out-budget", type=int, default=16, help="cache budget B for --fan-out auto")
+    s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1]")
+    s.add_argument("--fallback", default="auto", choices=["auto", "jit", "ngram", "random"])
+    s.add_argument("--draft-placement", default="leader", choices=["leader", "separate"])
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
+                dtype=a.dtype, k=a.k, fan_out=a.fan_out, fan_out_budget=a.fan_out_budget,
+                saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
+                max_batch=a.max_batch, max_len=a.max_len)
+
+
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                          top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=list(a.stop),
+                          ignore_eos=a.ignore_eos)

@@ -1,0 +1,347 @@
+"""The speculator rank of SSD (Algorithm 1): the draft model, the speculation cache, fallbacks.
+
+Loop: receive an outcome -> answer at once from the cache (hit) or from a fallback (miss) ->
+send the speculation -> *while the verifier verifies it*, build the cache for its likely outcomes
+-> receive the next outcome.
+
+Building the cache for a speculation s_1..s_K of a row with n committed tokens:
+1. one draft forward over the tokens the draft has not committed yet plus s_1..s_K gives the
+   draft's distributions at the K+1 positions (and leaves their KV in the row's slot);
+2. outcomes: at position k < K the top-F_k draft tokens other than s_{k+1} (the bonus after a
+   rejection at k+1 cannot be s_{k+1}), at k = K the top-F_K; B = sum F_k branches per row;
+3. K tree-decode steps draft every branch at once: branch (k, t) holds t at position n+k, then its
+   own tokens; it attends to the slot's first n+k keys and to its own earlier branch tokens
+   (tree mask), its KV goes to the tree scratch region, never to the slot.
+Draft tokens are sampled from Saguaro's sigma_{F,C} of the draft distribution (F = the fan-out
+of the position being drafted); that exact q goes to the verifier with the tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ssdlib.engine.batching import pack_rows
+from ssdlib.engine.drafter import Drafter
+from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine.protocol import OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN, SpecLink
+from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.errors import ConfigError
+from ssdlib.loading import load_checkpoint
+from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.log import get_logger
+from ssdlib.ops.tree_mask import tree_mask
+from ssdlib.sampling import SamplingParams, row_generators, target_probs
+from ssdlib.speculative.acceptance import QKind
+from ssdlib.speculative.fallback import choose_fallback
+from ssdlib.speculative.fanout import FanoutEstimator, parse_fanout
+from ssdlib.speculative.ngram import ngram_or_random
+from ssdlib.speculative.rng import sample_token
+from ssdlib.speculative.saguaro import saguaro_q
+
+log = get_logger(__name__)
+
+# Salt that separates the speculator's random streams from the verifier's for the same seed.
+SPEC_STREAM = 7_777_777
+
+
+class SpecRow:
+    """The speculator's mirror of one sequence of the static batch."""
+
+    def __init__(self, slot: int, tokens: list[int], params: SamplingParams, index: int,
+                 device: torch.device):
+        self.slot = slot
+        self.tokens = tokens  # committed
+        self.params = params
+        self.generator = row_generators(params.seed, 1, device, offset=SPEC_STREAM + index)[0]
+        self.active = True
+        self.valid = 0  # leading committed tokens whose draft KV in the slot is correct
+        self.sent: list[int] | None = None  # the speculation in flight
+        self.fed = False  # the speculation's tokens are in the slot (cache was built)
+        self.kind = int(QKind.DENSE)
+
+
+class Speculator:
+    def __init__(self, cfg, runner: ModelRunner, link: SpecLink, vocab_size: int):
+        self.cfg = cfg
+        self.K = cfg.k
+        self.runner = runner
+        self.link = link
+        self.V = vocab_size
+        self.device = runner.device
+        fan = parse_fanout(cfg.fan_out, self.K)
+        self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
+        self.fixed_fanout = None if fan == "auto" else fan
+        self.B = sum(self.fanout())
+        self.cache = SpeculationCache(cfg.max_batch, self.B, self.K, vocab_size, self.device)
+        self.drafter = Drafter(runner, vocab_size)
+        self.rows: list[SpecRow] = []
+        self.sampling = False
+        self.stats = {"idle_s": 0.0, "busy_s": 0.0}
+        # measured costs for the fallback policy, in seconds
+        self.t_jit: float | None = None
+        self.t_round: float | None = None
+        self.hits = 0
+        self.lookups = 0
+        self.fallback_counts: dict[str, int] = {}
+        self._fanout_used = self.fanout()
+
+    def fanout(self) -> list[int]:
+        return self.fixed_fanout if self.fixed_fanout is not None else self.estimator.allocation()
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        t_sent = None
+        while True:
+            t0 = time.perf_counter()
+            op, b, n, sampling = self.link.recv_header()
+            t1 = time.perf_counter()
+            self.stats["idle_s"] += t1 - t0
+            if t_sent is not None:
+                self.t_round = t1 - t_sent  # a verify round as seen from here
+            if op == OP_SHUTDOWN:
+                return
+            if op == OP_ADMIT:
+                self.admit(b, n, bool(sampling))
+                t_sent = None
+            elif op == OP_OUTCOME:
+                outcome = self.link.recv_outcome(b)
+                if self.apply_outcome(outcome):
+                    t_sent = time.perf_counter()
+                    self.build_cache()
+                else:
+                    self.send_final()
+                    t_sent = None
+            else:
+                raise RuntimeError(f"speculator: unknown op {op}")
+            self.stats["busy_s"] += time.perf_counter() - t1
+
+    def admit(self, b: int, n_tokens: int, sampling: bool) -> None:
+        rows, params, tokens = self.link.recv_admit(b, n_tokens)
+        self.sampling = sampling
+        self.cache.clear()
+        self.stats = {"idle_s": 0.0, "busy_s": 0.0}
+        self.hits = self.lookups = 0
+        self.rows = []
+        offset = 0
+        for (slot, length, index, seed), (temp, top_p, top_k) in zip(rows.tolist(),
+                                                                     params.tolist()):
+            sp = SamplingParams(temperature=temp, top_p=top_p, top_k=int(top_k),
+                                seed=None if seed < 0 else seed)
+            self.rows.append(SpecRow(slot, tokens[offset:offset + length].tolist(), sp, index,
+                                     self.device))
+            offset += length
+        # draft prefill (overlaps the target's prefill on the verifier)
+        self.drafter.prefill(self.rows)
+        for r in self.rows:
+            r.valid = len(r.tokens)
+
+    # -- answering an outcome -------------------------------------------------------------
+    def apply_outcome(self, outcome: torch.Tensor) -> bool:
+        """Commit each row's outcome, answer with the next speculation; False if none is active."""
+        live, ks, bonus = [], [], []
+        for i, (row, (k, t, active)) in enumerate(zip(self.rows, outcome.tolist())):
+            if not active:
+                row.active = False
+                continue
+            n = len(row.tokens)
+            if row.sent is not None:
+                row.tokens += row.sent[:k] + [t]
+                if row.fed:
+                    row.valid = n + k
+                if self.estimator is not None:
+                    self.estimator.observe_verify([k], [self.K])
+            else:
+                row.tokens.append(t)
+            live.append(i)
+            ks.append(k)
+            bonus.append(t)
+        if not live:
+            return False
+        rows_t = torch.tensor(live, dtype=torch.int64)
+        hit, branch = self.cache.lookup(rows_t, torch.tensor(ks), torch.tensor(bonus))
+        hit = hit.cpu()
+        # rows whose cache was built (not the first round of a batch) count as lookups
+        built = [self.rows[i].fed for i in live]
+        hs = [bool(h) for h, f in zip(hit.tolist(), built) if f]
+        self.lookups += len(hs)
+        self.hits += sum(hs)
+        if self.estimator is not None and hs:
+            fan = self._fanout_used
+            self.estimator.observe_lookups([fan[k] for k, f in zip(ks, built) if f], hs)
+        tokens = torch.zeros(len(live), self.K, dtype=torch.int64)
+        kinds = torch.full((len(live),), int(QKind.DENSE), dtype=torch.int64)
+        q = torch.zeros(len(live), self.K, self.V, device=self.device) if self.sampling else None
+        if bool(hit.any()):
+            idx = hit.nonzero().squeeze(-1)
+            rows_h, br = rows_t[idx].to(self.device), branch[idx.to(branch.device)]
+            tokens[idx] = self.cache.tokens[rows_h, br].cpu()
+            if q is not None:
+                q[idx.to(self.device)] = self.cache.q[rows_h, br]
+        missed = [j for j in range(len(live)) if not hit[j]]
+        if missed:
+            self._fallback([live[j] for j in missed], missed, tokens, kinds, q)
+        for j, i in enumerate(live):
+            self.rows[i].sent = tokens[j].tolist()
+            self.rows[i].fed = False
+            self.rows[i].kind = int(kinds[j])
+        full_tokens, full_kinds, full_hit = self._scatter(live, tokens, kinds, hit)
+        full_q = None
+        if q is not None:
+            full_q = torch.zeros(len(self.rows), self.K, self.V, device=self.device)
+            full_q[torch.tensor(live, device=self.device)] = q
+        self.link.send_spec(full_tokens.to(self.device), full_kinds.to(self.device),
+                            full_hit.to(self.device), full_q)
+        return True
+
+    def _scatter(self, live, tokens, kinds, hit):
+        n = len(self.rows)
+        ft = torch.zeros(n, self.K, dtype=torch.int64)
+        fk = torch.zeros(n, dtype=torch.int64)
+        fh = torch.zeros(n, dtype=torch.bool)
+        idx = torch.tensor(live)
+        ft[idx], fk[idx], fh[idx] = tokens, kinds, hit
+        return ft, fk, fh
+
+    def choose_fallback(self, n_missed: int) -> str:
+        if self.cfg.fallback != "auto":
+            return self.cfg.fallback
+        if self.t_jit is None or not self.t_round or self.lookups < 8:
+            return "jit"
+        p_hit = self.hits / max(1, self.lookups)
+        a_p = self.estimator.a_p if self.estimator is not None else 0.7
+        active = sum(r.active for r in self.rows)
+        return choose_fallback(active, p_hit, a_p, self.K, self.t_jit / self.t_round,
+                               0.0, 0.2)
+
+    def _fallback(self, row_ids, local, tokens, kinds, q) -> None:
+        rows = [self.rows[i] for i in row_ids]
+        kind = self.choose_fallback(len(rows))
+        loc = torch.tensor(local)
+        if kind == "jit":
+            t0 = time.perf_counter()
+            for r in rows:
+                self.drafter.valid[r.slot] = r.valid
+            toks, qs = self.drafter.propose(rows, self.K)
+            for r in rows:
+                r.valid = len(r.tokens)  # the drafted tokens' KV is speculative
+            self.t_jit = time.perf_counter() - t0
+            tokens[loc] = toks.cpu()
+            kinds[loc] = int(QKind.DENSE)
+            if q is not None:
+                q[loc.to(self.device)] = qs.to(q.dtype)
+        else:
+            gens = [r.generator for r in rows]
+            if kind == "ngram":
+                toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
+            else:
+                u = torch.stack([torch.rand(self.K, dtype=torch.float64, generator=g,
+                                            device=g.device).cpu() for g in gens])
+                toks = (u * self.V).long().clamp(max=self.V - 1)
+                dq = None
+            tokens[loc] = toks
+            kinds[loc] = (dq.kinds.cpu() if dq is not None
+                          else torch.full((len(rows),), int(QKind.UNIFORM)))
+        self.fallback_counts[kind] = self.fallback_counts.get(kind, 0) + len(rows)
+
+    def send_final(self) -> None:
+        """After the last outcome of a batch: the speculator's own counters to the leader."""
+        self.link.send_stats(torch.tensor([self.stats["idle_s"], self.stats["busy_s"],
+                                           float(self.hits), float(self.lookups)],
+                                          dtype=torch.float64))
+
+    # -- building the cache ---------------------------------------------------------------
+    @torch.inference_mode()
+    def build_cache(self) -> None:
+        live = [i for i, r in enumerate(self.rows) if r.active]
+        rows = [self.rows[i] for i in live]
+        K, B, dev = self.K, self.B, self.device
+        fan = self.fanout()
+        self._fanout_used = fan
+        # 1. the draft's distributions at the speculation's K+1 positions
+        # (at least the last committed token is fed: its output is the dist at position 1)
+        starts = [min(r.valid, len(r.tokens) - 1) for r in rows]
+        inputs = [r.tokens[st:] + r.sent for r, st in zip(rows, starts)]
+        ids, pos = pack_rows(inputs, starts, dev)
+        index = torch.tensor([[len(x) - K - 1 + j for j in range(K + 1)] for x in inputs],
+                             device=dev)
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))  # [b, K+1, V]
+        for r in rows:
+            r.fed = True
+        # 2. outcomes to cache: (fork k, bonus t) per branch
+        sent = torch.tensor([r.sent for r in rows], device=dev)  # [b, K]
+        forks, bonus = [], []
+        for k, f in enumerate(fan):
+            if f == 0:
+                continue
+            f_eff = min(f, self.V - (1 if k < K else 0))
+            top = logits[:, k].topk(min(f_eff + 1, self.V), dim=-1).indices  # [b, f+1]
+            if k < K:
+                keep = top != sent[:, k:k + 1]
+                # drop s_{k+1} if present, else the last candidate: f tokens per row
+                order = torch.argsort((~keep).int(), dim=-1, stable=True)[:, :f_eff]
+                top = top.gather(1, order)
+            else:
+                top = top[:, :f_eff]
+            if f_eff < f:  # tiny vocabularies: repeat the last candidate (a duplicate never hits twice)
+                top = torch.cat([top, top[:, -1:].expand(-1, f - f_eff)], dim=1)
+            forks.append(torch.full_like(top, k))
+            bonus.append(top)
+        fork = torch.cat(forks, 1)  # [b, B]
+        first = torch.cat(bonus, 1)  # [b, B]
+        # 3. K tree-decode steps over all branches of all rows
+        n = torch.tensor([len(r.tokens) for r in rows], device=dev)  # committed lengths
+        kv_len = int(n.max()) + K
+        key_pos = torch.arange(kv_len, device=dev)
+        slot_mask = key_pos.view(1, 1, -1) < (n.view(-1, 1, 1) + fork.unsqueeze(-1))  # [b, B, L]
+        fan_t = torch.tensor(fan, device=dev)
+        tok = first
+        out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
+        rows_t = torch.tensor(live, device=dev)
+        for d in range(K):
+            tree = tree_mask(fork, K, d)[..., K:]  # [b, B, B*(d+1)]
+            mask = torch.cat([slot_mask, tree.to(dev)], dim=-1).unsqueeze(1)
+            positions = n.view(-1, 1) + fork + d
+            tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
+            lg = self.drafter._logits(self.runner.tree_forward(
+                tok, positions, slots, tree_index, kv_len, B * (d + 1), mask))  # [b, B, V]
+            tok = self._sample_branches(lg, rows, fan_t[d] if d < len(fan) else 0,
+                                        rows_t, d)
+            out_tokens[:, :, d] = tok
+        self.cache.tokens[rows_t] = out_tokens
+        self.cache.store_keys(rows_t, fork, first)
+
+    def _sample_branches(self, logits, rows, f, rows_t, depth) -> torch.Tensor:
+        """logits [b, B, V] -> next token per branch; records q in the cache when sampling."""
+        out = logits.argmax(-1)
+        if not self.sampling:
+            return out
+        q_all = torch.zeros_like(logits)
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.greedy:
+                q_all[i].scatter_(-1, out[i].unsqueeze(-1), 1.0)
+                continue
+            probs = target_probs(logits[i], p.temperature, p.top_k, p.top_p)
+            q = saguaro_q(probs, int(f), self.cfg.saguaro_c)
+            out[i] = sample_token(q, [r.generator] * q.shape[0])
+            q_all[i] = q
+        self.cache.q[rows_t, :, depth] = q_all
+        return out
+
+
+def serve_speculator(cfg, world, target_ck) -> None:
+    """Body of the speculator rank."""
+    if cfg.draft is None:
+        raise ConfigError("--mode ssd needs --draft")
+    draft_ck = load_checkpoint(cfg.draft)
+    check_draft_compatible(target_ck, draft_ck)
+    fan = parse_fanout(cfg.fan_out, cfg.k)
+    budget = cfg.fan_out_budget if fan == "auto" else sum(fan)
+    runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
+                         cfg.max_len + cfg.k + 2, tree_len=budget * cfg.k)
+    link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
+                    target_ck.config.vocab_size)
+    Speculator(cfg, runner, link, target_ck.config.vocab_size).run()

@@ -1,0 +1,110 @@
+"""``python -m ssdlib.generate`` / ``torchrun --nproc_per_node N -m ssdlib.generate``.
+
+Generates for one or more prompts, streams text to stdout (one prompt) or prints each answer,
+and optionally writes JSONL records (--output) and a metrics JSON (--metrics-json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from ssdlib.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from ssdlib.errors import ConfigError, RankFailure, SSDError
+from ssdlib.jsonl import read_prompts_file, write_jsonl_atomic
+from ssdlib.log import setup_logging
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ssdlib.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", default=None,
+                   help="prompts: .jsonl (prompt / messages / prompt_ids per line) or text lines")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--output", default=None, help="write one JSON record per prompt here")
+    p.add_argument("--metrics-json", default=None, help="write run metrics here")
+    p.add_argument("--no-stream", action="store_true", help="print answers when complete")
+    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p.parse_args(argv)
+
+
+def machine_info(args) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "host": platform.node(), "cpu_count": os.cpu_count()}
+    if args.device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def run(args) -> int:
+    from ssdlib.generator import Generator
+
+    params = sampling_params(args)
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    with Generator(log_level=args.log_level, **engine_kwargs(args)) as gen:
+        if not gen.is_leader:
+            return 0
+        stream = len(prompts) == 1 and not args.no_stream
+        on_text = (lambda i, d: (sys.stdout.write(d), sys.stdout.flush())) if stream else None
+        outputs = gen.generate(prompts, params, chat=args.chat, on_text=on_text)
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            for o in outputs:
+                sys.stdout.write(f"--- [{o.index}] ---\n{o.text}\n")
+        run_m = gen.last_run_metrics
+    m = run_m
+    sys.stderr.write(f"[ssdlib] mode={args.mode} tokens={m['tokens']} "
+                     f"decode_tok_s={m['decode_tok_s']:.1f}"
+                     + (f" acceptance_rate={m['acceptance_rate']:.3f}"
+                        if "acceptance_rate" in m else "")
+                     + (f" hit_rate={m['hit_rate']:.3f}" if "hit_rate" in m else "") + "\n")
+    if args.output:
+        write_jsonl_atomic(args.output, [
+            {"id": o.index, "text": o.text, "token_ids": o.token_ids,
+             "finish_reason": o.finish_reason, "metrics": o.metrics} for o in outputs])
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as f:
+            json.dump({"run": run_m, "outputs": [o.metrics for o in outputs],
+                       "args": vars(args), "machine": machine_info(args),
+                       "command": " ".join(sys.argv)}, f, indent=2)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return run(args)
+    except SSDError as e:
+        if args.debug:
+            raise
+        kind = "error" if not isinstance(e, RankFailure) else "rank failure"
+        first = str(e).strip().splitlines()
+        msg = first[0] if first else type(e).__name__
+        sys.stderr.write(f"ssdlib {kind}: {msg}\n")
+        if isinstance(e, RankFailure) and len(first) > 1:
+            sys.stderr.write("  (run with --debug for the full traceback)\n")
+        return 2 if isinstance(e, ConfigError) or not isinstance(e, RankFailure) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Which backup speculator to run on a cache miss (SSD paper Sec. 4.3, Thm 7, Cor 16, Thm 17).
+
+Round model (Thm 7; times in units of one verifier forward). Every round costs one verification.
+On a hit the next speculation is already cached -- it was drafted during the verification, taking
+T_p -- so the round lasts max(1, T_p). On a miss a backup must first produce a speculation:
+1 + T_b. A round commits the accepted tokens plus the bonus token; with per-token acceptance a
+over K draft tokens, P(at least i accepted) = a^i, so
+
+    E[tokens] = sum_{i=0..K} a^i = (1 - a^(K+1)) / (1 - a)        (K + 1 at a = 1).
+
+AR makes one token per forward, so  speedup = E[tokens per round] / E[time per round]:
+
+    speedup = [p E_hit + (1 - p) E_miss] / [p max(1, T_p) + (1 - p) (1 + T_b)].
+
+Batch b (Cor 16, Thm 17): the whole batch waits for the backup as soon as one row misses, so with
+independent rows the round is miss-free with probability p^b, which replaces p in the time term.
+Backups: the primary draft just in time ("jit": T_b = t_jit, acceptance a_p), an n-gram / suffix
+speculator (t_ngram ~ 0, a_ngram), random tokens (t_random ~ 0, acceptance ~ 0: the bonus only).
+The accurate backup wins at small b, a fast one above a critical batch size b*.
+
+The paper also puts p^b into the token term, as if every row of a missed round were redrafted by
+the backup; ssdlib runs the backup only on the rows that missed, so the rows that hit still commit
+E_hit and the token term keeps the per-row p. ``per_row_fallback=False`` gives the paper's form.
+With x = p^b the comparison of two backups is then linear in x, and at x = 1 the backup with the
+higher acceptance wins, so the preferred backup switches at most once as b grows and b* is well
+defined. (In the paper's form the comparison is quadratic in x and can switch back; b* is then
+the first switch.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from ssdlib.errors import ConfigError
+
+Fallback = Literal["jit", "ngram", "random"]
+FALLBACKS: tuple[Fallback, ...] = ("jit", "ngram", "random")  # also the tie-break order
+
+
+def _check_prob(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_time(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite time >= 0 (in verifier forwards), "
+                          f"got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: int, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def expected_tokens(a: float, K: int) -> float:
+    """Expected tokens committed per round, (1 - a^(K+1)) / (1 - a), acceptance a over K tokens."""
+    a, K = _check_prob("acceptance", a), _check_int("K", K, 0)
+    return K + 1.0 if a == 1.0 else (1.0 - a ** (K + 1)) / (1.0 - a)
+
+
+def batch_hit_rate(p_hit: float, batch_size: int) -> float:
+    """Probability that no row of a batch misses, p_hit^b (Cor 16)."""
+    return _check_prob("p_hit", p_hit) ** _check_int("batch_size", batch_size, 1)
+
+
+def expected_speedup(p_hit: float, e_hit: float, e_miss: float, t_p: float, t_b: float,
+                     p_round: float | None = None) -> float:
+    """Thm 7: [p E_hit + (1 - p) E_miss] / [p' max(1, T_p) + (1 - p') (1 + T_b)], speedup over AR.
+
+    p' = ``p_round``, the probability that the round needs no backup (default p_hit, i.e. b = 1).
+    """
+    p = _check_prob("p_hit", p_hit)
+    pr = p if p_round is None else _check_prob("p_round", p_round)
+    for name, e in (("e_hit", e_hit), ("e_miss", e_miss)):
+        if not isinstance(e, (int, float)) or not math.isfinite(e) or e < 1:
+            raise ConfigError(f"{name} must be >= 1 token per round, got {e!r}")
+    t_p, t_b = _check_time("t_p", t_p), _check_time("t_b", t_b)
+    tokens = p * e_hit + (1.0 - p) * e_miss
+    time = pr * max(1.0, t_p) + (1.0 - pr) * (1.0 + t_b)
+    return tokens / time
+
+
+def fallback_speedups(batch_size: int, p_hit: float, a_p: float, K: int, t_jit: float,
+                      t_ngram: float, a_ngram: float, *, t_p: float | None = None,
+                      t_random: float = 0.0, a_random: float = 0.0,
+                      per_row_fallback: bool = True) -> dict[Fallback, float]:
+    """Expected speedup over AR with each backup at this batch size (Thm 17).
+
+    t_p: the primary draft's time for K tokens on the hit path (default t_jit).
+    """
+    x = batch_hit_rate(p_hit, batch_size)
+    t_p = t_jit if t_p is None else t_p
+    e_hit = expected_tokens(a_p, K)
+    backups = {"jit": (t_jit, a_p), "ngram": (t_ngram, a_ngram), "random": (t_random, a_random)}
+    out: dict[Fallback, float] = {}
+    for name, (t_b, a_b) in backups.items():
+        p_tokens = p_hit if per_row_fallback else x
+        out[name] = expected_speedup(p_tokens, e_hit, expected_tokens(a_b, K), t_p, t_b,
+                                     p_round=x)
+    return out
+
+
+def choose_fallback(batch_size: int, p_hit: float, a_p: float, K: int, t_jit: float,
+                    t_ngram: float, a_ngram: float, **kwargs: float | bool) -> Fallback:
+    """The backup with the highest expected speedup (ties: jit, then ngram, then random).
+    Keyword arguments as in :func:`fallback_speedups`."""
+    speedups = fallback_speedups(batch_size, p_hit, a_p, K, t_jit, t_ngram, a_ngram, **kwargs)
+    return max(FALLBACKS, key=lambda name: (speedups[name], -FALLBACKS.index(name)))
+
+
+def critical_batch_size(p_hit: float, a_p: float, K: int, t_jit: float, t_ngram: float,
+                        a_ngram: float, *, max_batch: int = 4096,
+                        **kwargs: float | bool) -> int | None:
+    """b*: the smallest batch size at which a fast backup beats just-in-time drafting, or None if
+    jit stays best up to ``max_batch``. Arguments as in :func:`choose_fallback`."""
+    _check_int("max_batch", max_batch, 1)
+    for b in range(1, max_batch + 1):
+        if choose_fallback(b, p_hit, a_p, K, t_jit, t_ngram, a_ngram, **kwargs) != "jit":
+            return b
+        if batch_hit_rate(p_hit, b) in (0.0, 1.0):
+            break  # p^b no longer changes with b, so neither does the choice
+    return None

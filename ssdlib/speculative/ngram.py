@@ -1,0 +1,74 @@
+"""Cheap backup speculators: suffix n-gram (prompt lookup) and random tokens.
+
+Both declare the q their tokens come from, so the verifier's rule stays exact: an n-gram proposal
+is a deterministic function of the sequence so far (q one-hot on the proposed token,
+:attr:`QKind.ONEHOT`); random tokens are uniform over the vocabulary (:attr:`QKind.UNIFORM`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ssdlib.errors import ConfigError
+from ssdlib.speculative.acceptance import DraftQ, QKind
+from ssdlib.speculative.rng import Generators, uniforms
+
+NGRAM_Q = QKind.ONEHOT
+RANDOM_Q = QKind.UNIFORM
+
+
+def propose_ngram(tokens: Sequence[int] | torch.Tensor, K: int, max_ngram: int = 3,
+                  min_ngram: int = 1) -> list[int] | None:
+    """Up to K tokens predicted by copying what followed the most recent earlier occurrence of the
+    longest suffix n-gram (n from max_ngram down to min_ngram); None if no suffix recurs.
+
+    The proposal always has K tokens: when the copy reaches the end of the sequence it continues
+    from the proposal itself (LZ77-style overlapping copy), i.e. the matched stretch is assumed to
+    repeat -- exactly right for the loops n-gram lookup is good at.
+    """
+    if isinstance(K, bool) or not isinstance(K, int) or K < 0:
+        raise ConfigError(f"K must be an integer >= 0, got {K!r}")
+    if not 1 <= min_ngram <= max_ngram:
+        raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    seq = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
+    L = seq.numel()
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        # windows starting at j = 0..L-n-1: all earlier than the suffix, each followed by a token
+        windows = seq[:L - 1].unfold(0, n, 1)                      # [L-n, n]
+        found = (windows == seq[L - n:]).all(-1).nonzero()
+        if found.numel():
+            start = int(found[-1]) + n                             # first copied position
+            proposal = seq[start:start + K].tolist()
+            for i in range(len(proposal), K):
+                proposal.append(proposal[start + i - L])           # = (seq + proposal)[start + i]
+            return proposal
+    return None
+
+
+def propose_random(vocab_size: int, K: int, generator: torch.Generator | None = None) -> list[int]:
+    """K tokens drawn uniformly from [0, vocab_size)."""
+    if vocab_size < 1 or K < 0:
+        raise ConfigError(f"need vocab_size >= 1 and K >= 0, got {vocab_size}, {K}")
+    return torch.randint(vocab_size, (K,), generator=generator,
+                         device=generator.device if generator is not None else "cpu").tolist()
+
+
+def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, vocab_size: int,
+                    generators: Generators = None, max_ngram: int = 3,
+                    min_ngram: int = 1) -> tuple[torch.Tensor, DraftQ]:
+    """Batch backup: the n-gram proposal where a suffix recurs, random tokens elsewhere.
+
+    Returns tokens [b, K] int64 and their DraftQ (one-hot / uniform per row). Randomness follows
+    :mod:`ssdlib.speculative.rng` (K uniforms per row, drawn for every row).
+    """
+    b = len(sequences)
+    u = uniforms(generators, b, K)                                 # [b, K]
+    random_rows = (u * vocab_size).long().clamp(max=vocab_size - 1).tolist()
+    tokens, kinds = [], []
+    for seq, fallback in zip(sequences, random_rows):
+        proposal = propose_ngram(seq, K, max_ngram, min_ngram)
+        tokens.append(fallback if proposal is None else proposal)
+        kinds.append(RANDOM_Q if proposal is None else NGRAM_Q)
+    return torch.tensor(tokens, dtype=torch.int64).reshape(b, K), DraftQ.per_row(kinds)

@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+
+# tests import helpers as `tests.tiny`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """A few tiny random checkpoints: target and noisy drafts, written once per session."""
+    from tests.tiny import make_noisy_draft, make_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for name in ("gqa", "llama3_tied", "smol_heads"):
+        out[name] = make_tiny_llama(str(root / name), name, scale=2.0)
+    out["smol_heads_draft"] = make_noisy_draft(out["smol_heads"], str(root / "smol_draft"), 0.03)
+    out["smol_heads_bad_draft"] = make_noisy_draft(out["smol_heads"], str(root / "smol_bad"), 0.5)
+    return out

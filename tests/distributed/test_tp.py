@@ -1,0 +1,53 @@
+"""TP = 2 and 4 give the TP = 1 logits and greedy tokens (ranks spawned here, CPU, gloo)."""
+
+import queue
+import time
+
+import pytest
+import torch
+
+from ssdlib.distributed.launcher import RankGroup
+from ssdlib.errors import RankFailure
+from tests.dist_helpers import failing_rank, tp_logits_rank
+
+
+def tp_logits(path, tp, ids):
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").Queue()
+    ranks = RankGroup(tp, tp_logits_rank, (path, tp, ids, q))
+    logits = ranks.wait(q, timeout_s=120)
+    ranks.join()
+    return logits
+
+
+@pytest.mark.parametrize("name,tp", [("smol_heads", 4), ("gqa", 2)])
+def test_tp_logits_equal_tp1(tiny_dirs, name, tp):
+    from tests.models.test_llama import build, fwd
+
+    ck, m, cache = build(tiny_dirs[name])
+    ids = torch.randint(0, ck.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    ref = fwd(m, cache, ids, [0, 0], [0, 1])
+    out = tp_logits(tiny_dirs[name], tp, ids)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_tp_generate_equals_tp1(tiny_dirs):
+    from ssdlib import Generator, SamplingParams
+
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    with Generator(target=tiny_dirs["smol_heads"], max_len=64) as g:
+        ref = [o.token_ids for o in g.generate(prompts, params)]
+    with Generator(target=tiny_dirs["smol_heads"], tp=2, max_len=64) as g:
+        out = [o.token_ids for o in g.generate(prompts, params)]
+    assert out == ref
+
+
+def test_failing_rank_stops_every_rank_quickly():
+    t0 = time.time()
+    ranks = RankGroup(3, failing_rank, (1,))
+    with pytest.raises(RankFailure, match="boom on purpose"):
+        ranks.wait(queue.Queue(), timeout_s=60)  # nothing arrives: the failure must surface
+    assert time.time() - t0 < 30
+    assert all(not p.is_alive() for p in ranks.procs)

@@ -1,0 +1,140 @@
+"""Verifier rule: greedy against a plain Python loop, DraftQ, and deterministic sampled cases."""
+
+import pytest
+import torch
+
+from ssdlib.sampling import row_generators
+from ssdlib.speculative import DraftQ, QKind, verify_greedy, verify_sampled
+from ssdlib.speculative.rng import sample_categorical, sample_token
+
+
+def greedy_reference(draft, logits, num_draft):
+    """One row at a time, exactly as the rule is stated."""
+    accepted, bonus = [], []
+    for row in range(len(draft)):
+        k = 0
+        while k < num_draft[row] and draft[row][k] == int(logits[row, k].argmax()):
+            k += 1
+        accepted.append(k)
+        bonus.append(int(logits[row, k].argmax()))
+    return accepted, bonus
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_matches_python_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, K, V = 1 + seed % 7, seed % 6, 5
+    logits = torch.randn(b, K + 1, V, generator=g, dtype=torch.float64)
+    best = logits.argmax(-1)[:, :K]
+    # mostly the argmax so that long accepted prefixes happen, sometimes a random token
+    draft = torch.where(torch.rand(b, K, generator=g) < 0.75, best,
+                        torch.randint(V, (b, K), generator=g))
+    num_draft = torch.randint(K + 1, (b,), generator=g)
+    out = verify_greedy(draft, logits, num_draft)
+    ref_k, ref_bonus = greedy_reference(draft.tolist(), logits, num_draft.tolist())
+    assert out.accepted.tolist() == ref_k
+    assert out.bonus.tolist() == ref_bonus
+    assert out.accepted_mask.sum(-1).tolist() == ref_k
+    assert (out.accepted <= out.num_draft).all()
+    for row, toks in enumerate(out.tokens(draft)):
+        assert toks == draft[row, :ref_k[row]].tolist() + [ref_bonus[row]]
+
+
+def test_greedy_ignores_positions_past_num_draft():
+    logits = torch.zeros(2, 4, 6)
+    logits[:, torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0   # argmax 1, 2, 3, 4
+    draft = torch.tensor([[1, 2, -1], [1, 2, 3]])
+    out = verify_greedy(draft, logits, [2, 3])
+    assert out.accepted.tolist() == [2, 3]
+    assert out.bonus.tolist() == [3, 4]
+    assert out.rejected.tolist() == [False, False]
+
+
+def test_greedy_shape_errors():
+    with pytest.raises(ValueError):
+        verify_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError):
+        verify_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, 5), [1, 4])
+
+
+def test_draftq_kinds_and_dense_view():
+    V = 5
+    probs = torch.softmax(torch.randn(3, 2, V, dtype=torch.float64), -1)
+    tokens = torch.tensor([[0, 1], [2, 3], [4, 0]])
+    q = DraftQ.per_row([QKind.DENSE, QKind.ONEHOT, QKind.UNIFORM], probs)
+    dense = q.to_dense(tokens, V)                                   # [3, 2, V]
+    assert torch.allclose(dense[0], probs[0])
+    assert torch.equal(dense[1], torch.nn.functional.one_hot(tokens[1], V).double())
+    assert torch.allclose(dense[2], torch.full((2, V), 1 / V, dtype=torch.float64))
+    expected = dense.gather(-1, tokens[..., None]).squeeze(-1)
+    assert torch.allclose(q.prob_of(tokens, V), expected)
+    with pytest.raises(ValueError):
+        DraftQ.per_row([QKind.DENSE, QKind.ONEHOT])                 # dense row without probs
+
+
+def test_unnormalised_q_is_normalised():
+    probs = torch.tensor([[[2.0, 2.0]]], dtype=torch.float64)       # the row sums to 4
+    q = DraftQ.from_probs(probs)
+    assert q.prob_of(torch.tensor([[0]]), 2).item() == pytest.approx(0.5)
+
+
+def test_sampled_deterministic_cases():
+    V = 4
+    p = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    target = p.expand(6, 3, V).clone()                              # [b=6, K+1=3, V]
+    draft = torch.tensor([[1, 1]] * 3 + [[0, 1]] * 3)
+    q = DraftQ.onehot(6)
+    out = verify_sampled(draft, q, target, generators=torch.Generator().manual_seed(0))
+    # p(1) = 1: always accepted; p(0) = 0: always rejected, and the residual is p without token 0
+    assert out.accepted.tolist() == [2, 2, 2, 0, 0, 0]
+    assert out.bonus.tolist() == [1] * 6
+    # p == q (dense): everything accepted whatever the uniforms
+    dq = DraftQ.from_probs(torch.softmax(torch.randn(5, 3, V, dtype=torch.float64), -1))
+    target = torch.cat([dq.probs, dq.probs[:, :1]], 1)
+    draft = sample_token(dq.probs, torch.Generator().manual_seed(1))
+    out = verify_sampled(draft, dq, target, generators=torch.Generator().manual_seed(2))
+    assert out.accepted.tolist() == [3] * 5
+
+
+def test_sampled_K0_samples_from_target():
+    target = torch.tensor([[[0.0, 0.0, 1.0]]])
+    out = verify_sampled(torch.zeros(1, 0, dtype=torch.long), DraftQ.uniform(1), target)
+    assert out.accepted.tolist() == [0] and out.bonus.tolist() == [2]
+
+
+def test_per_row_generators_make_rows_independent_of_the_batch():
+    g = torch.Generator().manual_seed(0)
+    b, K, V = 6, 3, 7
+    q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
+    p = torch.softmax(torch.randn(b, K + 1, V, generator=g), -1)
+    draft = torch.randint(V, (b, K), generator=g)
+    full = verify_sampled(draft, DraftQ.from_probs(q), p, generators=row_generators(7, b))
+    gens = row_generators(7, b)
+    for row in range(b):
+        sl = slice(row, row + 1)
+        one = verify_sampled(draft[sl], DraftQ.from_probs(q[sl]), p[sl], generators=[gens[row]])
+        assert one.accepted.item() == full.accepted[row].item()
+        assert one.bonus.item() == full.bonus[row].item()
+    with pytest.raises(ValueError):
+        verify_sampled(draft, DraftQ.from_probs(q), p, generators=row_generators(7, b - 1))
+
+
+def test_sample_categorical_never_returns_zero_mass_tokens():
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.0, 0.3, 0.7, 0.0]], dtype=torch.float32)
+    u = torch.tensor([0.0, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    assert sample_categorical(probs, u).tolist() == [1, 2]
+    # u = 1 is outside the contract; it exercises the guard for u * total rounding up to total
+    u = torch.tensor([1.0, 0.2], dtype=torch.float64)
+    assert sample_categorical(probs, u).tolist() == [2, 1]
+
+
+def test_mixed_precision_inputs():
+    """float32 target, bfloat16 q as sent over the wire: runs, and only valid ids come out."""
+    g = torch.Generator().manual_seed(0)
+    b, K, V = 4, 3, 50
+    q = torch.softmax(torch.randn(b, K, V, generator=g), -1).bfloat16()
+    p = torch.softmax(torch.randn(b, K + 1, V, generator=g), -1)
+    draft = sample_token(q.float(), g)
+    out = verify_sampled(draft, DraftQ.from_probs(q), p, [3, 2, 1, 0], g)
+    assert ((out.bonus >= 0) & (out.bonus < V)).all()
+    assert (out.accepted <= torch.tensor([3, 2, 1, 0])).all()

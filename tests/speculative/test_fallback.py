@@ -1,0 +1,93 @@
+"""Thm 7 speedup and the Thm 17 choice of backup speculator."""
+
+import math
+
+import pytest
+
+from ssdlib.errors import ConfigError
+from ssdlib.speculative import (batch_hit_rate, choose_fallback, critical_batch_size,
+                                expected_speedup, expected_tokens, fallback_speedups)
+
+# a typical pairing: good draft (a_p 0.8, K 5) costing half a verification, a weak free n-gram
+BASE = dict(p_hit=0.9, a_p=0.8, K=5, t_jit=0.5, t_ngram=0.02, a_ngram=0.3)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.8, 5) == pytest.approx(sum(0.8 ** i for i in range(6)))
+    assert expected_tokens(1.0, 5) == 6
+    assert expected_tokens(0.0, 5) == 1
+    assert expected_tokens(0.5, 0) == 1
+
+
+def test_expected_speedup_known_values():
+    assert expected_speedup(1.0, 4.0, 1.0, 0.5, 0.0) == pytest.approx(4.0)   # T_p hidden
+    assert expected_speedup(1.0, 4.0, 1.0, 2.0, 0.0) == pytest.approx(2.0)   # T_p > 1 shows
+    assert expected_speedup(0.5, 4.0, 2.0, 2.0, 1.0) == pytest.approx(3.0 / 2.0)
+    assert expected_speedup(0.0, 4.0, 2.0, 0.5, 1.0) == pytest.approx(1.0)
+    # p_round: tokens use the per-row rate, time the batch's
+    assert expected_speedup(0.5, 4.0, 2.0, 1.0, 1.0, p_round=0.25) == \
+        pytest.approx(3.0 / (0.25 + 0.75 * 2.0))
+
+
+def test_batch_hit_rate():
+    # 0.8^16 = 2.8% (the paper summary's "3.5%" is not what the formula gives)
+    assert batch_hit_rate(0.8, 16) == pytest.approx(0.0281, abs=1e-4)
+    assert batch_hit_rate(0.9, 1) == 0.9
+
+
+def test_small_batch_prefers_jit_large_batch_a_fast_backup():
+    assert choose_fallback(1, **BASE) == "jit"
+    assert choose_fallback(64, **BASE) in ("ngram", "random")
+    # a useful n-gram beats random once the batch misses often; a slow useless one does not
+    assert choose_fallback(64, **{**BASE, "a_ngram": 0.6}) == "ngram"
+    assert choose_fallback(64, **{**BASE, "a_ngram": 0.02, "t_ngram": 0.3}) == "random"
+    # a jit draft slower than a verification never pays
+    assert choose_fallback(1, **{**BASE, "t_jit": 2.0}) != "jit"
+
+
+def test_speedups_of_each_backup():
+    s = fallback_speedups(1, **BASE)
+    x, e_hit = 0.9, expected_tokens(0.8, 5)
+    assert s["jit"] == pytest.approx(e_hit / (x * 1.0 + (1 - x) * 1.5))
+    e_ng = expected_tokens(0.3, 5)
+    assert s["ngram"] == pytest.approx((x * e_hit + (1 - x) * e_ng) / (x + (1 - x) * 1.02))
+    assert s["random"] == pytest.approx((x * e_hit + (1 - x)) / 1.0)
+    # the paper's form puts p^b into the token term as well; the same at b = 1
+    assert fallback_speedups(1, **BASE, per_row_fallback=False) == pytest.approx(s)
+    big = fallback_speedups(32, **BASE, per_row_fallback=False)
+    assert big["ngram"] < fallback_speedups(32, **BASE)["ngram"]
+
+
+def test_critical_batch_size_is_a_switch_point():
+    b_star = critical_batch_size(**{k: v for k, v in BASE.items()})
+    assert b_star is not None and b_star > 1
+    assert choose_fallback(b_star - 1, **BASE) == "jit"
+    assert all(choose_fallback(b, **BASE) != "jit" for b in range(b_star, 200))
+    assert critical_batch_size(**{**BASE, "t_jit": 0.0}) is None         # free jit always wins
+    assert critical_batch_size(**{**BASE, "p_hit": 1.0}) is None         # never misses
+
+
+def test_critical_batch_size_monotone():
+    # a slower jit draft or a better n-gram makes switching pay earlier
+    by_t = [critical_batch_size(**{**BASE, "t_jit": t}) for t in (0.1, 0.2, 0.3, 0.5, 0.8, 1.2)]
+    by_t = [math.inf if b is None else b for b in by_t]
+    assert by_t == sorted(by_t, reverse=True) and by_t[0] > by_t[-1]
+    by_a = [critical_batch_size(**{**BASE, "t_jit": 0.2, "a_ngram": a})
+            for a in (0.0, 0.2, 0.4, 0.6, 0.75)]
+    by_a = [math.inf if b is None else b for b in by_a]
+    assert by_a == sorted(by_a, reverse=True) and by_a[0] > by_a[-1]
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(batch_size=2.0), dict(p_hit=1.5),
+                                 dict(a_p=-0.1), dict(K=-1), dict(t_jit=-1.0),
+                                 dict(t_ngram=math.nan), dict(a_ngram=2.0), dict(t_p=-0.5)])
+def test_inputs_validated(bad):
+    with pytest.raises(ConfigError):
+        choose_fallback(**{"batch_size": 4, **BASE, **bad})
+
+
+def test_expected_speedup_validates():
+    with pytest.raises(ConfigError):
+        expected_speedup(0.5, 0.5, 1.0, 1.0, 1.0)                      # < 1 token per round
+    with pytest.raises(ConfigError):
+        expected_speedup(0.5, 2.0, 1.0, math.inf, 1.0)

@@ -1,0 +1,126 @@
+"""Thm 12 geometric fan-out, --fan-out parsing, online estimates of a_p and r."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from ssdlib.errors import ConfigError
+from ssdlib.speculative import (FanoutEstimator, geometric_fanout, geometric_fanout_real,
+                                parse_fanout)
+from ssdlib.speculative.fanout import A_P_RANGE, round_to_total
+
+def test_sums_to_budget_and_is_monotone():
+    for B, K, a, r in itertools.product([1, 7, 23, 64, 257], [0, 1, 3, 5, 8],
+                                        [0.0, 0.3, 0.7, 0.95, 1.0], [0.5, 1.0, 2.5]):
+        f = geometric_fanout(B, K, a, r)
+        assert len(f) == K + 1 and sum(f) == B and min(f) >= 0, (B, K, a, r)
+        assert all(f[k] >= f[k + 1] for k in range(K - 1)), (B, K, a, r)
+        real = geometric_fanout_real(B, K, a, r)
+        assert all(abs(x - y) < 1 for x, y in zip(f, real)), (B, K, a, r)
+
+
+@pytest.mark.parametrize("B, K, a, r", [(23, 5, 0.7, 1.0), (100, 4, 0.4, 0.5), (9, 2, 0.9, 3.0),
+                                        (50, 6, 0.0, 1.0), (50, 6, 1.0, 1.0)])
+def test_real_values_follow_the_formula(B, K, a, r):
+    real = geometric_fanout_real(B, K, a, r)
+    a = min(max(a, A_P_RANGE[0]), A_P_RANGE[1])
+    f0 = real[0]
+    for k in range(K):
+        assert real[k] == pytest.approx(f0 * a ** (k / (1 + r)))
+    assert real[K] == pytest.approx(f0 * a ** (K / (1 + r)) * (1 - a) ** (-1 / (1 + r)))
+    assert sum(real) == pytest.approx(B)
+
+
+def test_thm12_allocation_maximises_hit_probability():
+    """Among integer allocations of B, the rounded Thm 12 one is (near) the best for its model."""
+    B, K, a, r = 12, 2, 0.6, 1.0
+    probs = [a ** k * (1 - a) for k in range(K)] + [a ** K]
+
+    def hit(f):
+        return sum(pk * (1 - f_k ** -r) for pk, f_k in zip(probs, f) if f_k > 0)
+
+    best = max(hit(f) for f in itertools.product(range(B + 1), repeat=K + 1) if sum(f) == B)
+    assert hit(geometric_fanout(B, K, a, r)) >= best - 1e-3
+
+
+def test_round_to_total_largest_remainder():
+    assert round_to_total([2.6, 1.2, 1.2], 5) == [3, 1, 1]
+    assert round_to_total([1.5, 1.5, 1.0], 4) == [2, 1, 1]       # tie: lower index first
+    assert round_to_total([0.4, 0.3, 0.3], 1) == [1, 0, 0]
+
+
+@pytest.mark.parametrize("args", [(0, 3, 0.5, 1.0), (5, -1, 0.5, 1.0), (5, 3, 1.2, 1.0),
+                                  (5, 3, -0.1, 1.0), (5, 3, 0.5, 0.0), (5, 3, 0.5, -1.0),
+                                  (5, 3, 0.5, math.inf), (2.5, 3, 0.5, 1.0)])
+def test_geometry_errors(args):
+    with pytest.raises(ConfigError):
+        geometric_fanout(*args)
+
+
+def test_parse_fanout():
+    assert parse_fanout("8,5,3,2,1,4", 5) == [8, 5, 3, 2, 1, 4]
+    assert parse_fanout(" 8, 5 ,3,2,1,4 ", 5) == [8, 5, 3, 2, 1, 4]
+    assert parse_fanout([1, 0, 2], 2) == [1, 0, 2]
+    assert parse_fanout("auto", 5) == "auto"
+    assert parse_fanout("AUTO", 5) == "auto"
+    assert parse_fanout("all-accepted:4", 3) == [0, 0, 0, 4]
+    assert parse_fanout("all-accepted:7", 0) == [7]
+
+
+@pytest.mark.parametrize("spec, K", [("8,5,3,2,1,4", 4), ("8,5,3", 5), ("1,-2,3", 2),
+                                     ("0,0,0", 2), ("a,b,c", 2), ("", 0), ("all-accepted:0", 3),
+                                     ("all-accepted:x", 3), ("all-accepted:", 3), ([1, 2], 2),
+                                     ([1, True, 2], 2), ([1.0, 2, 3], 2), ("auto", -1)])
+def test_parse_fanout_errors(spec, K):
+    with pytest.raises(ConfigError):
+        parse_fanout(spec, K)
+
+
+def synthetic_rounds(est, rounds, a, r, c, K, allocations, seed):
+    rng = random.Random(seed)
+    for i in range(rounds):
+        k = 0
+        while k < K and rng.random() < a:
+            k += 1
+        est.observe_verify([k], [K])
+        fan_out = allocations[i % len(allocations)][k]
+        if fan_out > 0:
+            est.observe_lookups([fan_out], [rng.random() >= min(1.0, c * fan_out ** -r)])
+
+
+@pytest.mark.parametrize("a, r", [(0.65, 1.2), (0.85, 0.7), (0.4, 2.0)])
+def test_estimator_recovers_a_p_and_r(a, r):
+    K, B = 5, 40
+    est = FanoutEstimator(B, K)
+    allocations = [[12, 8, 6, 4, 2, 8], [4, 3, 2, 2, 1, 28], [16, 16, 2, 2, 2, 2]]
+    synthetic_rounds(est, 30_000, a, r, 0.8, K, allocations, seed=1)
+    assert est.a_p == pytest.approx(a, abs=0.015)
+    assert est.r == pytest.approx(r, abs=0.15)
+    alloc = est.allocation()
+    assert sum(alloc) == B and alloc == geometric_fanout(B, K, est.a_p, est.r)
+
+
+def test_estimator_priors_and_naive_bias():
+    est = FanoutEstimator(23, 5, a_p_prior=0.6, r_prior=1.5)
+    assert est.a_p == pytest.approx(0.6) and est.r == 1.5
+    assert est.allocation() == geometric_fanout(23, 5, 0.6, 1.5)
+    # one F value only: the slope is not identifiable, r stays at the prior
+    est.observe_lookups([4] * 200, [True] * 150 + [False] * 50)
+    assert est.r == 1.5
+    # a_p counts tried tokens only: 3 accepted then a rejection, twice -> 6 / 8 (not 6 / 10)
+    est = FanoutEstimator(23, 5, prior_strength=0)
+    est.observe_verify([3, 3], [5, 5])
+    assert est.a_p == pytest.approx(0.75)
+    est.observe_verify([2], [2])                                    # all of a short draft
+    assert est.a_p == pytest.approx(8 / 10)
+
+
+def test_estimator_config_errors():
+    with pytest.raises(ConfigError):
+        FanoutEstimator(0, 5)
+    with pytest.raises(ConfigError):
+        FanoutEstimator(10, 5, r_prior=0)
+    with pytest.raises(ConfigError):
+        FanoutEstimator(10, 5, min_lookups=0)

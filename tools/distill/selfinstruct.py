@@ -1,0 +1,149 @@
+"""Data the target writes itself: requests and answers in its own chat format.
+
+* ``selfinstruct`` (two stages): sample a user turn from the chat prefix up to the end-of-turn
+  token (temperature 1.0), then template it and sample the assistant's answer (0.7, top-p 0.95).
+  Writing both in one pass makes an instruct model loop on its turn markers.
+* ``docinstruct``: requests built from the docstrings of functions in installed packages
+  ("write a function ..."), answered by the target.
+* ``random-target-samples``: continuations of a few random token ids, for targets without a
+  tokenizer (tests).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tools.distill import sampler
+from tools.distill.data import Docs, iter_texts
+
+MARK = "\x00SSDLIB_USER_TURN\x00"
+DOC_REQUESTS = (
+    "Write a Python function `{sig}` that does the following:\n{doc}",
+    "Implement `{sig}` in Python.\n\n{doc}",
+    "Complete this Python function:\n\n```python\ndef {sig}:\n    \"\"\"{doc}\"\"\"\n```",
+    "Explain what this function does and write an implementation:\n`{sig}`: {doc}",
+)
+
+
+@dataclass
+class GenSettings:
+    """How the target samples data (defaults from the measured recipe in DRAFT_NOTES)."""
+
+    user_max_tokens: int = 96
+    user_temperature: float = 1.0
+    answer_max_tokens: int = 320
+    answer_temperature: float = 0.7
+    top_p: float = 0.95
+    batch_size: int = 64
+
+
+class ChatFormat:
+    """The target's chat template, cut where the user's text goes."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}],
+                                             add_generation_prompt=True)
+        if MARK not in text:
+            raise ValueError("the chat template does not show the user's message")
+        prefix, suffix = text.split(MARK, 1)
+        self.user_prefix = tokenizer.encode(prefix, add_special_tokens=False)
+        suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+        # the user turn ends at the template's first token after the message (<|im_end|>)
+        self.turn_end = set(tokenizer.eos_token_ids) | ({suffix_ids[0]} if suffix_ids else set())
+
+    def prompt(self, user_text: str) -> list[int]:
+        text = self.tok.apply_chat_template([{"role": "user", "content": user_text}],
+                                            add_generation_prompt=True)
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen, temperature: float,
+           source: str, on_batch: Callable[[int], None] | None = None) -> Docs:
+    """Stage 2: template each request and sample the target's answer; document = prompt + answer,
+    scored from the first answer token."""
+    prompts = [chat.prompt(r) for r in requests]
+    outs = sampler.generate(model, prompts, s.answer_max_tokens, temperature, s.top_p,
+                            chat.tok.eos_token_ids, gen, s.batch_size, on_batch)
+    docs = Docs()
+    for p, (new, _) in zip(prompts, outs):
+        if new:
+            docs.add(p + new, len(p), source)
+    return docs
+
+
+def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
+               on_batch: Callable[[int], None] | None = None, max_rounds: int = 8) -> list[str]:
+    """Stage 1: ``n`` distinct user requests sampled from the chat prefix (only ones that ended
+    with the turn-end token and say something)."""
+    found: list[str] = []
+    seen: set[str] = set()
+    for _ in range(max_rounds):
+        want = n - len(found)
+        if want <= 0:
+            break
+        k = max(s.batch_size, int(want * 1.25) + 1)
+        outs = sampler.generate(model, [chat.user_prefix] * k, s.user_max_tokens,
+                                s.user_temperature, 1.0, chat.turn_end, gen, s.batch_size,
+                                on_batch)
+        for new, stopped in outs:
+            text = chat.tok.decode(new[:-1] if stopped else new).strip()
+            if stopped and len(text) >= 8 and text not in seen:
+                seen.add(text)
+                found.append(text)
+    return found[:n]
+
+
+def selfinstruct_docs(model, tokenizer, n: int, s: GenSettings, gen, temperature: float,
+                      progress: Callable[[int], None] | None = None) -> tuple[Docs, list[str]]:
+    chat = ChatFormat(tokenizer)
+    requests = user_turns(model, chat, n, s, gen, progress)
+    return answer(model, chat, requests, s, gen, temperature, "selfinstruct", progress), requests
+
+
+def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:
+    """``n`` requests made from public functions with docstrings in the files under ``roots``."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for _, text in iter_texts(roots, seed):
+        if len(out) >= n:
+            break
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        funcs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                 and not f.name.startswith("_") and 40 <= len(ast.get_docstring(f) or "") <= 1200]
+        for f in rng.sample(funcs, min(len(funcs), 2)):
+            sig = f"{f.name}({ast.unparse(f.args)})"
+            doc = ast.get_docstring(f).strip()
+            out.append(rng.choice(DOC_REQUESTS).format(sig=sig, doc=doc))
+    return out[:n]
+
+
+def docinstruct_docs(model, tokenizer, roots: list[str], n: int, s: GenSettings, gen, seed: int,
+                     temperature: float,
+                     progress: Callable[[int], None] | None = None) -> tuple[Docs, list[str]]:
+    requests = docstring_requests(roots, n, seed)
+    docs = answer(model, ChatFormat(tokenizer), requests, s, gen, temperature, "docinstruct",
+                  progress)
+    return docs, requests
+
+
+def random_target_docs(model, n: int, length: int, gen: torch.Generator, seed: int,
+                       batch_size: int, progress: Callable[[int], None] | None = None) -> Docs:
+    """``n`` documents: 1-4 random token ids, then ``length`` tokens the target samples at
+    temperature 1 (no tokenizer needed)."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 4))] for _ in range(n)]
+    outs = sampler.generate(model, prompts, length, 1.0, 1.0, (), gen, batch_size, progress)
+    docs = Docs()
+    for p, (new, _) in zip(prompts, outs):
+        docs.add(p + new, len(p), "random-target-samples")
+    return docs

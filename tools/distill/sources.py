@@ -1,0 +1,103 @@
+"""Assemble the training and held-out documents from the sources a run asks for."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tools.distill import selfinstruct
+from tools.distill.data import SOURCES, Docs, pysrc_docs, split_held_out
+from tools.distill.selfinstruct import GenSettings
+
+NEEDS_TOKENIZER = ("selfinstruct", "docinstruct", "pysrc")
+
+
+@dataclass
+class SourceSettings:
+    sources: list[str]
+    selfinstruct_samples: int
+    docinstruct_samples: int
+    random_samples: int
+    random_len: int
+    pysrc_tokens: int
+    eval_samples: int
+    text_roots: list[str]
+    seed: int
+    gen: GenSettings
+
+
+def parse_sources(spec: str) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in names if s not in SOURCES]
+    if bad or not names:
+        raise ValueError(f"--data: unknown source(s) {bad or spec!r}; choose from "
+                         f"{', '.join(SOURCES)}")
+    return names
+
+
+def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
+                 progress: Callable[[str, int], Callable[[int], None]],
+                 samples_path: str | None = None) -> tuple[Docs, Docs]:
+    """(train, held_out) documents. ``progress(label, total)`` returns a callback advanced by the
+    number of sequences sampled; ``samples_path`` receives the generated requests and answers as
+    JSON lines for inspection."""
+    if tokenizer is None and any(s in NEEDS_TOKENIZER for s in cfg.sources):
+        raise ValueError(f"the target has no tokenizer: --data {','.join(cfg.sources)} needs "
+                         "one; use --data random-target-samples")
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    train, held = Docs(), Docs()
+    records: list[dict] = []
+
+    def generated(source: str, requests: list[str], n: int, make) -> None:
+        # the first n requests train (sampled answers), the rest are held out (greedy answers:
+        # agreement is then measured on what the target itself would say)
+        tr = make(requests[:n], cfg.gen.answer_temperature, f"{source} answers")
+        ev = make(requests[n:], 0.0, f"{source} held-out answers")
+        train.extend(tr)
+        held.extend(ev)
+        for split, docs in (("train", tr), ("eval", ev)):
+            for ids, start in zip(docs.ids, docs.score_from):
+                records.append({"source": source, "split": split,
+                                "request": tokenizer.decode(ids[:start]),
+                                "answer": tokenizer.decode(ids[start:])})
+
+    chat = None
+    if "selfinstruct" in cfg.sources or "docinstruct" in cfg.sources:
+        chat = selfinstruct.ChatFormat(tokenizer)
+
+    def make_answers(source):
+        def make(requests, temperature, label):
+            return selfinstruct.answer(teacher, chat, requests, cfg.gen, gen, temperature,
+                                       source, progress(label, len(requests)))
+        return make
+
+    if "selfinstruct" in cfg.sources:
+        n = cfg.selfinstruct_samples
+        requests = selfinstruct.user_turns(teacher, chat, n + cfg.eval_samples, cfg.gen, gen,
+                                           progress("self-instruct requests", n + cfg.eval_samples))
+        generated("selfinstruct", requests, min(n, len(requests) - 1), make_answers("selfinstruct"))
+    if "docinstruct" in cfg.sources:
+        n = cfg.docinstruct_samples
+        requests = selfinstruct.docstring_requests(cfg.text_roots, n + cfg.eval_samples, cfg.seed)
+        generated("docinstruct", requests, min(n, len(requests) - 1), make_answers("docinstruct"))
+    if "pysrc" in cfg.sources:
+        docs = pysrc_docs(tokenizer, cfg.text_roots, cfg.pysrc_tokens, cfg.seed)
+        tr, ev = split_held_out(docs, min(cfg.eval_samples, len(docs) // 10), cfg.seed)
+        train.extend(tr)
+        held.extend(ev)
+    if "random-target-samples" in cfg.sources:
+        n, m = cfg.random_samples, cfg.eval_samples
+        docs = selfinstruct.random_target_docs(teacher, n + m, cfg.random_len, gen, cfg.seed,
+                                               cfg.gen.batch_size,
+                                               progress("target samples", n + m))
+        tr, ev = split_held_out(docs, m, cfg.seed)
+        train.extend(tr)
+        held.extend(ev)
+    if samples_path and records:
+        with open(samples_path, "w") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return train, held

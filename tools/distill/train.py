@@ -1,0 +1,225 @@
+"""Knowledge distillation: the draft learns the target's next-token distributions.
+
+Loss per position = forward KL(target || draft) over the full vocabulary (nats/token). Evaluation
+on held-out target-written documents, at the positions that predict the target's own output:
+KL and greedy agreement (draft argmax == target argmax, the per-token greedy acceptance rate).
+
+A checkpoint holds everything the next step depends on (weights, optimizer, step, RNG states, the
+batcher's position), so ``--resume`` continues the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tools.distill.data import SOURCES, Batcher, Docs
+
+STATE_FILE = "last.pt"
+
+
+@dataclass
+class TrainSettings:
+    steps: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float = 0.1
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 0
+    save_every: int = 0
+    eval_batch: int = 8
+    seq_len: int = 512
+    amp_dtype: torch.dtype | None = None  # autocast dtype for the draft (bf16 on GPU)
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at ``steps`` (or constant)."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    if s.schedule == "constant":
+        return s.lr
+    t = min(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def kl_per_position(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || draft) in nats at each position: logits [..., V] -> [...] (float32)."""
+    d = F.log_softmax(draft_logits.float(), dim=-1)
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
+    return F.kl_div(d, t, log_target=True, reduction="none").sum(-1)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def eval_batches(docs: Docs, seq_len: int, batch: int):
+    """(ids [b, s], mask [b, s], source [b]) per batch of held-out documents, right-padded.
+
+    mask[i, p] is True where logits at p predict a token of the target's own output
+    (p + 1 >= score_from) and p + 1 is inside the document.
+    """
+    for start in range(0, len(docs), batch):
+        rows = range(start, min(start + batch, len(docs)))
+        lens = [min(len(docs.ids[i]), seq_len) for i in rows]
+        s = max(lens)
+        ids = torch.zeros(len(lens), s, dtype=torch.long)
+        mask = torch.zeros(len(lens), s, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            ids[j, :lens[j]] = torch.tensor(docs.ids[i][:lens[j]])
+            mask[j, max(0, docs.score_from[i] - 1):lens[j] - 1] = True
+        yield ids, mask, torch.tensor([docs.source[i] for i in rows])
+
+
+@torch.no_grad()
+def evaluate(draft, teacher, held_out: Docs, s: TrainSettings) -> dict:
+    """Mean KL and greedy agreement over scored positions, overall and per source."""
+    device = next(draft.parameters()).device
+    was_training = draft.training
+    draft.eval()
+    sums: dict[str, list[float]] = {}  # source -> [kl sum, agreements, positions]
+    for ids, mask, source in eval_batches(held_out, s.seq_len, s.eval_batch):
+        ids, mask = ids.to(device), mask.to(device)
+        t_logits = teacher.forward_full(ids)
+        with _autocast(device, s.amp_dtype):
+            d_logits = draft.forward_full(ids)
+        kl = kl_per_position(d_logits, t_logits)
+        agree = (d_logits.argmax(-1) == t_logits.argmax(-1)).float()
+        for src in source.unique().tolist():
+            m = mask & (source.to(device) == src).view(-1, 1)
+            acc = sums.setdefault(SOURCES[src], [0.0, 0.0, 0.0])
+            acc[0] += float(kl[m].sum())
+            acc[1] += float(agree[m].sum())
+            acc[2] += float(m.sum())
+    draft.train(was_training)
+    total = [sum(v[i] for v in sums.values()) for i in range(3)]
+    n = max(total[2], 1.0)
+    return {"kl": total[0] / n, "agreement": total[1] / n, "positions": int(total[2]),
+            "by_source": {k: {"kl": v[0] / max(v[2], 1), "agreement": v[1] / max(v[2], 1),
+                              "positions": int(v[2])} for k, v in sums.items()}}
+
+
+class Trainer:
+    """Owns the draft's optimisation and its checkpoints in ``state_dir``."""
+
+    def __init__(self, draft, teacher, batcher: Batcher, held_out: Docs, s: TrainSettings,
+                 state_dir: str):
+        self.draft, self.teacher, self.batcher, self.held_out, self.s = (
+            draft, teacher, batcher, held_out, s)
+        self.state_dir = state_dir
+        self.device = next(draft.parameters()).device
+        decay = [p for p in draft.parameters() if p.dim() > 1]
+        other = [p for p in draft.parameters() if p.dim() <= 1]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": s.weight_decay},
+             {"params": other, "weight_decay": 0.0}],
+            lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
+            fused=self.device.type == "cuda")
+        self.step = 0
+        self.history: list[dict] = []
+        self.tokens_seen = 0
+
+    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.state_dir, STATE_FILE)
+
+    def save(self) -> None:
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "model": self.draft.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "batcher": self.batcher.state(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "history": self.history,
+        }
+        os.makedirs(self.state_dir, exist_ok=True)
+        torch.save(state, self.state_path + ".tmp")
+        os.replace(self.state_path + ".tmp", self.state_path)
+
+    def load(self) -> None:
+        state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+        self.draft.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.batcher.restore(state["batcher"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.history = list(state["history"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self) -> float:
+        s = self.s
+        ids = self.batcher.next().to(self.device, non_blocking=True)  # [b, seq_len]
+        with torch.no_grad():
+            t_logits = self.teacher.forward_full(ids)
+        with _autocast(self.device, s.amp_dtype):
+            d_logits = self.draft.forward_full(ids)
+        loss = kl_per_position(d_logits, t_logits).mean()
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, s)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if s.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), s.grad_clip)
+        self.opt.step()
+        self.step += 1
+        self.tokens_seen += ids.numel()
+        return loss.detach()
+
+    def run_eval(self) -> dict:
+        result = {"step": self.step, "tokens": self.tokens_seen,
+                  **evaluate(self.draft, self.teacher, self.held_out, self.s)}
+        if not self.history or self.history[-1]["step"] != self.step:
+            self.history.append(result)
+        return result
+
+    def run(self, on_step: Callable[[int, float | None, float | None], None] | None = None,
+            on_eval: Callable[[dict], None] | None = None,
+            on_save: Callable[[], None] | None = None) -> None:
+        """Train until ``steps``, evaluating and checkpointing on schedule (and at the end).
+
+        ``on_step(step, loss, tokens_per_s)`` is called after each step (loss and rate are None
+        on steps where they are not read, to keep the GPU busy), ``on_eval(result)`` after each
+        evaluation, ``on_save()`` after each checkpoint.
+        """
+        s = self.s
+        self.draft.train()
+        if not self.history:
+            result = self.run_eval()
+            if on_eval:
+                on_eval(result)
+        t0, tokens0 = time.perf_counter(), self.tokens_seen
+        while self.step < s.steps:
+            loss = self.train_step()
+            last = self.step == s.steps
+            if on_step:
+                # reading the loss syncs with the GPU: only every few steps
+                if self.step % 10 == 0 or last or self.step < 10:
+                    rate = (self.tokens_seen - tokens0) / max(time.perf_counter() - t0, 1e-9)
+                    on_step(self.step, float(loss), rate)
+                else:
+                    on_step(self.step, None, None)
+            if (s.eval_every and self.step % s.eval_every == 0) or last:
+                result = self.run_eval()
+                if on_eval:
+                    on_eval(result)
+            if (s.save_every and self.step % s.save_every == 0) or last:
+                self.save()
+                if on_save:
+                    on_save()

@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Distil a small Llama draft model for any target ssdlib loads.
+
+The draft learns the target's next-token distributions (forward KL per token) on text from this
+machine (Python sources and docs of installed packages) and on the target's own answers to
+requests it writes itself. Output: an HF checkpoint directory (config.json, model.safetensors,
+the target's tokenizer files) that ssdlib and transformers load. Training state lives in
+``--work-dir`` (default ``OUT.work``) and ``--resume`` continues from its last checkpoint.
+
+    python tools/distill_draft.py --target smollm2-135m --out runs/draft --steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from ssdlib.loading import load_checkpoint  # noqa: E402
+from tools.distill import models  # noqa: E402
+from tools.distill.data import Batcher, default_text_roots, load_splits, pack_rows, save_splits  # noqa: E402
+from tools.distill.selfinstruct import GenSettings  # noqa: E402
+from tools.distill.sources import SourceSettings, build_splits, parse_sources  # noqa: E402
+from tools.distill.train import Trainer, TrainSettings  # noqa: E402
+
+# Options a resumed run may change; every other option comes from the run being resumed.
+RESUME_OVERRIDES = {"steps", "eval_every", "save_every", "device", "resume", "out", "work_dir"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def add(*flags, default=None, **kw):
+        p.add_argument(*flags, default=default if with_defaults else argparse.SUPPRESS, **kw)
+
+    add("--target", default="smollm2-135m", help="target checkpoint (name, HF dir or .gguf)")
+    add("--out", required=with_defaults, help="output HF checkpoint directory")
+    add("--work-dir", help="training state (checkpoints, data); default OUT.work")
+    add("--resume", action="store_true", default=False,
+        help="continue from the last checkpoint in --work-dir")
+    # data
+    add("--data", default="selfinstruct,docinstruct,pysrc",
+        help="comma-separated sources: selfinstruct, docinstruct, pysrc, random-target-samples")
+    add("--data-from", help="reuse the data.safetensors of another run instead of generating")
+    add("--selfinstruct-samples", type=int, default=2048)
+    add("--docinstruct-samples", type=int, default=512)
+    add("--random-samples", type=int, default=256, help="random-target-samples: sequences")
+    add("--random-len", type=int, default=128, help="random-target-samples: tokens each")
+    add("--pysrc-tokens", type=int, default=4_000_000, help="token cap for pysrc")
+    add("--eval-samples", type=int, default=64, help="held-out documents per source")
+    add("--text-root", action="append",
+        help="directory of source/docs to read (repeatable); default: stdlib + site-packages")
+    add("--user-max-tokens", type=int, default=96)
+    add("--answer-max-tokens", type=int, default=320)
+    add("--gen-batch", type=int, default=None, help="sequences sampled at once (GPU 256, CPU 16)")
+    # draft
+    add("--hidden", type=int, default=128)
+    add("--layers", type=int, default=6)
+    add("--heads", type=int, default=4)
+    add("--kv-heads", type=int, default=2)
+    add("--ffn", type=int, default=512)
+    add("--init-embeddings-from-target", action="store_true", default=False,
+        help="start the embedding from the target's top principal directions")
+    # optimisation
+    add("--steps", type=int, default=2000)
+    add("--batch", type=int, default=32)
+    add("--seq-len", type=int, default=512)
+    add("--lr", type=float, default=3e-3)
+    add("--warmup", type=int, default=None, help="warm-up steps (default steps/20, at most 100)")
+    add("--min-lr-ratio", type=float, default=0.1)
+    add("--schedule", choices=("cosine", "constant"), default="cosine")
+    add("--weight-decay", type=float, default=0.0)
+    add("--grad-clip", type=float, default=1.0)
+    add("--eval-every", type=int, default=200)
+    add("--eval-batch", type=int, default=16)
+    add("--save-every", type=int, default=500)
+    add("--seed", type=int, default=0)
+    # machine and output
+    add("--device", default="auto", help="cuda, cpu or auto")
+    add("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+        help="teacher weights and draft autocast (auto: bfloat16 on GPU, float32 on CPU)")
+    add("--storage-dtype", default="float16", choices=tuple(models.STORAGE_DTYPES))
+    add("--max-mb", type=float, help="refuse a draft whose model.safetensors exceeds this (MB)")
+    return p
+
+
+def given_options(argv: list[str] | None) -> dict:
+    """The options written on the command line (not defaulted)."""
+    return vars(build_parser(with_defaults=False).parse_args(argv))
+
+
+def resolve_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse; on --resume, the saved run's settings win except for RESUME_OVERRIDES."""
+    args = build_parser().parse_args(argv)
+    args.work_dir = args.work_dir or args.out.rstrip("/") + ".work"
+    saved_path = os.path.join(args.work_dir, "args.json")
+    if args.resume:
+        if not os.path.exists(saved_path):
+            raise SystemExit(f"--resume: no run to resume in {args.work_dir}")
+        with open(saved_path) as f:
+            saved = json.load(f)
+        given = given_options(argv)
+        for key, value in saved.items():
+            if key in RESUME_OVERRIDES:
+                continue
+            if key in given and given[key] != value:
+                print(f"note: --{key.replace('_', '-')} {given[key]} ignored; the resumed run "
+                      f"uses {value}")
+            setattr(args, key, value)
+    else:
+        if os.path.exists(os.path.join(args.work_dir, "last.pt")):
+            raise SystemExit(f"{args.work_dir} holds a checkpoint: pass --resume, or another "
+                             "--out/--work-dir")
+        os.makedirs(args.work_dir, exist_ok=True)
+        with open(saved_path, "w") as f:
+            json.dump({k: v for k, v in vars(args).items() if k not in RESUME_OVERRIDES}, f,
+                      indent=2)
+    return args
+
+
+def progress_factory():
+    def make(label: str, total: int):
+        bar = tqdm(total=total, desc=label, unit="seq", leave=False, dynamic_ncols=True)
+
+        def advance(n: int) -> None:
+            bar.update(n)
+            if bar.n >= bar.total:
+                bar.close()
+        return advance
+    return make
+
+
+def prepare_data(args, ck, teacher, device):
+    """Load the run's documents, or make them (and save them for --resume)."""
+    path = os.path.join(args.work_dir, "data.safetensors")
+    if os.path.exists(path):
+        return load_splits(path)
+    if args.data_from:
+        train, held = load_splits(args.data_from)
+    else:
+        cfg = SourceSettings(
+            sources=parse_sources(args.data), selfinstruct_samples=args.selfinstruct_samples,
+            docinstruct_samples=args.docinstruct_samples, random_samples=args.random_samples,
+            random_len=args.random_len, pysrc_tokens=args.pysrc_tokens,
+            eval_samples=args.eval_samples, text_roots=args.text_root or default_text_roots(),
+            seed=args.seed,
+            gen=GenSettings(user_max_tokens=args.user_max_tokens,
+                            answer_max_tokens=args.answer_max_tokens,
+                            batch_size=args.gen_batch or (256 if device.type == "cuda" else 16)))
+        tokenizer = ck.tokenizer if any(s != "random-target-samples"
+                                        for s in cfg.sources) else None
+        train, held = build_splits(teacher, tokenizer, cfg, device, progress_factory(),
+                                   os.path.join(args.work_dir, "samples.jsonl"))
+    save_splits(path, train, held)
+    return train, held
+
+
+def fmt_eval(r: dict) -> str:
+    parts = [f"step {r['step']:>6}  KL {r['kl']:.4f}  agreement {r['agreement']:.4f}"]
+    for src, v in sorted(r["by_source"].items()):
+        parts.append(f"{src}: {v['kl']:.3f}/{v['agreement']:.3f}")
+    return "  |  ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = resolve_args(argv)
+    device = torch.device(args.device if args.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(args.seed)
+
+    ck = load_checkpoint(args.target)
+    max_positions = max(ck.config.max_position_embeddings, args.seq_len)
+    teacher = models.load_teacher(ck, device, dtype, max_positions)
+
+    t0 = time.perf_counter()
+    train_docs, held_docs = prepare_data(args, ck, teacher, device)
+    data_s = time.perf_counter() - t0
+    if len(held_docs) == 0:
+        raise SystemExit("no held-out documents: raise --eval-samples or give more data")
+    print(f"data: {train_docs.n_tokens():,} training tokens in {len(train_docs)} documents "
+          f"{train_docs.by_source()}, {len(held_docs)} held out ({data_s:.0f} s)")
+
+    dcfg = models.draft_config(ck.config, args.hidden, args.layers, args.heads, args.kv_heads,
+                               args.ffn)
+    n_params = models.count_params(dcfg)
+    est_bytes = n_params * torch.finfo(models.STORAGE_DTYPES[args.storage_dtype]).bits // 8
+    print(f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
+          f"heads, ffn {args.ffn}: {n_params / 1e6:.2f} M params, ~{est_bytes / 1e6:.2f} MB "
+          f"as {args.storage_dtype}")
+    if args.max_mb is not None and est_bytes > args.max_mb * 1e6:
+        raise SystemExit(f"the draft needs ~{est_bytes / 1e6:.2f} MB > --max-mb {args.max_mb}")
+
+    draft = models.build_draft(dcfg, device, max_positions, args.seed)
+    if args.init_embeddings_from_target and not args.resume:
+        models.init_embeddings_from_target(draft, ck)
+    eos = ck.config.eos_token_ids
+    rows = pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None)
+    batcher = Batcher(rows, args.batch, args.seed)
+    settings = TrainSettings(
+        steps=args.steps, lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
+        min_lr_ratio=args.min_lr_ratio, schedule=args.schedule, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, eval_every=args.eval_every, save_every=args.save_every,
+        eval_batch=args.eval_batch, seq_len=args.seq_len,
+        amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
+    trainer = Trainer(draft, teacher, batcher, held_docs, settings, args.work_dir)
+    if args.resume:
+        trainer.load()
+        print(f"resumed at step {trainer.step} (epoch {batcher.epoch}, row {batcher.cursor})")
+
+    size = {"bytes": 0}
+
+    def export():
+        size["bytes"] = models.export_hf(draft, ck, args.out, args.storage_dtype)
+
+    bar = tqdm(total=args.steps, initial=trainer.step, desc="distil", unit="step",
+               dynamic_ncols=True)
+
+    def on_step(step, loss, rate):
+        bar.update(1)
+        if loss is not None:
+            bar.set_postfix(kl=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+
+    t1 = time.perf_counter()
+    trainer.run(on_step=on_step, on_eval=lambda r: tqdm.write("eval " + fmt_eval(r)),
+                on_save=export)
+    bar.close()
+    train_s = time.perf_counter() - t1
+    if trainer.step == args.steps and not os.path.exists(os.path.join(args.out, "config.json")):
+        export()  # resumed at the last step already: still write the output
+    report = {
+        "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "target": str(args.target), "args": vars(args),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "device": device.type,
+                    "device_name": (torch.cuda.get_device_name(device)
+                                    if device.type == "cuda" else platform.processor())},
+        "draft": {"params": n_params, "config": dcfg.to_hf_dict(),
+                  "safetensors_bytes": size["bytes"] or os.path.getsize(
+                      os.path.join(args.out, "model.safetensors"))},
+        "data": {"train_tokens": train_docs.n_tokens(), "train_docs": len(train_docs),
+                 "held_out_docs": len(held_docs), "by_source": train_docs.by_source(),
+                 "rows": int(rows.shape[0])},
+        "seconds": {"data": round(data_s, 1), "train": round(train_s, 1)},
+        "step": trainer.step, "tokens_seen": trainer.tokens_seen, "history": trainer.history,
+    }
+    with open(os.path.join(args.out, "distill.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    last = trainer.history[-1]
+    print(f"done: step {trainer.step}, held-out KL {last['kl']:.4f}, greedy agreement "
+          f"{last['agreement']:.4f}; wrote {args.out} "
+          f"({report['draft']['safetensors_bytes'] / 1e6:.2f} MB model.safetensors)")
+    return report
+
+
+if __name__ == "__main__":
+    main()
