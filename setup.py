@@ -16,6 +16,7 @@ gets the pure-Python package only). See csrc/README.md.
 
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,11 @@ CPU_SOURCES = [str(CSRC / "binding.cpp"), str(CSRC / "tree_mask_cpu.cpp")]
 CUDA_SOURCES = [str(CSRC / "tree_mask.cu")]
 HEADERS = [str(CSRC / "tree_mask.h")]
 DEFAULT_CUDA_ARCHS = "9.0"
+# Link the shared libstdc++ explicitly. Some toolchains (e.g. a g++ wrapper whose -B path holds only
+# libstdc++.a, as on our GPU image, where CXX points at it) otherwise link a private static copy;
+# its locale state then disagrees with the libstdc++.so that torch uses, and formatting a number
+# into an error message (TORCH_CHECK(..., value)) segfaults. Harmless where g++ links it anyway.
+LINK_ARGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def _flag(name: str) -> bool:
@@ -97,10 +103,17 @@ def _extension_build():
             depends=HEADERS,
             define_macros=[("SSDLIB_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=LINK_ARGS,
         )
         return [ext], cmdclass
     if _flag("SSDLIB_BUILD_CPU_EXT"):
-        ext = CppExtension("ssdlib._C", CPU_SOURCES, depends=HEADERS, extra_compile_args={"cxx": cxx_flags})
+        ext = CppExtension(
+            "ssdlib._C",
+            CPU_SOURCES,
+            depends=HEADERS,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=LINK_ARGS,
+        )
         return [ext], cmdclass
     reason = "torch was built without CUDA" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)"
     _warn(

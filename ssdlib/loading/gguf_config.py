@@ -56,7 +56,8 @@ def _llama3_from_factors(path: str, factors: np.ndarray, head_dim: int, theta: f
         high = round(low + float(1.0 / slope), 4)
     scaling = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low,
                "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
-    if not np.allclose(llama3_rope_factors(head_dim, theta, scaling), factors, rtol=1e-3, atol=1e-4):
+    rebuilt = llama3_rope_factors(head_dim, theta, scaling)
+    if not np.allclose(rebuilt, factors, rtol=1e-3, atol=1e-4):
         raise CheckpointError(f"{path}: 'rope_freqs.weight' does not follow Llama 3 RoPE scaling; "
                               "this kind of RoPE scaling is not supported")
     return scaling
@@ -93,7 +94,8 @@ def config_from_gguf(path: str, metadata: Mapping[str, Any],
                                   f"{rope_dims} != head dim {head_dim}) is not supported")
         tokens = metadata.get("tokenizer.ggml.tokens")
         embed = tensor_shapes.get("token_embd.weight")
-        vocab = get("vocab_size") or (len(tokens) if tokens else None) or (embed[0] if embed else None)
+        vocab = get("vocab_size") or (len(tokens) if tokens else None) or (
+            embed[0] if embed else None)
         theta = float(get("rope.freq_base", 10000.0))
         rope_scaling = None
         scaling_type = get("rope.scaling.type")

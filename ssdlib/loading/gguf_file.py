@@ -16,9 +16,10 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.loading.gguf_config import config_from_gguf
@@ -32,7 +33,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's q/k permutation: rows ``[head, d/2, 2]`` back to ``[head, 2, d/2]``."""
+    """Inverse of llama.cpp's q/k permutation: rows ``[head, d/2, 2]`` -> ``[head, 2, d/2]``."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -45,9 +46,10 @@ def _torch_order(shape) -> tuple[int, ...]:
 class GGUFWeights:
     """A :class:`~ssdlib.loading.checkpoint.WeightSource` over a GGUF file (float32 tensors)."""
 
-    def __init__(self, path: str, reader: GGUFReader, config, cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, path: str, reader: GGUFReader, config: ModelConfig,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.path = path
-        self._tensors = {}
+        self._tensors: dict[str, ReaderTensor] = {}
         self._head_dim = config.head_dim
         # Rows of these tensors are permuted by llama.cpp, in groups of head_dim rows per head.
         self._permuted: set[str] = set()
@@ -55,11 +57,12 @@ class GGUFWeights:
         unknown = []
         for t in reader.tensors:
             hf = hf_name_for_gguf(t.name)
-            if hf is None:
+            if hf not in expected:
+                # Not a Llama weight, or a layer past block_count.
                 if t.name != _ROPE_FREQS:
                     unknown.append(t.name)
                 continue
-            found, want = _torch_order(t.shape), expected.get(hf)
+            found, want = _torch_order(t.shape), expected[hf]
             if found != want:
                 raise CheckpointError(f"{path}: tensor {hf!r} (GGUF {t.name!r}) has shape "
                                       f"{list(found)}, expected {list(want)} from the config")
@@ -71,13 +74,14 @@ class GGUFWeights:
             if hf.endswith(("q_proj.weight", "k_proj.weight")):
                 self._permuted.add(hf)
         if unknown:
-            raise CheckpointError(f"{path}: tensors that are not part of a Llama model: "
+            raise CheckpointError(f"{path}: tensors that are not part of a Llama model with this "
+                                  "config: "
                                   f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         missing = [n for n in expected if n not in self._tensors]
         if missing:
             raise CheckpointError(f"{path}: missing tensors: {', '.join(missing[:5])}"
                                   f"{' ...' if len(missing) > 5 else ''}")
-        self._shapes = {name: expected[name] for name in expected}
+        self._shapes = expected
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_bytes = cache_bytes
 

@@ -56,7 +56,8 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"chat templates cannot set underscore names on a namespace ({name!r})")
+            raise SecurityError(
+                f"chat templates cannot set underscore names on a namespace ({name!r})")
 
 
 def _raise_exception(message: str) -> None:

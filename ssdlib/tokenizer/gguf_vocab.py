@@ -10,7 +10,7 @@ a ``"llama"`` file with ``add_space_prefix = false`` gets no prefix space, as in
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ssdlib.errors import CheckpointError
@@ -18,12 +18,13 @@ from ssdlib.tokenizer.builders import byte_level_bpe, sentencepiece_bpe
 from ssdlib.tokenizer.stop_tokens import stop_token_ids
 from ssdlib.tokenizer.tokenizer import Tokenizer
 
-_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id",
+                "eos_token": "tokenizer.ggml.eos_token_id",
                 "unk_token": "tokenizer.ggml.unknown_token_id",
                 "pad_token": "tokenizer.ggml.padding_token_id"}
 
 
-def _token_index(tokens: list[str]):
+def _token_index(tokens: list[str]) -> Callable[[str], int | None]:
     index: dict[str, int] = {}
     for i, t in enumerate(tokens):
         index.setdefault(t, i)
@@ -69,7 +70,8 @@ def tokenizer_from_gguf(source: str | os.PathLike | Mapping[str, Any]) -> Tokeni
         bos = (tokens[bos_id], bos_id) if add_bos and bos_id is not None else None
         merges = metadata.get("tokenizer.ggml.merges")
         if not merges:
-            raise CheckpointError(f"{where}: byte-level BPE vocabulary without tokenizer.ggml.merges")
+            raise CheckpointError(
+                f"{where}: byte-level BPE vocabulary without tokenizer.ggml.merges")
         backend = byte_level_bpe(tokens, merges, token_types, metadata.get("tokenizer.ggml.pre"),
                                  bos=bos)
     elif kind == "llama":

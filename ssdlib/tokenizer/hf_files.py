@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ssdlib.config import ModelConfig
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# What transformers' LlamaTokenizer assumes when a tokenizer.model comes without a config.
+_LLAMA_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -93,13 +95,16 @@ def load_tokenizer_dir(directory: str, config: ModelConfig | None = None) -> Tok
             raise CheckpointError(f"{json_path}: not a valid tokenizer.json ({e})") from None
         # Without an explicit flag, tokenizer.json's own post-processor decides about BOS.
         default_add_bos = None
+        default_specials = {}
     elif os.path.exists(sp_path):
         backend = _sentencepiece_backend(sp_path)
         default_add_bos = True  # sentencepiece Llama tokenizers prepend BOS unless told not to
+        default_specials = _LLAMA_SPECIALS
     else:
         return None
 
-    specials = {key: _token_text(tok_config.get(key)) for key in _SPECIAL_KEYS}
+    specials = {key: _token_text(tok_config.get(key)) or default_specials.get(key)
+                for key in _SPECIAL_KEYS}
     bos_id = backend.token_to_id(specials["bos_token"]) if specials["bos_token"] else None
     if bos_id is None and config is not None:
         bos_id = config.bos_token_id

@@ -54,6 +54,14 @@ def test_tensor_shape_mismatch(tiny_gguf):
     assert "[80, 64]" in message and "[96, 64]" in message
 
 
+def test_missing_and_extra_tensors(tiny_gguf):
+    with pytest.raises(CheckpointError, match="missing tensors: model.layers.1.mlp.gate_proj.weight"):
+        load_checkpoint(tiny_gguf(drop=("blk.1.ffn_gate.weight",)).path)
+    extra = {"blk.7.attn_norm.weight": (TINY["hidden"],)}
+    with pytest.raises(CheckpointError, match="not part of a Llama model.*blk.7.attn_norm.weight"):
+        load_checkpoint(tiny_gguf(shape_overrides=extra).path)
+
+
 def test_unsupported_quant_type(tiny_gguf):
     with pytest.raises(CheckpointError, match="stored as Q5_0.*Q8_0"):
         load_checkpoint(tiny_gguf(Q.Q5_0).path)

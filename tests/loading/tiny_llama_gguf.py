@@ -41,7 +41,7 @@ class TinyGGUF:
 
 def write_tiny_gguf(path: str, qtype=None, *, tied: bool = False, arch: str = "llama",
                     rope_freqs: np.ndarray | None = None, shape_overrides: dict | None = None,
-                    seed: int = 0) -> TinyGGUF:
+                    drop: tuple[str, ...] = (), seed: int = 0) -> TinyGGUF:
     """Write a random tiny Llama GGUF; 2-D weights in ``qtype`` (default F32), norms in F32."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -86,6 +86,8 @@ def write_tiny_gguf(path: str, qtype=None, *, tied: bool = False, arch: str = "l
             f"blk.{i}.ffn_down.weight": (h, c["inter"]),
         })
     shapes.update(shape_overrides or {})
+    for name in drop:
+        del shapes[name]
     from ssdlib.loading.llama_names import hf_name_for_gguf
 
     for name, shape in shapes.items():

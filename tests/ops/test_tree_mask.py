@@ -138,7 +138,11 @@ def test_dispatch_falls_back_when_disabled(monkeypatch):
 
 
 def check_compiled(ops, device: str) -> None:
-    """Compare ``ops.tree_mask`` / ``ops.tree_mask_full`` with the reference over all shapes."""
+    """Compare ``ops.tree_mask`` / ``ops.tree_mask_full`` with the reference over all shapes.
+
+    The error cases format numbers into the message (K, shapes): with a statically linked libstdc++
+    in the extension that segfaults (see setup.py, LINK_ARGS), so they guard the build too.
+    """
     for (K, B, depth, n), dtype in itertools.product(SHAPES, DTYPES):
         fork_len = make_fork_len(K, B, n, dtype, device)
         got = ops.tree_mask(fork_len, K, depth)
@@ -210,6 +214,7 @@ def jit_ops(tmp_path_factory):
         sources=sources,
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=["-l:libstdc++.so.6"],  # as setup.py: never a private static libstdc++
         build_directory=str(tmp_path_factory.mktemp("tree_mask_build")),
         is_python_module=False,
     )
