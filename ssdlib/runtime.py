@@ -54,8 +54,9 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
         return None
     target = TargetExecutor(runner, channel)
     tokenizer = target_ck.tokenizer
-    eos_ids = list(target_ck.config.eos_token_ids or ([] if tokenizer is None
-                                                       else tokenizer.eos_token_ids))
+    # the config's EOS ids plus the tokenizer's (which adds a chat template's end-of-turn)
+    eos_ids = sorted(set(target_ck.config.eos_token_ids)
+                     | set([] if tokenizer is None else tokenizer.eos_token_ids))
     loop, loop_close = _build_loop(cfg, world, target, target_ck)
     leader = Leader(loop, tokenizer, eos_ids, cfg.max_batch, cfg.max_len, world.device)
 

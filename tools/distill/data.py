@@ -78,6 +78,7 @@ class Docs:
 def save_splits(path: str, train: Docs, held_out: Docs) -> None:
     """Both splits in one safetensors file (no pickle), written atomically."""
     save_file({**train.to_tensors("train"), **held_out.to_tensors("eval")}, path + ".tmp")
+    os.chmod(path + ".tmp", 0o644)
     os.replace(path + ".tmp", path)
 
 

@@ -120,7 +120,10 @@ def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:
         funcs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                  and not f.name.startswith("_") and 40 <= len(ast.get_docstring(f) or "") <= 1200]
         for f in rng.sample(funcs, min(len(funcs), 2)):
-            sig = f"{f.name}({ast.unparse(f.args)})"
+            args = f.args
+            if args.args and args.args[0].arg in ("self", "cls"):
+                args.args = args.args[1:]
+            sig = f"{f.name}({ast.unparse(args)})"
             doc = ast.get_docstring(f).strip()
             out.append(rng.choice(DOC_REQUESTS).format(sig=sig, doc=doc))
     return out[:n]

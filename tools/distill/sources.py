@@ -61,8 +61,8 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
         for split, docs in (("train", tr), ("eval", ev)):
             for ids, start in zip(docs.ids, docs.score_from):
                 records.append({"source": source, "split": split,
-                                "request": tokenizer.decode(ids[:start]),
-                                "answer": tokenizer.decode(ids[start:])})
+                                "prompt": tokenizer.decode(ids[:start], skip_special_tokens=False),
+                                "answer": tokenizer.decode(ids[start:], skip_special_tokens=False)})
 
     chat = None
     if "selfinstruct" in cfg.sources or "docinstruct" in cfg.sources:
