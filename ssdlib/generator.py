@@ -210,7 +210,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     drafted = sum(o.metrics.get("drafted", 0) for o in outputs)
     if drafted:
         accepted = sum(o.metrics.get("accepted", 0) for o in outputs)
-        out["acceptance_rate"] = accepted / drafted
+        tried = sum(o.metrics.get("tried", 0) for o in outputs)
+        out["acceptance_rate"] = accepted / tried if tried else 0.0
         out["mean_accepted"] = accepted / out["rounds"]
         out["tokens_per_round"] = (accepted + out["rounds"]) / out["rounds"]
     lookups = sum(o.metrics.get("lookups", 0) for o in outputs)

@@ -96,11 +96,13 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens (default: stop at EOS)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     prompts = humaneval_prompts(args.humaneval, args.n_prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=True)
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     rows = [run_mode(args, m, prompts, params) for m in args.modes.split(",")]
     ar = next((r for r in rows if r["mode"] == "ar"), None)
     print(f"{'mode':5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/rnd':>7} {'hit':>6} "

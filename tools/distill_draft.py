@@ -28,7 +28,8 @@ from tqdm import tqdm  # noqa: E402
 
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from tools.distill import models  # noqa: E402
-from tools.distill.data import Batcher, default_text_roots, load_splits, pack_rows, save_splits  # noqa: E402
+from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
+                                 save_splits)
 from tools.distill.selfinstruct import GenSettings  # noqa: E402
 from tools.distill.sources import SourceSettings, build_splits, parse_sources  # noqa: E402
 from tools.distill.train import Trainer, TrainSettings  # noqa: E402
@@ -64,7 +65,7 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
         help="directory of source/docs to read (repeatable); default: stdlib + site-packages")
     add("--user-max-tokens", type=int, default=96)
     add("--answer-max-tokens", type=int, default=320)
-    add("--gen-batch", type=int, default=None, help="sequences sampled at once (GPU 256, CPU 16)")
+    add("--gen-batch", type=int, default=None, help="sequences sampled at once (GPU 512, CPU 16)")
     # draft
     add("--hidden", type=int, default=128)
     add("--layers", type=int, default=6)
@@ -158,7 +159,7 @@ def prepare_data(args, ck, teacher, device):
             seed=args.seed,
             gen=GenSettings(user_max_tokens=args.user_max_tokens,
                             answer_max_tokens=args.answer_max_tokens,
-                            batch_size=args.gen_batch or (256 if device.type == "cuda" else 16)))
+                            batch_size=args.gen_batch or (512 if device.type == "cuda" else 16)))
         tokenizer = ck.tokenizer if any(s != "random-target-samples"
                                         for s in cfg.sources) else None
         train, held = build_splits(teacher, tokenizer, cfg, device, progress_factory(),
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
 
     ck = load_checkpoint(args.target)
-    max_positions = max(ck.config.max_position_embeddings, args.seq_len)
+    # RoPE tables long enough for training rows and for sampled data (prompt + answer)
+    max_positions = max(ck.config.max_position_embeddings, args.seq_len, 4096,
+                        args.random_len + 8)
     teacher = models.load_teacher(ck, device, dtype, max_positions)
 
     t0 = time.perf_counter()

@@ -12,8 +12,11 @@ def record_acceptance(seqs, outcome: VerifyOutcome, k: int) -> None:
     for q, accepted_row in zip(seqs, mask):
         m = q.metrics
         m["rounds"] += 1
+        n_acc = sum(accepted_row)
         m["drafted"] = m.get("drafted", 0) + k
-        m["accepted"] = m.get("accepted", 0) + sum(accepted_row)
+        m["accepted"] = m.get("accepted", 0) + n_acc
+        # a token is tried only if every token before it was accepted
+        m["tried"] = m.get("tried", 0) + n_acc + (1 if n_acc < k else 0)
         pos = m.setdefault("accepted_by_pos", [0] * k)
         for i, a in enumerate(accepted_row):
             pos[i] += int(a)
@@ -24,7 +27,8 @@ def finalize_acceptance_metrics(m: dict) -> None:
     hit rates and idle fractions."""
     finalize_ssd_metrics(m)
     if m.get("drafted"):
-        m["acceptance_rate"] = m["accepted"] / m["drafted"]
+        # a_p: per-token acceptance (accepted / tried), the paper's definition
+        m["acceptance_rate"] = m["accepted"] / m["tried"] if m["tried"] else 0.0
         m["mean_accepted"] = m["accepted"] / m["rounds"]
         m["tokens_per_round"] = (m["accepted"] + m["rounds"]) / m["rounds"]
         m["acceptance_by_pos"] = [a / m["rounds"] for a in m["accepted_by_pos"]]

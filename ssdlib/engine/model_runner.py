@@ -11,6 +11,8 @@ from ssdlib.models.llama import LlamaForCausalLM
 
 # Positions past max_len that padded rows of a batched forward may write to (never read).
 POSITION_SLACK = 64
+# Attention key lengths are rounded up to this many positions (see AttentionMetadata.build).
+KV_BUCKET = 128
 
 
 class ModelRunner:
@@ -34,7 +36,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions: [b, s]; slots: [b] -> logits [b, s or n, V] (float32)."""
-        meta = AttentionMetadata.build(positions, slots)
+        meta = AttentionMetadata.build(positions, slots, KV_BUCKET, self.cache.max_len)
         return self.model(input_ids, self.cache, meta, logits_index).float()
 
     @torch.inference_mode()

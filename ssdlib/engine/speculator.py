@@ -24,7 +24,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine.model_runner import KV_BUCKET, ModelRunner
 from ssdlib.engine.protocol import OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN, SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.errors import ConfigError
@@ -293,7 +293,7 @@ class Speculator:
         first = torch.cat(bonus, 1)  # [b, B]
         # 3. K tree-decode steps over all branches of all rows
         n = torch.tensor([len(r.tokens) for r in rows], device=dev)  # committed lengths
-        kv_len = int(n.max()) + K
+        kv_len = min(-(-(int(n.max()) + K) // KV_BUCKET) * KV_BUCKET, self.runner.cache.max_len)
         key_pos = torch.arange(kv_len, device=dev)
         slot_mask = key_pos.view(1, 1, -1) < (n.view(-1, 1, 1) + fork.unsqueeze(-1))  # [b, B, L]
         fan_t = torch.tensor(fan, device=dev)

@@ -30,8 +30,16 @@ class AttentionMetadata:
     tree_len: int = 0
 
     @classmethod
-    def build(cls, positions: torch.Tensor, slots: torch.Tensor) -> "AttentionMetadata":
+    def build(cls, positions: torch.Tensor, slots: torch.Tensor, kv_bucket: int = 1,
+              kv_limit: int | None = None) -> "AttentionMetadata":
+        """Causal-by-position metadata. The key length is rounded up to a multiple of
+        ``kv_bucket`` (capped at ``kv_limit``) so attention sees few distinct shapes: fused GPU
+        attention backends plan per shape, and a new length every step is slow."""
         kv_len = int(positions.max().item()) + 1
+        if kv_bucket > 1:
+            kv_len = -(-kv_len // kv_bucket) * kv_bucket
+            if kv_limit is not None:
+                kv_len = min(kv_len, kv_limit)
         keys = torch.arange(kv_len, device=positions.device)
         mask = (keys.view(1, 1, 1, -1) <= positions.view(positions.shape[0], 1, -1, 1))
         slot_list = slots.tolist()

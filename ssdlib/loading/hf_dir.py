@@ -98,7 +98,35 @@ def load_hf_dir(directory: str) -> Checkpoint:
 
     def tokenizer_factory():
         from ssdlib.tokenizer import load_tokenizer_dir
-        return load_tokenizer_dir(directory, config)
+        own = load_tokenizer_dir(directory, config)
+        if own is not None:
+            return own
+        return _shared_tokenizer(directory)
 
     return Checkpoint(source=directory, config=config, weights=weights,
                       tokenizer_factory=tokenizer_factory)
+
+
+SHARED_TOKENIZER_FILE = "tokenizer_source.json"
+
+
+def _shared_tokenizer(directory: str):
+    """A draft may ship without tokenizer files and name its target's instead:
+    ``tokenizer_source.json`` = {"same_as": NAME_OR_PATH, "fingerprint": sha256}. The fingerprint
+    is checked, so a changed target tokenizer is an error, not a silent mismatch."""
+    path = os.path.join(directory, SHARED_TOKENIZER_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            ref = json.load(f)
+        source, fingerprint = ref["same_as"], ref["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    from ssdlib.loading.checkpoint import load_checkpoint
+
+    tok = load_checkpoint(source).tokenizer
+    if tok is None or tok.fingerprint() != fingerprint:
+        raise CheckpointError(f"{path}: the tokenizer of {source!r} is not the one this "
+                              "checkpoint was trained with (fingerprint differs)")
+    return tok

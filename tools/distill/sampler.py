@@ -59,9 +59,10 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
         longest = int(lens.max())
         cache = KVCache(cfg.num_hidden_layers, b, model.kv_heads_local,
                         longest + max_new_tokens + 1, cfg.head_dim, dtype, device)
-        ids = torch.zeros(b, longest, dtype=torch.long, device=device)
+        ids = torch.zeros(b, longest, dtype=torch.long)
         for i, p in enumerate(chunk):
-            ids[i, :len(p)] = torch.tensor(p, device=device)
+            ids[i, :len(p)] = torch.tensor(p)
+        ids = ids.to(device)
         slots = torch.arange(b, device=device)
         positions = torch.arange(longest, device=device).expand(b, longest)
         logits = model(ids, cache, AttentionMetadata.build(positions, slots),
@@ -69,16 +70,23 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
         out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         n_new = torch.full((b,), max_new_tokens, device=device)
+        keys = torch.arange(longest + max_new_tokens, device=device).view(1, 1, 1, -1)
         for t in range(max_new_tokens):
             tok = sample_next(logits, temperature, top_p, gen)
             out[:, t] = tok
             hit = torch.isin(tok, stops) & ~done
             n_new = torch.where(hit, t + 1, n_new)
             done |= hit
-            if t + 1 == max_new_tokens or bool(done.all()):
+            # reading `done` waits for the GPU: only every few steps, so launches run ahead
+            if t + 1 == max_new_tokens or (t % 16 == 15 and bool(done.all())):
                 break
-            pos = (lens + t).view(b, 1)
-            logits = model(tok.view(b, 1), cache, AttentionMetadata.build(pos, slots))[:, 0]
+            pos = (lens + t).view(b, 1)  # [b, 1]
+            # Built here rather than by AttentionMetadata.build, which reads values back. Keys
+            # span the whole cache at every step (the mask hides the future): one attention
+            # shape for the whole loop, so GPU attention backends plan once.
+            meta = AttentionMetadata(positions=pos, slots=slots, kv_len=keys.shape[-1],
+                                     mask=keys <= pos.view(b, 1, 1, 1), slot_start=0)
+            logits = model(tok.view(b, 1), cache, meta)[:, 0]
         out, n_new, done = out.cpu(), n_new.cpu(), done.cpu()
         for i, row in enumerate(rows):
             results[row] = (out[i, :int(n_new[i])].tolist(), bool(done[i]))

@@ -99,13 +99,6 @@ def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
     return found[:n]
 
 
-def selfinstruct_docs(model, tokenizer, n: int, s: GenSettings, gen, temperature: float,
-                      progress: Callable[[int], None] | None = None) -> tuple[Docs, list[str]]:
-    chat = ChatFormat(tokenizer)
-    requests = user_turns(model, chat, n, s, gen, progress)
-    return answer(model, chat, requests, s, gen, temperature, "selfinstruct", progress), requests
-
-
 def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:
     """``n`` requests made from public functions with docstrings in the files under ``roots``."""
     rng = random.Random(seed)
@@ -127,15 +120,6 @@ def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:
             doc = ast.get_docstring(f).strip()
             out.append(rng.choice(DOC_REQUESTS).format(sig=sig, doc=doc))
     return out[:n]
-
-
-def docinstruct_docs(model, tokenizer, roots: list[str], n: int, s: GenSettings, gen, seed: int,
-                     temperature: float,
-                     progress: Callable[[int], None] | None = None) -> tuple[Docs, list[str]]:
-    requests = docstring_requests(roots, n, seed)
-    docs = answer(model, ChatFormat(tokenizer), requests, s, gen, temperature, "docinstruct",
-                  progress)
-    return docs, requests
 
 
 def random_target_docs(model, n: int, length: int, gen: torch.Generator, seed: int,

