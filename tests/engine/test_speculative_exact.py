@@ -69,6 +69,7 @@ def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     ("ngram", "auto", "smol_heads_draft", 1, 1),
     ("random", "3,2,2,1,4", "smol_heads_draft", 3, 1),
     ("auto", "auto", "smol_heads_bad_draft", 4, 2),
+    ("jit", "auto", "smol_heads_draft", 2, 4),  # world 5: TP 4 + speculator
 ])
 def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft, batch, tp):
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs[draft], mode="ssd", k=4,
