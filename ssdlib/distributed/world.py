@@ -62,6 +62,9 @@ def init_world(cfg: EngineConfig) -> World:
     if world_size == 1:
         return world
     if not dist.is_initialized():
+        # leader<->speculator p2p has its own group on purpose; NCCL's serialisation warning
+        # about unbatched p2p is expected there
+        os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         kwargs = {}
         if cfg.device == "cuda":
             kwargs["device_id"] = device

@@ -8,7 +8,6 @@ import os
 import pytest
 from tiny_llama_gguf import TinyGGUF, write_tiny_gguf
 
-from ssdlib.errors import CheckpointError
 
 
 @pytest.fixture
@@ -20,16 +19,6 @@ def tiny_gguf(tmp_path):
         return write_tiny_gguf(str(tmp_path / f"tiny{next(counter)}.gguf"), qtype, **kw)
 
     return make
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> str:
-    from ssdlib.loading.registry import resolve_named
-
-    try:
-        return resolve_named("smollm2-135m")
-    except CheckpointError as e:
-        pytest.skip(f"SmolLM2 GGUF not available: {e}")
 
 
 @pytest.fixture(scope="session")

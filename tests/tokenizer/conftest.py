@@ -7,17 +7,11 @@ import os
 
 import pytest
 
-from ssdlib.errors import CheckpointError
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf_path() -> str:
-    from ssdlib.loading.registry import resolve_named
-
-    try:
-        return resolve_named("smollm2-135m")
-    except CheckpointError as e:
-        pytest.skip(f"SmolLM2 GGUF not available: {e}")
+def smollm2_gguf_path(smollm2_path) -> str:
+    return smollm2_path
 
 
 @pytest.fixture(scope="session")
