@@ -14,7 +14,8 @@ Messages, each preceded by the int64 header [8] = (op, b, n_tokens, sampling, 0,
   int64 [b, K + 2] = (s_1..s_K, q kind (QKind), hit 0/1); then, only when ``sampling``,
   float32 [b, K, V] = the q each token was sampled from (dense rows; other rows unused).
   An OUTCOME with no active row ends the batch: the answer is STATS instead of SPEC,
-  float64 [4] = (speculator idle s, busy s, cache hits, cache lookups).
+  float64 [5] = (speculator idle s, busy s, cache hits, cache lookups, hits whose
+  branch KV was reused).
 - SHUTDOWN (leader -> speculator): header only.
 """
 
@@ -89,7 +90,7 @@ class SpecLink:
                            None if q is None else q.clone())
 
     def recv_stats(self) -> list[float]:
-        return self._recv(torch.zeros(4, dtype=torch.float64, device=self.device)).tolist()
+        return self._recv(torch.zeros(5, dtype=torch.float64, device=self.device)).tolist()
 
     def send_shutdown(self) -> None:
         self._send_header(OP_SHUTDOWN)

@@ -59,6 +59,7 @@ class SpecRow:
         self.valid = 0  # leading committed tokens whose draft KV in the slot is correct
         self.sent: list[int] | None = None  # the speculation in flight
         self.fed = False  # the speculation's tokens are in the slot (cache was built)
+        self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
         self.kind = int(QKind.DENSE)
 
 
@@ -75,6 +76,11 @@ class Speculator:
         self.fixed_fanout = None if fan == "auto" else fan
         self.B = sum(self.fanout())
         self.cache = SpeculationCache(cfg.max_batch, self.B, self.K, vocab_size, self.device)
+        # Candidates kept from drafting each branch, so a hit needs no recomputation: the draft's
+        # top-C tokens after each branch token [rows, B, K, C] (C = max fan-out + 1).
+        self.C = min(self.B + 1, vocab_size)
+        self.branch_top = torch.zeros(cfg.max_batch, self.B, self.K, self.C, dtype=torch.int64,
+                                      device=self.device)
         self.drafter = Drafter(runner, vocab_size)
         self.rows: list[SpecRow] = []
         self.sampling = False
@@ -84,6 +90,7 @@ class Speculator:
         self.t_round: float | None = None
         self.hits = 0
         self.lookups = 0
+        self.reused = 0  # hits whose branch KV and candidates were reused
         self.fallback_counts: dict[str, int] = {}
         self._fanout_used = self.fanout()
 
@@ -122,7 +129,7 @@ class Speculator:
         self.sampling = sampling
         self.cache.clear()
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
-        self.hits = self.lookups = 0
+        self.hits = self.lookups = self.reused = 0
         self.rows = []
         offset = 0
         for (slot, length, index, seed), (temp, top_p, top_k) in zip(rows.tolist(),
@@ -183,9 +190,11 @@ class Speculator:
         if missed:
             self._fallback([live[j] for j in missed], missed, tokens, kinds, q)
         for j, i in enumerate(live):
-            self.rows[i].sent = tokens[j].tolist()
-            self.rows[i].fed = False
-            self.rows[i].kind = int(kinds[j])
+            row = self.rows[i]
+            row.reuse = int(branch[j]) if bool(hit[j]) and row.fed else None
+            row.sent = tokens[j].tolist()
+            row.fed = False
+            row.kind = int(kinds[j])
         full_tokens, full_kinds, full_hit = self._scatter(live, tokens, kinds, hit)
         full_q = None
         if q is not None:
@@ -248,8 +257,8 @@ class Speculator:
     def send_final(self) -> None:
         """After the last outcome of a batch: the speculator's own counters to the leader."""
         self.link.send_stats(torch.tensor([self.stats["idle_s"], self.stats["busy_s"],
-                                           float(self.hits), float(self.lookups)],
-                                          dtype=torch.float64))
+                                           float(self.hits), float(self.lookups),
+                                           float(self.reused)], dtype=torch.float64))
 
     # -- building the cache ---------------------------------------------------------------
     @torch.inference_mode()
@@ -259,15 +268,9 @@ class Speculator:
         K, B, dev = self.K, self.B, self.device
         fan = self.fanout()
         self._fanout_used = fan
-        # 1. the draft's distributions at the speculation's K+1 positions
-        # (at least the last committed token is fed: its output is the dist at position 1)
-        starts = [min(r.valid, len(r.tokens) - 1) for r in rows]
-        inputs = [r.tokens[st:] + r.sent for r, st in zip(rows, starts)]
-        ids, pos = pack_rows(inputs, starts, dev)
-        index = torch.tensor([[len(x) - K - 1 + j for j in range(K + 1)] for x in inputs],
-                             device=dev)
+        # 1. the draft's top candidates at the speculation's K+1 positions [b, K+1, C]
+        cand = self._candidates(live, rows)
         slots = torch.tensor([r.slot for r in rows], device=dev)
-        logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))  # [b, K+1, V]
         for r in rows:
             r.fed = True
         # 2. outcomes to cache: (fork k, bonus t) per branch
@@ -277,7 +280,7 @@ class Speculator:
             if f == 0:
                 continue
             f_eff = min(f, self.V - (1 if k < K else 0))
-            top = logits[:, k].topk(min(f_eff + 1, self.V), dim=-1).indices  # [b, f+1]
+            top = cand[:, k, :min(f_eff + 1, self.C)]  # [b, f+1]
             if k < K:
                 keep = top != sent[:, k:k + 1]
                 # drop s_{k+1} if present, else the last candidate: f tokens per row
@@ -307,11 +310,56 @@ class Speculator:
             tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
             lg = self.drafter._logits(self.runner.tree_forward(
                 tok, positions, slots, tree_index, kv_len, B * (d + 1), mask))  # [b, B, V]
+            self.branch_top[rows_t, :, d] = lg.topk(self.C, dim=-1).indices
             tok = self._sample_branches(lg, rows, fan_t[d] if d < len(fan) else 0,
                                         rows_t, d)
             out_tokens[:, :, d] = tok
         self.cache.tokens[rows_t] = out_tokens
         self.cache.store_keys(rows_t, fork, first)
+
+    def _candidates(self, live: list[int], rows: list[SpecRow]) -> torch.Tensor:
+        """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C].
+
+        A row whose speculation came from the cache (a hit) reuses what drafting its branch
+        computed: the branch KV is copied from the tree scratch into the slot and the stored
+        candidates give positions 1..K; only s_K is fed (for position K+1). Other rows (first
+        round, fallbacks) run one forward over their unseen committed tokens + s_1..s_K.
+        """
+        K, B, dev = self.K, self.B, self.device
+        cand = torch.empty(len(rows), K + 1, self.C, dtype=torch.int64, device=dev)
+        reuse = [j for j, r in enumerate(rows) if r.reuse is not None]
+        full = [j for j, r in enumerate(rows) if r.reuse is None]
+        cache = self.runner.cache
+        if reuse:
+            self.reused += len(reuse)
+            for j in reuse:
+                r = rows[j]
+                start = len(r.tokens) - 1  # the branch's first token t* sits here
+                idx = torch.arange(K, device=dev) * B + r.reuse
+                cache.k[:, r.slot, :, start:start + K] = cache.tree_k[:, r.slot, :, idx]
+                cache.v[:, r.slot, :, start:start + K] = cache.tree_v[:, r.slot, :, idx]
+                r.valid = len(r.tokens)
+            sel = torch.tensor([live[j] for j in reuse], device=dev)
+            br = torch.tensor([rows[j].reuse for j in reuse], device=dev)
+            jj = torch.tensor(reuse, device=dev)
+            cand[jj, :K] = self.branch_top[sel, br]
+            ids = torch.tensor([[rows[j].sent[-1]] for j in reuse], device=dev)
+            pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse], device=dev)
+            slots = torch.tensor([rows[j].slot for j in reuse], device=dev)
+            logits = self.drafter._logits(self.runner.forward(ids, pos, slots))[:, 0]
+            cand[jj, K] = logits.topk(self.C, dim=-1).indices
+        if full:
+            sub = [rows[j] for j in full]
+            # at least the last committed token is fed: its output is the dist at position 1
+            starts = [min(r.valid, len(r.tokens) - 1) for r in sub]
+            inputs = [r.tokens[st:] + r.sent for r, st in zip(sub, starts)]
+            ids, pos = pack_rows(inputs, starts, dev)
+            index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs],
+                                 device=dev)
+            slots = torch.tensor([r.slot for r in sub], device=dev)
+            logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
+            cand[torch.tensor(full, device=dev)] = logits.topk(self.C, dim=-1).indices
+        return cand
 
     def _sample_branches(self, logits, rows, f, rows_t, depth) -> torch.Tensor:
         """logits [b, B, V] -> next token per branch; records q in the cache when sampling."""

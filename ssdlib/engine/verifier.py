@@ -64,9 +64,10 @@ class SSDVerifier:
         self.link.send_outcome(out.to(self.device))
         t0 = time.perf_counter()
         if not bool(out[:, 2].any()):
-            idle, busy, _, _ = self.link.recv_stats()
-            self._batch_metrics = {"speculator_idle_frac": idle / (idle + busy) if idle + busy
-                                   else 0.0}
+            idle, busy, hits, _, reused = self.link.recv_stats()
+            self._batch_metrics = {
+                "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
+                "branch_kv_reused_frac": reused / hits if hits else 0.0}
             self.spec = None
             return
         self.spec = self.link.recv_spec(len(self.rows), self.sampling)

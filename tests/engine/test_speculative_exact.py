@@ -79,6 +79,8 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
     hits = sum(o.metrics.get("hits", 0) for o in outs)
     lookups = sum(o.metrics.get("lookups", 0) for o in outs)
     assert 0 < hits < lookups, "both cache hits and misses must occur in this test"
+    # a hit's speculation is continued from its drafted branch, not recomputed
+    assert outs[0].metrics["branch_kv_reused_frac"] > 0.5
     if fallback != "auto":
         used = set().union(*(o.metrics.get("fallbacks", {}).keys() for o in outs))
         assert used <= {fallback, "random"} and used, used  # ngram falls back to random
