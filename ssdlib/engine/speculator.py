@@ -44,6 +44,13 @@ log = get_logger(__name__)
 
 # Salt that separates the speculator's random streams from the verifier's for the same seed.
 SPEC_STREAM = 7_777_777
+# fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
+# (a suffix search, ~0) and its per-token acceptance prior (not measured online yet); a_p prior
+# for an explicit fan-out list (no estimator).
+MIN_LOOKUPS_FOR_AUTO = 8
+NGRAM_COST = 0.0
+NGRAM_ACCEPTANCE_PRIOR = 0.2
+A_P_PRIOR = 0.7
 
 
 class SpecRow:
@@ -213,20 +220,22 @@ class Speculator:
         ft[idx], fk[idx], fh[idx] = tokens, kinds, hit
         return ft, fk, fh
 
-    def choose_fallback(self, n_missed: int) -> str:
+    def choose_fallback(self) -> str:
+        """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
+        rounds) and the batch size; jit until there are measurements."""
         if self.cfg.fallback != "auto":
             return self.cfg.fallback
-        if self.t_jit is None or not self.t_round or self.lookups < 8:
+        if self.t_jit is None or not self.t_round or self.lookups < MIN_LOOKUPS_FOR_AUTO:
             return "jit"
-        p_hit = self.hits / max(1, self.lookups)
-        a_p = self.estimator.a_p if self.estimator is not None else 0.7
+        p_hit = self.hits / self.lookups
+        a_p = self.estimator.a_p if self.estimator is not None else A_P_PRIOR
         active = sum(r.active for r in self.rows)
         return choose_fallback(active, p_hit, a_p, self.K, self.t_jit / self.t_round,
-                               0.0, 0.2)
+                               NGRAM_COST, NGRAM_ACCEPTANCE_PRIOR)
 
     def _fallback(self, row_ids, local, tokens, kinds, q) -> None:
         rows = [self.rows[i] for i in row_ids]
-        kind = self.choose_fallback(len(rows))
+        kind = self.choose_fallback()
         loc = torch.tensor(local)
         if kind == "jit":
             t0 = time.perf_counter()

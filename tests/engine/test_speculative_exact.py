@@ -149,7 +149,8 @@ def test_sd_wrong_verifier_is_detected(small_vocab, monkeypatch):
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) < 1e-3
 
 
-@pytest.mark.parametrize("fallback,saguaro_c,batch", [("jit", 0.5, 1000), ("random", 1.0, 1000)])
+@pytest.mark.parametrize("fallback,saguaro_c,batch", [("jit", 0.5, 1000), ("random", 1.0, 1000),
+                                                   ("ngram", 0.7, 400)])
 def test_ssd_sampling_distribution(small_vocab, fallback, saguaro_c, batch):
     t, d = small_vocab
     with Generator(target=t, draft=d, mode="ssd", k=3, max_batch=batch, max_len=32,
