@@ -28,6 +28,7 @@ class AttentionMetadata:
     # mask is then [b, 1, s, kv_len + tree_len].
     tree_index: torch.Tensor | None = None
     tree_len: int = 0
+    rope: tuple | None = None  # (cos, sin) for ``positions``, set by the model once per forward
 
     @classmethod
     def build(cls, positions: torch.Tensor, slots: torch.Tensor, kv_bucket: int = 1,

@@ -27,9 +27,12 @@ class _VocabShard(nn.Module):
         if own_weight:
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size))
 
-    def load(self, weights, name: str) -> None:
+    def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(prefix + ".weight", self.checkpoint_shape)]
+
+    def load(self, weights, prefix: str) -> None:
         w = self.weight
-        w.data = load_padded_block(weights, name, 0, self.vocab_start,
+        w.data = load_padded_block(weights, prefix + ".weight", 0, self.vocab_start,
                                    self.vocab_start + self.local_vocab, self.vocab_size,
                                    tuple(w.shape), w.dtype, w.device)
 
@@ -69,6 +72,9 @@ class ParallelLMHead(_VocabShard):
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab_size]
 
-    def load(self, weights, name: str) -> None:
+    def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [] if self.tied is not None else super().checkpoint_tensors(prefix)
+
+    def load(self, weights, prefix: str) -> None:
         if self.tied is None:  # tied: the embedding loads the shared weight
-            super().load(weights, name)
+            super().load(weights, prefix)

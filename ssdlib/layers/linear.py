@@ -1,6 +1,7 @@
 """Tensor-parallel linears. Sharding knowledge lives here, next to the weight it applies to.
 
-Column-parallel: each rank holds a block of output rows; no communication.
+Column-parallel (merged: several projections of one input in one matmul, e.g. q/k/v): each
+rank holds a block of output rows of each part; no communication.
 Row-parallel: each rank holds a block of input columns; the partial outputs are summed by an
 all-reduce on ``tp_group`` inside the layer.
 
@@ -40,30 +41,51 @@ def load_padded_block(weights, name: str, dim: int, start: int, stop: int, real:
     return out.to(device=device, dtype=dtype)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across ranks. out_features is the padded size."""
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel projections of the same input, merged into one matmul (q/k/v, gate/up).
 
-    def __init__(self, in_features: int, out_features: int, tp_group=None,
-                 real_out_features: int | None = None):
+    ``parts``: (HF name of the sibling tensor, padded out_features, real out_features) each;
+    every rank holds its block of every part, concatenated. Fewer, larger kernels per layer.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int, int]], tp_group=None):
         super().__init__()
         tp, rank = tp_size_rank(tp_group)
-        if out_features % tp:
-            raise ValueError(f"out_features {out_features} not divisible by tp {tp}")
+        for name, padded, _ in parts:
+            if padded % tp:
+                raise ValueError(f"{name}: out_features {padded} not divisible by tp {tp}")
         self.tp_group = tp_group
-        self.local_out = out_features // tp
-        self.row_start = rank * self.local_out
-        self.real_out = out_features if real_out_features is None else real_out_features
-        self.weight = nn.Parameter(torch.empty(self.local_out, in_features))
-        self.checkpoint_shape = (self.real_out, in_features)
+        self.parts = parts
+        self.in_features = in_features
+        self.local_sizes = [padded // tp for _, padded, _ in parts]
+        self.rank = rank
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(nn.functional.linear(x, self.weight).split(self.local_sizes, dim=-1))
 
-    def load(self, weights, name: str) -> None:
+    def _sibling(self, prefix: str, name: str) -> str:
+        return prefix.rsplit(".", 1)[0] + "." + name + ".weight"
+
+    def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(self._sibling(prefix, name), (real, self.in_features))
+                for name, _, real in self.parts]
+
+    def load(self, weights, prefix: str) -> None:
         w = self.weight
-        w.data = load_padded_block(weights, name, 0, self.row_start,
-                                    self.row_start + self.local_out, self.real_out,
-                                    tuple(w.shape), w.dtype, w.device)
+        blocks = []
+        for (name, _, real), local in zip(self.parts, self.local_sizes):
+            start = self.rank * local
+            blocks.append(load_padded_block(weights, self._sibling(prefix, name), 0, start,
+                                            start + local, real, (local, self.in_features),
+                                            w.dtype, w.device))
+        w.data = torch.cat(blocks)
+
+    def hf_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The HF tensors this weight holds (unsharded models only)."""
+        parts = self.weight.split(self.local_sizes)
+        return {self._sibling(prefix, name): t[:real]
+                for (name, _, real), t in zip(self.parts, parts)}
 
 
 class RowParallelLinear(nn.Module):
@@ -85,8 +107,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(nn.functional.linear(x, self.weight), self.tp_group)
 
-    def load(self, weights, name: str) -> None:
+    def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(prefix + ".weight", self.checkpoint_shape)]
+
+    def load(self, weights, prefix: str) -> None:
         w = self.weight
-        w.data = load_padded_block(weights, name, 1, self.col_start,
-                                    self.col_start + self.local_in, self.real_in,
-                                    tuple(w.shape), w.dtype, w.device)
+        w.data = load_padded_block(weights, prefix + ".weight", 1, self.col_start,
+                                   self.col_start + self.local_in, self.real_in,
+                                   tuple(w.shape), w.dtype, w.device)

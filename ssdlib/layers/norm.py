@@ -17,5 +17,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def load(self, weights, name: str) -> None:
-        self.weight.data.copy_(weights.get(name))
+    def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(prefix + ".weight", self.checkpoint_shape)]
+
+    def load(self, weights, prefix: str) -> None:
+        self.weight.data.copy_(weights.get(prefix + ".weight"))

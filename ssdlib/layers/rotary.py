@@ -40,11 +40,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [b, s]; q: [b, s, hq, hd]; k: [b, s, hkv, hd] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(2)  # [b, s, 1, hd/2]
-        sin = self.sin[positions].unsqueeze(2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, s] -> (cos, sin), each [b, s, 1, hd/2]; computed once per forward."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [b, s, hq, hd]; k: [b, s, hkv, hd]; cos/sin from ``cos_sin`` -> rotated (q, k)."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

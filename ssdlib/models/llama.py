@@ -14,9 +14,9 @@ from ssdlib.errors import CheckpointError
 from ssdlib.layers.activation import SiluAndMul
 from ssdlib.layers.attention import AttentionMetadata, CachedAttention
 from ssdlib.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from ssdlib.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_size_rank
+from ssdlib.layers.linear import MergedColumnParallelLinear, RowParallelLinear, tp_size_rank
 from ssdlib.layers.norm import RMSNorm
-from ssdlib.layers.rotary import RotaryEmbedding
+from ssdlib.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 def head_layout(config: ModelConfig, tp: int) -> tuple[int, int]:
@@ -30,29 +30,28 @@ def head_layout(config: ModelConfig, tp: int) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, tp_group):
         super().__init__()
         tp, _ = tp_size_rank(tp_group)
         hd = config.head_dim
         q_heads, kv_heads = head_layout(config, tp)
         self.q_local, self.kv_local, self.head_dim = q_heads // tp, kv_heads // tp, hd
         h = config.hidden_size
-        self.q_proj = ColumnParallelLinear(h, q_heads * hd, tp_group,
-                                           config.num_attention_heads * hd)
-        self.k_proj = ColumnParallelLinear(h, kv_heads * hd, tp_group,
-                                           config.num_key_value_heads * hd)
-        self.v_proj = ColumnParallelLinear(h, kv_heads * hd, tp_group,
-                                           config.num_key_value_heads * hd)
+        real_kv = config.num_key_value_heads * hd
+        self.qkv_proj = MergedColumnParallelLinear(h, [
+            ("q_proj", q_heads * hd, config.num_attention_heads * hd),
+            ("k_proj", kv_heads * hd, real_kv),
+            ("v_proj", kv_heads * hd, real_kv)], tp_group)
         self.o_proj = RowParallelLinear(q_heads * hd, h, tp_group, config.num_attention_heads * hd)
-        self.rotary = rotary
         self.attn = CachedAttention(self.q_local, self.kv_local, hd)
 
     def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, tree_k=None, tree_v=None):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.q_local, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.kv_local, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_local, self.head_dim)
-        q, k = self.rotary(meta.positions, q, k)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(b, s, self.q_local, self.head_dim)
+        k = k.view(b, s, self.kv_local, self.head_dim)
+        v = v.view(b, s, self.kv_local, self.head_dim)
+        q, k = apply_rotary(q, k, *meta.rope)
         return self.o_proj(self.attn(q, k, v, k_cache, v_cache, meta, tree_k, tree_v))
 
 
@@ -62,20 +61,20 @@ class LlamaMLP(nn.Module):
         tp, _ = tp_size_rank(tp_group)
         h, inter = config.hidden_size, config.intermediate_size
         padded = -(-inter // tp) * tp
-        self.gate_proj = ColumnParallelLinear(h, padded, tp_group, inter)
-        self.up_proj = ColumnParallelLinear(h, padded, tp_group, inter)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, [("gate_proj", padded, inter), ("up_proj", padded, inter)], tp_group)
         self.down_proj = RowParallelLinear(padded, h, tp_group, inter)
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, tp_group):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp_group, rotary)
+        self.self_attn = LlamaAttention(config, tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp_group)
 
@@ -88,14 +87,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_group, max_positions: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                 config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp_group, rotary)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                      config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp_group)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, kv_cache, meta):
         x = self.embed_tokens(input_ids)
+        meta.rope = self.rotary.cos_sin(meta.positions)  # once per forward, shared by all layers
         for i, layer in enumerate(self.layers):
             if kv_cache is None:
                 x = layer(x, None, None, meta)
@@ -134,16 +134,29 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, None, meta))
 
     def load_weights(self, weights) -> None:
-        """Each parallel layer reads its own shard of its HF-named tensor."""
-        for name, module in self.named_modules():
-            if module is self or not hasattr(module, "load"):
-                continue
-            if isinstance(module, ParallelLMHead) and module.tied is not None:
-                continue
-            tensor = name + ".weight"
-            expected = module.checkpoint_shape
-            found = tuple(weights.shape(tensor))
-            if found != expected:
-                raise CheckpointError(f"tensor {tensor}: shape {found} does not match the config "
-                                      f"(expected {expected})")
-            module.load(weights, tensor)
+        """Each parallel layer reads its own shard of its HF-named tensor(s), after checking
+        every tensor's shape against the config."""
+        loadable = [(name, m) for name, m in self.named_modules()
+                    if m is not self and hasattr(m, "checkpoint_tensors")]
+        for name, module in loadable:
+            for tensor, expected in module.checkpoint_tensors(name):
+                found = tuple(weights.shape(tensor))
+                if found != expected:
+                    raise CheckpointError(f"tensor {tensor}: shape {found} does not match the "
+                                          f"config (expected {expected})")
+        for name, module in loadable:
+            module.load(weights, name)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under Hugging Face names (merged projections split), for export.
+        Only meaningful for an unsharded (tp = 1) model."""
+        merged = {name: m for name, m in self.named_modules()
+                  if isinstance(m, MergedColumnParallelLinear)}
+        out = {}
+        for name, p in self.named_parameters():
+            owner = name.rsplit(".", 1)[0]
+            if owner in merged:
+                out.update(merged[owner].hf_tensors(owner))
+            else:
+                out[name] = p
+        return out

@@ -91,7 +91,7 @@ def export_hf(draft: LlamaForCausalLM, ck: Checkpoint, out_dir: str, storage_dty
     os.makedirs(out_dir, exist_ok=True)
     dtype = STORAGE_DTYPES[storage_dtype]
     tensors = {name: p.detach().to("cpu", dtype).contiguous()
-               for name, p in draft.named_parameters()}
+               for name, p in draft.hf_state_dict().items()}
     weights = os.path.join(out_dir, "model.safetensors")
     save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
     os.chmod(weights + ".tmp", 0o644)
