@@ -45,8 +45,8 @@ log = get_logger(__name__)
 # Salt that separates the speculator's random streams from the verifier's for the same seed.
 SPEC_STREAM = 7_777_777
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
-# (a suffix search, ~0) and its per-token acceptance prior (not measured online yet); a_p prior
-# for an explicit fan-out list (no estimator).
+# (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
+# prior for an explicit fan-out list (no estimator).
 MIN_LOOKUPS_FOR_AUTO = 8
 NGRAM_COST = 0.0
 NGRAM_ACCEPTANCE_PRIOR = 0.2
@@ -98,6 +98,7 @@ class Speculator:
         self.hits = 0
         self.lookups = 0
         self.reused = 0  # hits whose branch KV and candidates were reused
+        self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
         self.fallback_counts: dict[str, int] = {}
         self._fanout_used = self.fanout()
 
@@ -166,6 +167,9 @@ class Speculator:
                     row.valid = n + k
                 if self.estimator is not None:
                     self.estimator.observe_verify([k], [self.K])
+                if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
+                    self.ngram_accepted += k
+                    self.ngram_tried += k + (1 if k < self.K else 0)
             else:
                 row.tokens.append(t)
             live.append(i)
@@ -231,7 +235,13 @@ class Speculator:
         a_p = self.estimator.a_p if self.estimator is not None else A_P_PRIOR
         active = sum(r.active for r in self.rows)
         return choose_fallback(active, p_hit, a_p, self.K, self.t_jit / self.t_round,
-                               NGRAM_COST, NGRAM_ACCEPTANCE_PRIOR)
+                               NGRAM_COST, self.ngram_acceptance())
+
+    def ngram_acceptance(self) -> float:
+        """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
+        prior_tries = 10
+        return ((self.ngram_accepted + NGRAM_ACCEPTANCE_PRIOR * prior_tries)
+                / (self.ngram_tried + prior_tries))
 
     def _fallback(self, row_ids, local, tokens, kinds, q) -> None:
         rows = [self.rows[i] for i in row_ids]
