@@ -5,17 +5,18 @@ GPU, gloo on CPU). Hot-loop buffers are preallocated at their maximum size (max_
 only the first ``b`` rows travel; nothing is pickled.
 
 Messages, each preceded by the int64 header [8] = (op, b, n_tokens, sampling, 0, 0, 0, 0):
-- ADMIT (leader -> speculator), once per static batch, outside the hot loop:
+- ADMIT (leader -> speculator), when sequences join the batch (any time; outside the hot loop):
   rows int64 [b, 4] = (slot, prompt_len, request_index, seed or -1),
   params float64 [b, 3] = (temperature, top_p, top_k), tokens int64 [n_tokens] (prompts, concat.).
-- OUTCOME (leader -> speculator), every round: int64 [b, 3] = (k accepted, bonus t*, active).
-  The first OUTCOME after ADMIT carries k = 0 and t* = the token sampled from the prefill.
-- SPEC (speculator -> leader), answer to every OUTCOME with an active row (no header):
-  int64 [b, K + 2] = (s_1..s_K, q kind (QKind), hit 0/1); then, only when ``sampling``,
-  float32 [b, K, V] = the q each token was sampled from (dense rows; other rows unused).
-  An OUTCOME with no active row ends the batch: the answer is STATS instead of SPEC,
-  float64 [5] = (speculator idle s, busy s, cache hits, cache lookups, hits whose
-  branch KV was reused).
+- OUTCOME (leader -> speculator): int64 [b, 4] = (slot, k accepted, bonus t*, active) for the
+  rows of one exchange (all running rows after a round; the new rows after an ADMIT, with k = 0
+  and t* = the token sampled from the prefill). ``sampling`` in the header says whether the SPEC
+  answer carries q (some listed active row samples).
+- SPEC (speculator -> leader), the answer to an OUTCOME with an active row (no header), rows in
+  the OUTCOME's order: int64 [b, K + 2] = (s_1..s_K, q kind (QKind), hit 0/1); then, only when
+  ``sampling``, float32 [b, K, V] = the q each token was sampled from (dense rows).
+  An OUTCOME with no active row is answered with STATS instead: float64 [5] = (speculator idle s,
+  busy s, cache hits, cache lookups, hits whose branch KV was reused) since the last STATS.
 - SHUTDOWN (leader -> speculator): header only.
 """
 
@@ -47,7 +48,7 @@ class SpecLink:
         self.group, self.peer, self.device = group, peer, device
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
         self.header = torch.zeros(8, dtype=torch.int64, device=device)
-        self.outcome_buf = torch.zeros(max_batch, 3, dtype=torch.int64, device=device)
+        self.outcome_buf = torch.zeros(max_batch, 4, dtype=torch.int64, device=device)
         self.spec_buf = torch.zeros(max_batch, k + 2, dtype=torch.int64, device=device)
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
 
@@ -69,16 +70,15 @@ class SpecLink:
         self._send(self.header)
 
     # -- leader side ------------------------------------------------------------------------
-    def send_admit(self, rows: torch.Tensor, params: torch.Tensor, tokens: torch.Tensor,
-                   sampling: bool) -> None:
-        self._send_header(OP_ADMIT, rows.shape[0], tokens.numel(), int(sampling))
+    def send_admit(self, rows: torch.Tensor, params: torch.Tensor, tokens: torch.Tensor) -> None:
+        self._send_header(OP_ADMIT, rows.shape[0], tokens.numel())
         self._send(rows.to(self.device))
         self._send(params.to(self.device, torch.float64))
         self._send(tokens.to(self.device))
 
-    def send_outcome(self, outcome: torch.Tensor) -> None:
+    def send_outcome(self, outcome: torch.Tensor, sampling: bool) -> None:
         b = outcome.shape[0]
-        self._send_header(OP_OUTCOME, b)
+        self._send_header(OP_OUTCOME, b, 0, int(sampling))
         self.outcome_buf[:b].copy_(outcome)
         self._send(self.outcome_buf[:b])
 

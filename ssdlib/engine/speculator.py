@@ -62,7 +62,6 @@ class SpecRow:
         self.tokens = tokens  # committed
         self.params = params
         self.generator = row_generators(params.seed, 1, device, offset=SPEC_STREAM + index)[0]
-        self.active = True
         self.valid = 0  # leading committed tokens whose draft KV in the slot is correct
         self.sent: list[int] | None = None  # the speculation in flight
         self.fed = False  # the speculation's tokens are in the slot (cache was built)
@@ -89,7 +88,7 @@ class Speculator:
         self.branch_top = torch.zeros(cfg.max_batch, self.B, self.K, self.C, dtype=torch.int64,
                                       device=self.device)
         self.drafter = Drafter(runner, vocab_size)
-        self.rows: list[SpecRow] = []
+        self.rows: dict[int, SpecRow] = {}  # by KV slot; the cache is indexed by slot too
         self.sampling = False
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
         # measured costs for the fallback policy, in seconds
@@ -118,10 +117,11 @@ class Speculator:
             if op == OP_SHUTDOWN:
                 return
             if op == OP_ADMIT:
-                self.admit(b, n, bool(sampling))
+                self.admit(b, n)
                 t_sent = None
             elif op == OP_OUTCOME:
                 outcome = self.link.recv_outcome(b)
+                self.sampling = bool(sampling)
                 if self.apply_outcome(outcome):
                     t_sent = time.perf_counter()
                     self.build_cache()
@@ -132,33 +132,36 @@ class Speculator:
                 raise RuntimeError(f"speculator: unknown op {op}")
             self.stats["busy_s"] += time.perf_counter() - t1
 
-    def admit(self, b: int, n_tokens: int, sampling: bool) -> None:
+    def admit(self, b: int, n_tokens: int) -> None:
+        """New sequences join (their slots may have been used by finished ones)."""
         rows, params, tokens = self.link.recv_admit(b, n_tokens)
-        self.sampling = sampling
-        self.cache.clear()
-        self.stats = {"idle_s": 0.0, "busy_s": 0.0}
-        self.hits = self.lookups = self.reused = 0
-        self.rows = []
+        new = []
         offset = 0
         for (slot, length, index, seed), (temp, top_p, top_k) in zip(rows.tolist(),
                                                                      params.tolist()):
             sp = SamplingParams(temperature=temp, top_p=top_p, top_k=int(top_k),
                                 seed=None if seed < 0 else seed)
-            self.rows.append(SpecRow(slot, tokens[offset:offset + length].tolist(), sp, index,
-                                     self.device))
+            row = SpecRow(slot, tokens[offset:offset + length].tolist(), sp, index, self.device)
+            self.rows[slot] = row
+            new.append(row)
             offset += length
+        self.cache.ready[torch.tensor([r.slot for r in new], device=self.device)] = False
         # draft prefill (overlaps the target's prefill on the verifier)
-        self.drafter.prefill(self.rows)
-        for r in self.rows:
+        self.drafter.prefill(new)
+        for r in new:
             r.valid = len(r.tokens)
 
     # -- answering an outcome -------------------------------------------------------------
     def apply_outcome(self, outcome: torch.Tensor) -> bool:
-        """Commit each row's outcome, answer with the next speculation; False if none is active."""
+        """Commit the listed rows' outcomes and answer with their next speculations (rows in the
+        message's order); False if no listed row is active (then the answer is STATS)."""
+        order = outcome[:, 0].tolist()
         live, ks, bonus = [], [], []
-        for i, (row, (k, t, active)) in enumerate(zip(self.rows, outcome.tolist())):
+        for slot, k, t, active in outcome.tolist():
+            row = self.rows.get(slot)
             if not active:
-                row.active = False
+                if row is not None:
+                    del self.rows[slot]
                 continue
             n = len(row.tokens)
             if row.sent is not None:
@@ -172,16 +175,16 @@ class Speculator:
                     self.ngram_tried += k + (1 if k < self.K else 0)
             else:
                 row.tokens.append(t)
-            live.append(i)
+            live.append(slot)
             ks.append(k)
             bonus.append(t)
         if not live:
             return False
-        rows_t = torch.tensor(live, dtype=torch.int64)
-        hit, branch = self.cache.lookup(rows_t, torch.tensor(ks), torch.tensor(bonus))
+        slots_t = torch.tensor(live, dtype=torch.int64)
+        hit, branch = self.cache.lookup(slots_t, torch.tensor(ks), torch.tensor(bonus))
         hit = hit.cpu()
-        # rows whose cache was built (not the first round of a batch) count as lookups
-        built = [self.rows[i].fed for i in live]
+        # rows whose cache was built (not a sequence's first round) count as lookups
+        built = [self.rows[s_].fed for s_ in live]
         hs = [bool(h) for h, f in zip(hit.tolist(), built) if f]
         self.lookups += len(hs)
         self.hits += sum(hs)
@@ -193,36 +196,32 @@ class Speculator:
         q = torch.zeros(len(live), self.K, self.V, device=self.device) if self.sampling else None
         if bool(hit.any()):
             idx = hit.nonzero().squeeze(-1)
-            rows_h, br = rows_t[idx].to(self.device), branch[idx.to(branch.device)]
+            rows_h, br = slots_t[idx].to(self.device), branch[idx.to(branch.device)]
             tokens[idx] = self.cache.tokens[rows_h, br].cpu()
             if q is not None:
                 q[idx.to(self.device)] = self.cache.q[rows_h, br]
         missed = [j for j in range(len(live)) if not hit[j]]
         if missed:
             self._fallback([live[j] for j in missed], missed, tokens, kinds, q)
-        for j, i in enumerate(live):
-            row = self.rows[i]
+        for j, slot in enumerate(live):
+            row = self.rows[slot]
             row.reuse = int(branch[j]) if bool(hit[j]) and row.fed else None
             row.sent = tokens[j].tolist()
             row.fed = False
             row.kind = int(kinds[j])
-        full_tokens, full_kinds, full_hit = self._scatter(live, tokens, kinds, hit)
+        # answer in the message's order (inactive rows: zeros, ignored by the leader)
+        pos = torch.tensor([order.index(s_) for s_ in live])
+        full_tokens = torch.zeros(len(order), self.K, dtype=torch.int64)
+        full_kinds = torch.zeros(len(order), dtype=torch.int64)
+        full_hit = torch.zeros(len(order), dtype=torch.bool)
+        full_tokens[pos], full_kinds[pos], full_hit[pos] = tokens, kinds, hit
         full_q = None
         if q is not None:
-            full_q = torch.zeros(len(self.rows), self.K, self.V, device=self.device)
-            full_q[torch.tensor(live, device=self.device)] = q
+            full_q = torch.zeros(len(order), self.K, self.V, device=self.device)
+            full_q[pos.to(self.device)] = q
         self.link.send_spec(full_tokens.to(self.device), full_kinds.to(self.device),
                             full_hit.to(self.device), full_q)
         return True
-
-    def _scatter(self, live, tokens, kinds, hit):
-        n = len(self.rows)
-        ft = torch.zeros(n, self.K, dtype=torch.int64)
-        fk = torch.zeros(n, dtype=torch.int64)
-        fh = torch.zeros(n, dtype=torch.bool)
-        idx = torch.tensor(live)
-        ft[idx], fk[idx], fh[idx] = tokens, kinds, hit
-        return ft, fk, fh
 
     def choose_fallback(self) -> str:
         """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
@@ -233,8 +232,7 @@ class Speculator:
             return "jit"
         p_hit = self.hits / self.lookups
         a_p = self.estimator.a_p if self.estimator is not None else A_P_PRIOR
-        active = sum(r.active for r in self.rows)
-        return choose_fallback(active, p_hit, a_p, self.K, self.t_jit / self.t_round,
+        return choose_fallback(len(self.rows), p_hit, a_p, self.K, self.t_jit / self.t_round,
                                NGRAM_COST, self.ngram_acceptance())
 
     def ngram_acceptance(self) -> float:
@@ -243,8 +241,8 @@ class Speculator:
         return ((self.ngram_accepted + NGRAM_ACCEPTANCE_PRIOR * prior_tries)
                 / (self.ngram_tried + prior_tries))
 
-    def _fallback(self, row_ids, local, tokens, kinds, q) -> None:
-        rows = [self.rows[i] for i in row_ids]
+    def _fallback(self, slots, local, tokens, kinds, q) -> None:
+        rows = [self.rows[s_] for s_ in slots]
         kind = self.choose_fallback()
         loc = torch.tensor(local)
         if kind == "jit":
@@ -274,16 +272,19 @@ class Speculator:
         self.fallback_counts[kind] = self.fallback_counts.get(kind, 0) + len(rows)
 
     def send_final(self) -> None:
-        """After the last outcome of a batch: the speculator's own counters to the leader."""
+        """Answer to an outcome without active rows: the counters since the last STATS."""
         self.link.send_stats(torch.tensor([self.stats["idle_s"], self.stats["busy_s"],
                                            float(self.hits), float(self.lookups),
                                            float(self.reused)], dtype=torch.float64))
+        self.stats = {"idle_s": 0.0, "busy_s": 0.0}
+        self.hits = self.lookups = self.reused = 0
 
     # -- building the cache ---------------------------------------------------------------
     @torch.inference_mode()
     def build_cache(self) -> None:
-        live = [i for i, r in enumerate(self.rows) if r.active]
-        rows = [self.rows[i] for i in live]
+        # rows whose new speculation is not in the draft's KV yet (the ones just answered)
+        rows = [r for r in self.rows.values() if r.sent is not None and not r.fed]
+        live = [r.slot for r in rows]  # cache rows are slots
         K, B, dev = self.K, self.B, self.device
         fan = self.fanout()
         self._fanout_used = fan

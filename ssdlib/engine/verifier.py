@@ -1,7 +1,8 @@
 """The verifier side of SSD (leader rank): verify the speculation in hand, send the outcome,
 receive the next speculation (at once on a cache hit).
 
-Static batch: a batch is admitted when none is running; rows leave as they finish.
+Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
+exchange) and leave (an inactive outcome) at any time.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ class SSDVerifier:
         self.device = device
         self.lookahead = k + 1
         self.limit: int | None = None  # set by the Leader
-        self.rows: list = []
-        self.spec = None
-        self.sampling = False
+        # the speculation in hand per slot: (tokens [K], q kind, q [K, V] or None)
+        self.spec: dict[int, tuple] = {}
+        self._leaving: list[int] = []  # slots released without an inactive outcome yet
+        self._batch_metrics: dict = {}
 
-    def can_admit(self, active) -> bool:
-        return not active
-
-    def _rows_message(self, seqs):
+    @staticmethod
+    def _admit_message(seqs):
         rows = torch.tensor([[q.slot, len(q.tokens), q.request.index,
                               -1 if q.params.seed is None else q.params.seed] for q in seqs],
                             dtype=torch.int64)
@@ -45,60 +45,70 @@ class SSDVerifier:
         return rows, params, tokens
 
     def admit(self, seqs) -> None:
-        self.rows = list(seqs)
-        self.sampling = not all(q.params.greedy for q in seqs)
         # the speculator prefills the draft while the target prefills here
-        self.link.send_admit(*self._rows_message(seqs), self.sampling)
+        self.link.send_admit(*self._admit_message(seqs))
         logits = prefill(self.target, seqs, self.device)
         for q, t in zip(seqs, sample_rows(logits, seqs)):
             q.commit([t])
-        self._exchange([(0, q.tokens[-1]) for q in seqs], first=True)
+        self._exchange(seqs, [(0, q.tokens[-1]) for q in seqs], first=True)
 
     def _alive(self, q) -> bool:
         return not q.finished and (self.limit is None or len(q.tokens) < self.limit)
 
-    def _exchange(self, outcomes, first: bool = False) -> None:
-        """Send (k, t*) per row (inactive rows flagged) and receive the next speculation."""
-        out = torch.tensor([[k, t, int(self._alive(q))] for q, (k, t) in zip(self.rows, outcomes)],
-                           dtype=torch.int64)
-        self.link.send_outcome(out.to(self.device))
-        t0 = time.perf_counter()
-        if not bool(out[:, 2].any()):
+    def _exchange(self, seqs, outcomes, first: bool = False) -> None:
+        """Send (slot, k, t*, active) per row and receive the next speculation of the live ones."""
+        alive = [self._alive(q) for q in seqs]
+        rows = [[q.slot, k, t, int(a)] for q, (k, t), a in zip(seqs, outcomes, alive)]
+        rows += [[slot, 0, 0, 0] for slot in self._leaving]
+        self._leaving = []
+        out = torch.tensor(rows, dtype=torch.int64)
+        sampling = any(a and not q.params.greedy for q, a in zip(seqs, alive))
+        self.link.send_outcome(out.to(self.device), sampling)
+        for q, a in zip(seqs, alive):
+            if not a:
+                self.spec.pop(q.slot, None)
+        if not any(alive):
             idle, busy, hits, _, reused = self.link.recv_stats()
             self._batch_metrics = {
                 "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
                 "branch_kv_reused_frac": reused / hits if hits else 0.0}
-            self.spec = None
             return
-        self.spec = self.link.recv_spec(len(self.rows), self.sampling)
+        t0 = time.perf_counter()
+        spec = self.link.recv_spec(out.shape[0], sampling)
         waited = time.perf_counter() - t0
-        for q, (k, _), hit, kind in zip(self.rows, outcomes, self.spec.hit.tolist(),
-                                        self.spec.kinds.tolist()):
-            if self._alive(q):
-                q.metrics["wait_s"] = q.metrics.get("wait_s", 0.0) + waited
-                if not first:  # the first speculation of a batch cannot come from the cache
-                    record_lookup(q.metrics, k, bool(hit), int(kind))
+        for i, (q, (k, _), a) in enumerate(zip(seqs, outcomes, alive)):
+            if not a:
+                continue
+            self.spec[q.slot] = (spec.tokens[i], int(spec.kinds[i]),
+                                 None if spec.q is None else spec.q[i])
+            q.metrics["wait_s"] = q.metrics.get("wait_s", 0.0) + waited
+            if not first:  # a sequence's first speculation cannot come from the cache
+                record_lookup(q.metrics, k, bool(spec.hit[i]), int(spec.kinds[i]))
 
     def step(self, active) -> None:
         t0 = time.perf_counter()
-        idx = [self.rows.index(q) for q in active]
-        sel = torch.tensor(idx, device=self.spec.tokens.device)
-        tokens = self.spec.tokens[sel]
+        tokens = torch.stack([self.spec[q.slot][0] for q in active])  # [b, K]
         draft_q = None
-        if self.sampling:
-            draft_q = DraftQ.per_row(self.spec.kinds[sel].to(self.device),
-                                     self.spec.q[sel].to(self.device))
+        if not all(q.params.greedy for q in active):
+            kinds = [self.spec[q.slot][1] for q in active]
+            probs = torch.stack([self.spec[q.slot][2] if self.spec[q.slot][2] is not None
+                                 else torch.zeros(self.k, self.link.vocab_size,
+                                                  device=self.device) for q in active])
+            draft_q = DraftQ.per_row(kinds, probs.to(self.device))
         outcome = verify_round(self.target, active, tokens, draft_q, self.device)
         ks = commit_outcome(active, tokens, outcome)
         record_acceptance(active, outcome, self.k)
         t1 = time.perf_counter()
         for q in active:
             q.metrics["verify_s"] = q.metrics.get("verify_s", 0.0) + (t1 - t0)
-        by_row = dict(zip(idx, zip(ks, outcome.bonus.tolist())))
-        self._exchange([by_row.get(i, (0, 0)) for i in range(len(self.rows))])
+        self._exchange(active, list(zip(ks, outcome.bonus.tolist())))
+
+    def release(self, seq) -> None:
+        if self.spec.pop(seq.slot, None) is not None:
+            self._leaving.append(seq.slot)  # tell the speculator with the next outcome
 
     def batch_metrics(self) -> dict:
-        return dict(getattr(self, "_batch_metrics", {}))
+        return dict(self._batch_metrics)
 
     def close(self) -> None:
         self.link.send_shutdown()

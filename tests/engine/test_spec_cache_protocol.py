@@ -46,12 +46,12 @@ def _protocol_rank(results) -> None:
     rows = torch.tensor([[0, 3, 10, 42], [1, 2, 11, -1]])
     params = torch.tensor([[0.7, 0.9, 5.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
     toks = torch.tensor([1, 2, 3, 4, 5])
-    outcome = torch.tensor([[2, 5, 1], [0, 4, 0]])
+    outcome = torch.tensor([[0, 2, 5, 1], [1, 0, 4, 0]])
     spec = torch.tensor([[1, 2, 3], [4, 5, 0]])
     q = torch.rand(2, K, V, generator=torch.Generator().manual_seed(1))
     if world.rank == 0:
-        link.send_admit(rows, params, toks, sampling=True)
-        link.send_outcome(outcome)
+        link.send_admit(rows, params, toks)
+        link.send_outcome(outcome, sampling=True)
         got = link.recv_spec(2, sampling=True)
         assert torch.equal(got.tokens, spec) and torch.equal(got.q, q)
         assert got.kinds.tolist() == [0, 2] and got.hit.tolist() == [True, False]
@@ -59,11 +59,11 @@ def _protocol_rank(results) -> None:
         results.put("ok")
     else:
         op, b, n, sampling = link.recv_header()
-        assert (op, b, n, sampling) == (OP_ADMIT, 2, 5, 1)
+        assert (op, b, n) == (OP_ADMIT, 2, 5)
         r, p, t = link.recv_admit(b, n)
         assert torch.equal(r, rows) and torch.equal(p, params) and torch.equal(t, toks)
-        op, b, _, _ = link.recv_header()
-        assert op == OP_OUTCOME and torch.equal(link.recv_outcome(b), outcome)
+        op, b, _, sampling = link.recv_header()
+        assert (op, sampling) == (OP_OUTCOME, 1) and torch.equal(link.recv_outcome(b), outcome)
         link.send_spec(spec, torch.tensor([0, 2]), torch.tensor([True, False]), q)
         assert link.recv_header()[0] == OP_SHUTDOWN
 
