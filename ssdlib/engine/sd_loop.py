@@ -14,7 +14,6 @@ from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.metrics import record_acceptance
 from ssdlib.engine.verify import commit_outcome, verify_round
-from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ
@@ -50,8 +49,10 @@ class SDLoop:
 
 
 def build_sd_loop(cfg, world, target, target_ck):
-    if cfg.draft_placement != "leader":
-        raise ConfigError("--draft-placement separate is not implemented yet; use leader")
+    if cfg.draft_placement == "separate":
+        # the draft on its own rank: the SSD verifier/speculator pair with the cache switched off
+        from ssdlib.engine.verifier import build_ssd_verifier
+        return build_ssd_verifier(cfg, world, target, target_ck)
     draft_ck = load_checkpoint(cfg.draft)
     check_draft_compatible(target_ck, draft_ck)
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len)

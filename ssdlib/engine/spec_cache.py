@@ -43,6 +43,8 @@ class SpeculationCache:
     def lookup(self, rows: torch.Tensor, k: torch.Tensor, bonus: torch.Tensor):
         """rows [n], outcome k [n], t* [n] -> (hit [n] bool, branch [n] int64)."""
         rows, k, bonus = rows.to(self.device), k.to(self.device), bonus.to(self.device)
+        if self.B == 0:  # no cache (plain SD on a separate rank): every lookup misses
+            return torch.zeros_like(rows, dtype=torch.bool), torch.zeros_like(rows)
         match = (self.fork[rows] == k[:, None]) & (self.bonus[rows] == bonus[:, None])  # [n, B]
         hit = match.any(-1) & self.ready[rows]
         return hit, match.int().argmax(-1)

@@ -1,4 +1,5 @@
 """The speculator rank of SSD (Algorithm 1): the draft model, the speculation cache, fallbacks.
+(Also the separate draft rank of plain SD, ``--draft-placement separate``: no cache, jit only.)
 
 Loop: receive an outcome -> answer at once from the cache (hit) or from a fallback (miss) ->
 send the speculation -> *while the verifier verifies it*, build the cache for its likely outcomes
@@ -77,7 +78,10 @@ class Speculator:
         self.link = link
         self.V = vocab_size
         self.device = runner.device
-        fan = parse_fanout(cfg.fan_out, self.K)
+        # mode "sd" with --draft-placement separate: the same rank and protocol, but no
+        # speculation cache: every speculation is drafted just in time after its outcome
+        self.use_cache = cfg.mode == "ssd"
+        fan = parse_fanout(cfg.fan_out, self.K) if self.use_cache else [0] * (self.K + 1)
         self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
         self.fixed_fanout = None if fan == "auto" else fan
         self.B = sum(self.fanout())
@@ -124,7 +128,8 @@ class Speculator:
                 self.sampling = bool(sampling)
                 if self.apply_outcome(outcome):
                     t_sent = time.perf_counter()
-                    self.build_cache()
+                    if self.use_cache:
+                        self.build_cache()
                 else:
                     self.send_final()
                     t_sent = None
@@ -226,6 +231,8 @@ class Speculator:
     def choose_fallback(self) -> str:
         """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
         rounds) and the batch size; jit until there are measurements."""
+        if not self.use_cache:
+            return "jit"
         if self.cfg.fallback != "auto":
             return self.cfg.fallback
         if self.t_jit is None or not self.t_round or self.lookups < MIN_LOOKUPS_FOR_AUTO:
@@ -406,7 +413,7 @@ def serve_speculator(cfg, world, target_ck) -> None:
         raise ConfigError("--mode ssd needs --draft")
     draft_ck = load_checkpoint(cfg.draft)
     check_draft_compatible(target_ck, draft_ck)
-    fan = parse_fanout(cfg.fan_out, cfg.k)
+    fan = parse_fanout(cfg.fan_out, cfg.k) if cfg.mode == "ssd" else [0]
     budget = cfg.fan_out_budget if fan == "auto" else sum(fan)
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=budget * cfg.k)

@@ -22,7 +22,8 @@ from ssdlib.speculative.acceptance import DraftQ
 
 
 class SSDVerifier:
-    def __init__(self, target, link: SpecLink, k: int, device):
+    def __init__(self, target, link: SpecLink, k: int, device, use_cache: bool = True):
+        self.use_cache = use_cache  # False: plain SD with the draft on its own rank
         self.target = target
         self.link = link
         self.k = k
@@ -82,7 +83,7 @@ class SSDVerifier:
             self.spec[q.slot] = (spec.tokens[i], int(spec.kinds[i]),
                                  None if spec.q is None else spec.q[i])
             q.metrics["wait_s"] = q.metrics.get("wait_s", 0.0) + waited
-            if not first:  # a sequence's first speculation cannot come from the cache
+            if self.use_cache and not first:  # a first speculation cannot come from the cache
                 record_lookup(q.metrics, k, bool(spec.hit[i]), int(spec.kinds[i]))
 
     def step(self, active) -> None:
@@ -118,5 +119,5 @@ def build_ssd_verifier(cfg, world, target, target_ck):
     check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
     link = SpecLink(world.spec_group, world.speculator_rank, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size)
-    loop = SSDVerifier(target, link, cfg.k, world.device)
+    loop = SSDVerifier(target, link, cfg.k, world.device, use_cache=cfg.mode == "ssd")
     return loop, loop.close

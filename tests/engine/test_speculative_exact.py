@@ -55,6 +55,15 @@ def test_sd_greedy_equals_ar(tiny_dirs, ar_reference, draft, batch, tp):
     assert all(0 <= r <= 1 for r in rates)
 
 
+def test_sd_with_draft_on_its_own_rank(tiny_dirs, ar_reference):
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"], mode="sd",
+                   draft_placement="separate", k=4, max_batch=2, max_len=128) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert run["tokens_per_round"] > 1.5 and "hit_rate" not in run
+
+
 def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads"], mode="sd", k=4,
                    max_batch=4, max_len=128) as g:
