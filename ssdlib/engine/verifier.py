@@ -18,7 +18,7 @@ from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.verify import commit_outcome, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
-from ssdlib.speculative.acceptance import DraftQ
+from ssdlib.speculative.acceptance import DraftQ, QKind
 
 
 class SSDVerifier:
@@ -91,11 +91,18 @@ class SSDVerifier:
         tokens = torch.stack([self.spec[q.slot][0] for q in active])  # [b, K]
         draft_q = None
         if not all(q.params.greedy for q in active):
-            kinds = [self.spec[q.slot][1] for q in active]
-            probs = torch.stack([self.spec[q.slot][2] if self.spec[q.slot][2] is not None
-                                 else torch.zeros(self.k, self.link.vocab_size,
-                                                  device=self.device) for q in active])
-            draft_q = DraftQ.per_row(kinds, probs.to(self.device))
+            kinds, probs = [], []
+            for q in active:
+                _, kind, q_probs = self.spec[q.slot]
+                if q_probs is None:
+                    # received in an exchange without sampling rows: a greedy row, whose draft
+                    # tokens are argmaxes, i.e. drawn from a one-hot q
+                    if kind == QKind.DENSE:
+                        kind = int(QKind.ONEHOT)
+                    q_probs = torch.zeros(self.k, self.link.vocab_size, device=self.device)
+                kinds.append(kind)
+                probs.append(q_probs)
+            draft_q = DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
         outcome = verify_round(self.target, active, tokens, draft_q, self.device)
         ks = commit_outcome(active, tokens, outcome)
         record_acceptance(active, outcome, self.k)

@@ -166,3 +166,22 @@ def test_ssd_sampling_distribution(small_vocab, fallback, saguaro_c, batch):
                    fallback=fallback, saguaro_c=saguaro_c, fan_out="2,1,1,2") as g:
         counts = sample_pairs(g, 0.8, 0.9, seed=1)
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
+
+
+def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference):
+    """Greedy rows keep their exact output, and accept exactly as much as when run alone, while
+    sampled rows join and leave the batch."""
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    prompts = [PROMPTS[0], [7, 8, 9], PROMPTS[1], [4, 5], [6, 6, 6]]
+    params = [greedy, sampled, greedy, sampled, sampled]
+    kw = dict(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"], mode="ssd",
+              k=4, max_len=128, fallback="jit")
+    with Generator(max_batch=2, **kw) as g:
+        outs = g.generate(prompts, params)
+    with Generator(max_batch=1, **kw) as g:
+        alone = g.generate([PROMPTS[0], PROMPTS[1]], greedy)
+    assert outs[0].token_ids == ar_reference[0] and outs[2].token_ids == ar_reference[1]
+    assert [outs[0].metrics["accepted"], outs[2].metrics["accepted"]] == \
+        [o.metrics["accepted"] for o in alone]
+    assert all(len(outs[i].token_ids) == 6 for i in (1, 3, 4))
