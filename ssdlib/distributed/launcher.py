@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 
@@ -26,7 +27,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose spawning process died (even by SIGKILL) exits instead of waiting forever."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _child(rank: int, world_size: int, port: int, fn, args, errors, parent: int) -> None:
+    _exit_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -54,8 +66,8 @@ class RankGroup:
         port = free_port()
         self.procs = []
         for rank in range(world_size):
-            p = self.ctx.Process(target=_child, args=(rank, world_size, port, fn, args, self.errors),
-                                 daemon=True)
+            p = self.ctx.Process(target=_child, daemon=True,
+                                 args=(rank, world_size, port, fn, args, self.errors, os.getpid()))
             p.start()
             self.procs.append(p)
 

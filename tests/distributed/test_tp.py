@@ -51,3 +51,33 @@ def test_failing_rank_stops_every_rank_quickly():
         ranks.wait(queue.Queue(), timeout_s=60)  # nothing arrives: the failure must surface
     assert time.time() - t0 < 30
     assert all(not p.is_alive() for p in ranks.procs)
+
+
+def test_ranks_exit_when_their_parent_is_killed(tiny_dirs, tmp_path):
+    """SIGKILL of the process that spawned the ranks must not leave ranks waiting forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(__file__)))!r})\n"
+        "from ssdlib import Generator\n"
+        "if __name__ == '__main__':\n"
+        f"    g = Generator(target={tiny_dirs['gqa']!r}, tp=2, max_len=64)\n"
+        "    print(' '.join(str(p.pid) for p in g._ranks.procs), flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    alive = pids
+    while alive and time.time() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, f"ranks {alive} outlived their parent"
