@@ -68,8 +68,7 @@ def run(args) -> int:
         else:
             for o in outputs:
                 sys.stdout.write(f"--- [{o.index}] ---\n{o.text}\n")
-        run_m = gen.last_run_metrics
-    m = run_m
+        m = gen.last_run_metrics
     sys.stderr.write(f"[ssdlib] mode={args.mode} tokens={m['tokens']} "
                      f"decode_tok_s={m['decode_tok_s']:.1f}"
                      + (f" acceptance_rate={m['acceptance_rate']:.3f}"
@@ -81,7 +80,7 @@ def run(args) -> int:
              "finish_reason": o.finish_reason, "metrics": o.metrics} for o in outputs])
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:
-            json.dump({"run": run_m, "outputs": [o.metrics for o in outputs],
+            json.dump({"run": m, "outputs": [o.metrics for o in outputs],
                        "args": vars(args), "machine": machine_info(args),
                        "command": " ".join(sys.argv)}, f, indent=2)
     return 0

@@ -179,8 +179,6 @@ class Generator:
                 self._inbox.put(("close",))
                 self._ranks.wait(self._outbox, timeout_s=60)
                 self._ranks.join()
-            except RankFailure:
-                raise
             finally:
                 self._ranks.kill()
 

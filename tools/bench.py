@@ -55,21 +55,10 @@ def run_mode(args, mode: str, prompts, params) -> dict:
     tokens = sum(o.metrics["tokens"] for o in outs)
     row = {"mode": mode, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
            "token_ids": [o.token_ids for o in outs]}
-    for key in ("acceptance_rate", "mean_accepted", "tokens_per_round"):
-        if key in run:
+    for key in ("acceptance_rate", "mean_accepted", "tokens_per_round", "hit_rate", "fallbacks",
+                "verifier_idle_frac", "speculator_idle_frac"):
+        if key in run:  # the run's aggregate (ssdlib.generator.run_metrics)
             row[key] = run[key]
-    hits = sum(o.metrics.get("hits", 0) for o in outs)
-    lookups = sum(o.metrics.get("lookups", 0) for o in outs)
-    if lookups:
-        row["hit_rate"] = hits / lookups
-        fb: dict = {}
-        for o in outs:
-            for k, v in o.metrics.get("fallbacks", {}).items():
-                fb[k] = fb.get(k, 0) + v
-        row["fallbacks"] = fb
-        idle = [o.metrics.get("verifier_idle_frac") for o in outs if "verifier_idle_frac" in o.metrics]
-        row["verifier_idle_frac"] = sum(idle) / len(idle) if idle else None
-        row["speculator_idle_frac"] = outs[0].metrics.get("speculator_idle_frac")
     return row
 
 

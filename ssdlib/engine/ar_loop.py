@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import time
 
-from ssdlib.engine.batching import last_index, pack_rows, slots_tensor
+from ssdlib.engine.batching import pack_rows, prefill, slots_tensor
 from ssdlib.engine.sampler import sample_rows
 
 
-def prefill(target, seqs, device):
-    """Run every committed token of ``seqs`` through ``target`` (filling their KV slots).
-
-    Returns logits [b, V] at each row's last position: the distribution of its next token.
-    """
-    rows = [q.tokens for q in seqs]
-    ids, pos = pack_rows(rows, [0] * len(rows), device)
-    logits = target.forward(ids, pos, slots_tensor(seqs, device),
-                            last_index([len(r) for r in rows], device))
-    return logits[:, 0]
+def admit_with_first_token(target, seqs, device) -> None:
+    """Prefill new sequences on the target and commit the token each one samples first."""
+    logits = prefill(target, seqs, device)
+    for q, t in zip(seqs, sample_rows(logits, seqs)):
+        q.commit([t])
 
 
 def ar_step(target, seqs, device) -> None:
@@ -39,9 +34,7 @@ class ARLoop:
         self.device = device
 
     def admit(self, seqs) -> None:
-        logits = prefill(self.target, seqs, self.device)
-        for q, t in zip(seqs, sample_rows(logits, seqs)):
-            q.commit([t])
+        admit_with_first_token(self.target, seqs, self.device)
 
     def step(self, seqs) -> None:
         t0 = time.perf_counter()

@@ -23,6 +23,15 @@ def slots_tensor(seqs, device) -> torch.Tensor:
     return torch.tensor([q.slot for q in seqs], dtype=torch.int64, device=device)
 
 
+def prefill(model, seqs, device) -> torch.Tensor:
+    """Run every committed token of ``seqs`` through ``model`` (a target executor or a model
+    runner), filling their KV slots. Returns logits [b, V] at each row's last position."""
+    rows = [q.tokens for q in seqs]
+    ids, pos = pack_rows(rows, [0] * len(rows), device)
+    return model.forward(ids, pos, slots_tensor(seqs, device),
+                         last_index([len(r) for r in rows], device))[:, 0]
+
+
 def last_index(lengths: list[int], device) -> torch.Tensor:
     """logits_index [b, 1] selecting each row's last real token."""
     return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64, device=device)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.batching import last_index, pack_rows, slots_tensor
-from ssdlib.sampling import target_probs
+from ssdlib.engine.batching import last_index, pack_rows, prefill, slots_tensor
+from ssdlib.engine.sampler import row_distributions
 
 
 class Drafter:
@@ -31,26 +31,10 @@ class Drafter:
             return torch.cat([logits, pad], dim=-1)
         return logits
 
-    def _q(self, logits: torch.Tensor, seqs) -> torch.Tensor:
-        """Distribution each row's draft token is sampled from: [b, V] (one-hot for greedy rows)."""
-        q = torch.empty_like(logits)
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.greedy:
-                q[i].zero_()
-                q[i, logits[i].argmax()] = 1.0
-            else:
-                q[i] = target_probs(logits[i], p.temperature, p.top_k, p.top_p)
-        return q
-
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
-        """Feed every committed token of ``seqs`` (all but none held back) into the draft KV."""
-        device = self.runner.device
-        rows = [q.tokens for q in seqs]
-        ids, pos = pack_rows(rows, [0] * len(rows), device)
-        self.runner.forward(ids, pos, slots_tensor(seqs, device),
-                            last_index([len(r) for r in rows], device))
+        """Feed every committed token of ``seqs`` into the draft KV."""
+        prefill(self.runner, seqs, self.runner.device)
         for q in seqs:
             self.valid[q.slot] = len(q.tokens)
 
@@ -66,7 +50,7 @@ class Drafter:
                                                   last_index([len(r) for r in rows], device))[:, 0])
         tokens, qs = [], []
         for j in range(k):
-            q = self._q(logits, seqs)
+            q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
             tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
                                if not s.params.greedy else q[i].argmax()
                                for i, s in enumerate(seqs)])

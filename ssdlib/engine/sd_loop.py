@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import time
 
-from ssdlib.engine.ar_loop import prefill
+from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.metrics import record_acceptance
 from ssdlib.engine.verify import commit_outcome, verify_round
 from ssdlib.loading import load_checkpoint
@@ -28,9 +27,8 @@ class SDLoop:
         self.lookahead = k + 1
 
     def admit(self, seqs) -> None:
-        logits = prefill(self.target, seqs, self.device)
-        for q, t in zip(seqs, sample_rows(logits, seqs)):
-            q.commit([t])
+        admit_with_first_token(self.target, seqs, self.device)
+        for q in seqs:
             self.drafter.reset(q.slot)
 
     def step(self, seqs) -> None:

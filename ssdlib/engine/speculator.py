@@ -27,17 +27,18 @@ from ssdlib.engine.batching import pack_rows
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import KV_BUCKET, ModelRunner
 from ssdlib.engine.protocol import OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN, SpecLink
+from ssdlib.engine.sampler import row_distributions
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.log import get_logger
 from ssdlib.ops.tree_mask import tree_mask
-from ssdlib.sampling import SamplingParams, row_generators, target_probs
+from ssdlib.sampling import SamplingParams, row_generators
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
 from ssdlib.speculative.fanout import FanoutEstimator, parse_fanout
-from ssdlib.speculative.ngram import ngram_or_random
+from ssdlib.speculative.ngram import ngram_or_random, random_tokens
 from ssdlib.speculative.rng import sample_token
 from ssdlib.speculative.saguaro import saguaro_q
 
@@ -102,7 +103,6 @@ class Speculator:
         self.lookups = 0
         self.reused = 0  # hits whose branch KV and candidates were reused
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
-        self.fallback_counts: dict[str, int] = {}
         self._fanout_used = self.fanout()
 
     def fanout(self) -> list[int]:
@@ -269,14 +269,11 @@ class Speculator:
             if kind == "ngram":
                 toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
             else:
-                u = torch.stack([torch.rand(self.K, dtype=torch.float64, generator=g,
-                                            device=g.device).cpu() for g in gens])
-                toks = (u * self.V).long().clamp(max=self.V - 1)
+                toks = random_tokens(gens, len(rows), self.K, self.V).cpu()
                 dq = None
             tokens[loc] = toks
             kinds[loc] = (dq.kinds.cpu() if dq is not None
                           else torch.full((len(rows),), int(QKind.UNIFORM)))
-        self.fallback_counts[kind] = self.fallback_counts.get(kind, 0) + len(rows)
 
     def send_final(self) -> None:
         """Answer to an outcome without active rows: the counters since the last STATS."""
@@ -393,16 +390,11 @@ class Speculator:
         out = logits.argmax(-1)
         if not self.sampling:
             return out
-        q_all = torch.zeros_like(logits)
+        q_all = row_distributions(logits, rows)  # [b, B, V]; one-hot for greedy rows
         for i, r in enumerate(rows):
-            p = r.params
-            if p.greedy:
-                q_all[i].scatter_(-1, out[i].unsqueeze(-1), 1.0)
-                continue
-            probs = target_probs(logits[i], p.temperature, p.top_k, p.top_p)
-            q = saguaro_q(probs, int(f), self.cfg.saguaro_c)
-            out[i] = sample_token(q, [r.generator] * q.shape[0])
-            q_all[i] = q
+            if not r.params.greedy:
+                q_all[i] = saguaro_q(q_all[i], int(f), self.cfg.saguaro_c)
+                out[i] = sample_token(q_all[i], [r.generator] * q_all.shape[1])
         self.cache.q[rows_t, :, depth] = q_all
         return out
 

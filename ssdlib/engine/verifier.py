@@ -11,10 +11,9 @@ import time
 
 import torch
 
-from ssdlib.engine.ar_loop import prefill
+from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.metrics import record_acceptance, record_lookup
 from ssdlib.engine.protocol import SpecLink
-from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.verify import commit_outcome, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
@@ -48,9 +47,7 @@ class SSDVerifier:
     def admit(self, seqs) -> None:
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(*self._admit_message(seqs))
-        logits = prefill(self.target, seqs, self.device)
-        for q, t in zip(seqs, sample_rows(logits, seqs)):
-            q.commit([t])
+        admit_with_first_token(self.target, seqs, self.device)
         self._exchange(seqs, [(0, q.tokens[-1]) for q in seqs], first=True)
 
     def _alive(self, q) -> bool:

@@ -9,21 +9,8 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor
-from ssdlib.sampling import target_probs
+from ssdlib.engine.sampler import row_distributions
 from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, verify_sampled
-
-
-def target_distributions(logits: torch.Tensor, seqs) -> torch.Tensor:
-    """logits [b, K+1, V] -> p [b, K+1, V]: each row's exact AR distribution (one-hot argmax for
-    greedy rows, which makes the sampled rule reduce to the greedy one)."""
-    p = torch.empty_like(logits)
-    for i, seq in enumerate(seqs):
-        sp = seq.params
-        if sp.greedy:
-            p[i].zero_().scatter_(-1, logits[i].argmax(-1, keepdim=True), 1.0)
-        else:
-            p[i] = target_probs(logits[i], sp.temperature, sp.top_k, sp.top_p)
-    return p
 
 
 def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | None,
@@ -36,7 +23,7 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | Non
     draft_tokens = draft_tokens.to(logits.device)
     if all(q.params.greedy for q in seqs):
         return verify_greedy(draft_tokens, logits)
-    p = target_distributions(logits, seqs)
+    p = row_distributions(logits, seqs)
     if draft_q is None:
         raise ValueError("sampling rows need the draft q")
     return verify_sampled(draft_tokens, draft_q, p, generators=[q.generator for q in seqs])

@@ -55,6 +55,12 @@ def propose_random(vocab_size: int, K: int, generator: torch.Generator | None = 
                          device=generator.device if generator is not None else "cpu").tolist()
 
 
+def random_tokens(generators: Generators, rows: int, K: int, vocab_size: int) -> torch.Tensor:
+    """K uniform random tokens per row: [rows, K] int64 (K uniforms per row, see rng)."""
+    u = uniforms(generators, rows, K)                              # [rows, K]
+    return (u * vocab_size).long().clamp(max=vocab_size - 1)
+
+
 def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, vocab_size: int,
                     generators: Generators = None, max_ngram: int = 3,
                     min_ngram: int = 1) -> tuple[torch.Tensor, DraftQ]:
@@ -64,8 +70,7 @@ def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, v
     :mod:`ssdlib.speculative.rng` (K uniforms per row, drawn for every row).
     """
     b = len(sequences)
-    u = uniforms(generators, b, K)                                 # [b, K]
-    random_rows = (u * vocab_size).long().clamp(max=vocab_size - 1).tolist()
+    random_rows = random_tokens(generators, b, K, vocab_size).tolist()
     tokens, kinds = [], []
     for seq, fallback in zip(sequences, random_rows):
         proposal = propose_ngram(seq, K, max_ngram, min_ngram)

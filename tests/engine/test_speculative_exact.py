@@ -148,11 +148,21 @@ def test_sd_sampling_distribution(small_vocab, temperature, top_p):
 
 def test_sd_wrong_verifier_is_detected(small_vocab, monkeypatch):
     """Dropping top-p from the verifier's p must fail the same test (the test has power)."""
+    import copy
+    import dataclasses
+
     import ssdlib.engine.verify as verify
 
     t, d = small_vocab
-    real = verify.target_probs
-    monkeypatch.setattr(verify, "target_probs", lambda x, temp, k, p: real(x, temp, k, 1.0))
+    real = verify.row_distributions
+
+    def without_top_p(logits, seqs):
+        seqs = [copy.copy(q) for q in seqs]
+        for q in seqs:
+            q.params = dataclasses.replace(q.params, top_p=1.0)
+        return real(logits, seqs)
+
+    monkeypatch.setattr(verify, "row_distributions", without_top_p)
     with Generator(target=t, draft=d, mode="sd", k=3, max_batch=1000, max_len=32) as g:
         counts = sample_pairs(g, 0.8, 0.9)
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) < 1e-3
