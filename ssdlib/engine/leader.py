@@ -45,21 +45,28 @@ class Leader:
                 self.loop.admit(new)
                 self._after(new, before, on_event)
                 active += new
+                # a sequence may end on its first token (EOS, max_new_tokens=1): it leaves
+                # before any round, never stepped with rows that are still decoding
+                active = self._harvest(active, outputs, free)
             if active:
                 before = [len(q.tokens) for q in active]
                 self.loop.step(active)
                 self._after(active, before, on_event)
-            done = [q for q in active if q.finished]
-            for q in done:
-                outputs[q.request.index] = q.to_output()
-                free.append(q.slot)
-                if hasattr(self.loop, "release"):
-                    self.loop.release(q)
-            active = [q for q in active if not q.finished]
+                active = self._harvest(active, outputs, free)
         if hasattr(self.loop, "batch_metrics"):  # e.g. the speculator's idle fraction
             for o in outputs.values():
                 o.metrics.update(self.loop.batch_metrics())
         return [outputs[r.index] for r in requests]
+
+    def _harvest(self, active, outputs, free) -> list[Sequence]:
+        """Collect finished sequences (free their slots); return the ones still running."""
+        for q in active:
+            if q.finished:
+                outputs[q.request.index] = q.to_output()
+                free.append(q.slot)
+                if hasattr(self.loop, "release"):
+                    self.loop.release(q)
+        return [q for q in active if not q.finished]
 
     def _after(self, seqs, before, on_event) -> None:
         for q, n in zip(seqs, before):
