@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every step eagerly (default on CUDA: decode / verify / draft / tree "
+                        "steps replay captured CUDA graphs)")
     s = p.add_argument_group("speculation")
     s.add_argument("--k", type=int, default=5, help="draft tokens per round")
     s.add_argument("--fan-out", default="auto",
@@ -47,7 +50,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
                 dtype=a.dtype, k=a.k, fan_out=a.fan_out, fan_out_budget=a.fan_out_budget,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
-                max_batch=a.max_batch, max_len=a.max_len)
+                max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs)
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
