@@ -196,15 +196,45 @@ class Generator:
             pass
 
 
+# seconds keys that are spans (of the run or of one sequence), not phases of the rounds
+SPAN_KEYS = ("wall_s", "ttft_s", "total_s", "prefill_s", "decode_s")
+
+
+def is_phase_key(key: str) -> bool:
+    """A metrics key holding seconds spent in one phase of the rounds (``draft_s``, ``wait_s``)."""
+    return key.endswith("_s") and not key.endswith("tok_s") and key not in SPAN_KEYS
+
+
 def run_metrics(outputs: list[Output], wall_s: float) -> dict:
-    """Aggregate per-output metrics into the run's (same names as per output)."""
+    """Aggregate per-output metrics into the run's (same names as per output).
+
+    ``decode_tok_s`` is wall-clock decode throughput: the tokens produced by decode rounds (all
+    generated tokens less each sequence's first, which its prefill produces) divided by the
+    wall time from the first sequence's first token to the end of the call,
+    ``wall_s - ttft_s``. With continuous batching that window also holds later sequences'
+    prefills and the rounds where few slots are busy: it is what a caller waits, not the
+    decode time of any single sequence. ``ttft_s`` is the first sequence's (lowest index:
+    requests are admitted in order) time to first token.
+
+    Phase times (every per-output key ending in ``_s`` other than the spans in ``SPAN_KEYS`` and
+    the ``*tok_s`` rates, e.g. ``draft_s``, ``verify_s``, ``wait_s``) are summed over outputs.
+    Each sequence adds a batched round's phase time once per round it takes part in, and
+    ``rounds`` is summed the same way, so ``key / rounds`` is the mean phase time per round
+    (rounds weighted by how many sequences they carried).
+    """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
            "requests": len(outputs)}
-    decode_s = max((o.metrics.get("decode_s", 0.0) for o in outputs), default=0.0)
-    out["decode_tok_s"] = (tokens - len(outputs)) / decode_s if decode_s > 0 else 0.0
+    first = min(outputs, key=lambda o: o.index, default=None)
+    out["ttft_s"] = first.metrics.get("prefill_s", 0.0) if first is not None else 0.0
+    window = wall_s - out["ttft_s"]
+    out["decode_tok_s"] = (tokens - len(outputs)) / window if window > 0 else 0.0
     out["rounds"] = sum(o.metrics.get("rounds", 0) for o in outputs)
     out["prefill_s"] = max((o.metrics.get("prefill_s", 0.0) for o in outputs), default=0.0)
+    for o in outputs:
+        for key, value in o.metrics.items():
+            if is_phase_key(key) and isinstance(value, (int, float)):
+                out[key] = out.get(key, 0.0) + value
     drafted = sum(o.metrics.get("drafted", 0) for o in outputs)
     if drafted:
         accepted = sum(o.metrics.get("accepted", 0) for o in outputs)
