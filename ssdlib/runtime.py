@@ -46,7 +46,8 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
         serve_speculator(cfg, world, target_ck)
         destroy_world()
         return None
-    runner = ModelRunner(target_ck, world.tp_group, world.device, dtype, cfg.max_batch, cfg.max_len)
+    runner = ModelRunner(target_ck, world.tp_group, world.device, dtype, cfg.max_batch, cfg.max_len,
+                         cuda_graphs=cfg.cuda_graphs)
     channel = TPChannel(world.tp_group, world.device) if cfg.tp > 1 else None
     if not world.is_leader:
         channel.serve(runner)

@@ -10,15 +10,15 @@ from ssdlib.engine.sampler import sample_rows
 
 def admit_with_first_token(target, seqs, device) -> None:
     """Prefill new sequences on the target and commit the token each one samples first."""
-    logits = prefill(target, seqs, device)
+    logits = prefill(target, seqs)
     for q, t in zip(seqs, sample_rows(logits, seqs)):
         q.commit([t])
 
 
 def ar_step(target, seqs, device) -> None:
     """One decode step for every sequence: feed the last committed token, commit the next."""
-    ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs], device)
-    logits = target.forward(ids, pos, slots_tensor(seqs, device))[:, 0]
+    ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
+    logits = target.forward(ids, pos, slots_tensor(seqs))[:, 0]
     for q, t in zip(seqs, sample_rows(logits, seqs)):
         q.commit([t])
         q.metrics["rounds"] += 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def pack_rows(rows: list[list[int]], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``rows`` into ids [b, s] and positions [b, s].
+def pack_rows(rows: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``rows`` into ids [b, s] and positions [b, s], on the host (model runners copy
+    them to the device with the rest of a step's inputs).
 
     Row i's tokens go to positions starts[i], starts[i]+1, ...; padding continues the positions
     (its KV lands beyond the row's length, where it is never attended to and later overwritten).
@@ -16,22 +17,21 @@ def pack_rows(rows: list[list[int]], starts: list[int], device) -> tuple[torch.T
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
     positions = torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(s).view(1, -1)
-    return ids.to(device), positions.to(device)
+    return ids, positions
 
 
-def slots_tensor(seqs, device) -> torch.Tensor:
-    return torch.tensor([q.slot for q in seqs], dtype=torch.int64, device=device)
+def slots_tensor(seqs) -> torch.Tensor:
+    return torch.tensor([q.slot for q in seqs], dtype=torch.int64)
 
 
-def prefill(model, seqs, device) -> torch.Tensor:
+def prefill(model, seqs) -> torch.Tensor:
     """Run every committed token of ``seqs`` through ``model`` (a target executor or a model
     runner), filling their KV slots. Returns logits [b, V] at each row's last position."""
     rows = [q.tokens for q in seqs]
-    ids, pos = pack_rows(rows, [0] * len(rows), device)
-    return model.forward(ids, pos, slots_tensor(seqs, device),
-                         last_index([len(r) for r in rows], device))[:, 0]
+    ids, pos = pack_rows(rows, [0] * len(rows))
+    return model.forward(ids, pos, slots_tensor(seqs), last_index([len(r) for r in rows]))[:, 0]
 
 
-def last_index(lengths: list[int], device) -> torch.Tensor:
+def last_index(lengths: list[int]) -> torch.Tensor:
     """logits_index [b, 1] selecting each row's last real token."""
-    return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64, device=device)
+    return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64)

@@ -34,36 +34,45 @@ class Drafter:
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
         """Feed every committed token of ``seqs`` into the draft KV."""
-        prefill(self.runner, seqs, self.runner.device)
+        prefill(self.runner, seqs)
         for q in seqs:
             self.valid[q.slot] = len(q.tokens)
 
     @torch.inference_mode()
-    def propose(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft k tokens per row. Returns tokens [b, k] and q [b, k, V] (float32)."""
-        device = self.runner.device
+    def propose(self, seqs, k: int, want_q: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft k tokens per row. Returns tokens [b, k] (on the device) and q [b, k, V]
+        (float32; one-hot on greedy rows), or None for q when every row is greedy and
+        ``want_q`` is False. Greedy batches run without host syncs: each step's argmax feeds
+        the next step on the device."""
         rows = [q.tokens[self.valid.get(q.slot, 0):] for q in seqs]
         starts = [self.valid.get(q.slot, 0) for q in seqs]
-        ids, pos = pack_rows(rows, starts, device)
-        slots = slots_tensor(seqs, device)
+        ids, pos = pack_rows(rows, starts)
+        slots = slots_tensor(seqs)
         logits = self._logits(self.runner.forward(ids, pos, slots,
-                                                  last_index([len(r) for r in rows], device))[:, 0])
+                                                  last_index([len(r) for r in rows]))[:, 0])
+        greedy = all(s.params.greedy for s in seqs)
+        next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)  # [b, 1]
         tokens, qs = [], []
         for j in range(k):
-            q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
-            tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
-                               if not s.params.greedy else q[i].argmax()
-                               for i, s in enumerate(seqs)])
+            if greedy:
+                tok = logits.argmax(-1)
+                if want_q:
+                    qs.append(torch.zeros(logits.shape, device=logits.device).scatter_(
+                        -1, tok[:, None], 1.0))
+            else:
+                q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
+                tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
+                                   if not s.params.greedy else q[i].argmax()
+                                   for i, s in enumerate(seqs)])
+                qs.append(q)
             tokens.append(tok)
-            qs.append(q)
             if j + 1 < k:
-                positions = torch.tensor([len(s.tokens) + j for s in seqs], device=device)
-                logits = self._logits(self.runner.forward(tok.view(-1, 1), positions.view(-1, 1),
-                                                          slots)[:, 0])
+                logits = self._logits(self.runner.forward(tok.view(-1, 1), next_pos + j, slots,
+                                                          kv_len=int(next_pos.max()) + j + 1)[:, 0])
         for s in seqs:
             # KV now holds the committed tokens plus the first k-1 drafted ones
             self.valid[s.slot] = len(s.tokens) + k - 1
-        return torch.stack(tokens, 1), torch.stack(qs, 1)
+        return torch.stack(tokens, 1), (torch.stack(qs, 1) if qs else None)
 
     def after_commit(self, seqs, accepted: list[int], k: int) -> None:
         """Keep draft KV only for committed tokens: prefix + accepted drafts (never the bonus)."""

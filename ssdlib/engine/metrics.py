@@ -7,9 +7,9 @@ from ssdlib.speculative.acceptance import QKind
 FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random"}
 
 
-def record_acceptance(seqs, outcome: VerifyOutcome, k: int) -> None:
-    mask = outcome.accepted_mask.tolist()
-    for q, accepted_row in zip(seqs, mask):
+def record_acceptance(seqs, result, k: int) -> None:
+    """result: the round's :class:`~ssdlib.engine.verify.RoundResult` (host lists)."""
+    for q, accepted_row in zip(seqs, result.accepted_mask):
         m = q.metrics
         m["rounds"] += 1
         n_acc = sum(accepted_row)

@@ -1,49 +1,116 @@
-"""One model shard plus its KV cache on one rank, and the forwards the engine needs."""
+"""One model shard plus its KV cache on one rank, and the forwards the engine needs.
+
+Every forward takes host or device tensors and returns logits in the model's dtype. Forwards
+with few queries per row (decode, verify, draft and tree steps) go through :class:`StepGraphs`
+(captured CUDA graphs on GPU, the same code eagerly otherwise); prefill runs eagerly.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from ssdlib.engine.kv_cache import KVCache
+from ssdlib.engine.step_graphs import StepGraphs
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.loading.checkpoint import Checkpoint
+from ssdlib.log import get_logger
 from ssdlib.models.llama import LlamaForCausalLM
+
+log = get_logger(__name__)
 
 # Positions past max_len that padded rows of a batched forward may write to (never read).
 POSITION_SLACK = 64
-# Attention key lengths are rounded up to this many positions (see AttentionMetadata.build).
-KV_BUCKET = 128
+# Attention key lengths (the SDPA path's copy of each row's keys) are rounded up to this many
+# positions, so steps see few distinct shapes (and few captured graphs).
+KV_BUCKET = 256
+# Forwards with at most this many queries per row are captured (decode, verify, tree steps).
+MAX_GRAPH_QUERIES = 64
+
+
+def use_slot_kernel(device: torch.device) -> bool:
+    """The in-place attention kernel serves CUDA steps when it is importable and not disabled
+    (SSDLIB_ATTENTION=torch forces the SDPA path)."""
+    if device.type != "cuda" or os.environ.get("SSDLIB_ATTENTION", "").lower() == "torch":
+        return False
+    try:
+        from ssdlib.ops.slot_attention import kernel_available
+    except ImportError:
+        return False
+    return kernel_available()
 
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
-                 dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0):
+                 dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
+                 cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES):
         config = checkpoint.config
         self.config = config
-        self.device = device
+        self.device = torch.device(device)
         self.max_len = max_len
         alloc = max_len + POSITION_SLACK
-        with torch.device(device):
+        with torch.device(self.device):
             model = LlamaForCausalLM(config, tp_group, max_positions=alloc)
         for p in model.parameters():
             p.data = p.data.to(dtype)
         model.load_weights(checkpoint.weights)
         self.model = model.eval().requires_grad_(False)
-        self.cache = KVCache(config.num_hidden_layers, n_slots, model.kv_heads_local, alloc,
+        # one extra slot: the scratch slot that padded (ghost) rows of a captured step write to
+        self.cache = KVCache(config.num_hidden_layers, n_slots + 1, model.kv_heads_local, alloc,
                              config.head_dim, dtype, device, tree_len)
+        self.scratch_slot = n_slots
+        self.use_kernel = use_slot_kernel(self.device)
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda":
+            from ssdlib.ops.graph_pool import make_graph_pool
+
+            pool = make_graph_pool(self.device, enabled=cuda_graphs)
+            self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
+            log.info("model runner: %s graphs, attention %s", pool.kind,
+                     "slot kernel" if self.use_kernel else "sdpa")
+
+    def kv_bucket(self, kv_len: int) -> int:
+        """Static key length for a step whose queries see at most ``kv_len`` slot keys."""
+        if self.use_kernel:
+            return self.cache.max_len  # the kernel reads only up to each limit
+        return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids/positions: [b, s]; slots: [b] -> logits [b, s or n, V] (float32)."""
-        meta = AttentionMetadata.build(positions, slots, KV_BUCKET, self.cache.max_len)
-        return self.model(input_ids, self.cache, meta, logits_index).float()
+                logits_index: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """input_ids/positions: [b, s]; slots: [b]; logits_index [b, n] -> logits [b, s or n, V]
+        in the model's dtype. Causal: a query at position p sees keys <= p. ``kv_len`` (> every
+        position) is read from ``positions`` when they are on the host; give it for device
+        positions (otherwise it costs a host sync)."""
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        kv_len = self.kv_bucket(kv_len)
+        b, s = input_ids.shape
+        if self.graphs is not None and s <= MAX_GRAPH_QUERIES and self.graphs.fits(b, s):
+            return self.graphs.forward(input_ids, positions, slots, positions + 1, logits_index,
+                                       kv_len)
+        dev = self.device
+        positions = positions.to(dev)
+        meta = AttentionMetadata(positions, slots.to(dev), kv_len, kv_limit=positions + 1)
+        index = None if logits_index is None else logits_index.to(dev)
+        return self.model(input_ids.to(dev), self.cache, meta, index)
 
     @torch.inference_mode()
     def tree_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     tree_index: torch.Tensor, kv_len: int, tree_len: int,
-                     mask: torch.Tensor) -> torch.Tensor:
-        """One tree-decode step: input_ids/positions/tree_index [b, s] (s = branches),
-        mask [b, 1, s, kv_len + tree_len] -> logits [b, s, V] (float32)."""
-        meta = AttentionMetadata(positions, slots, kv_len, mask, None, tree_index, tree_len)
-        return self.model(input_ids, self.cache, meta).float()
+                     tree_index: torch.Tensor, kv_limit: torch.Tensor, tree_mask: torch.Tensor,
+                     kv_len: int) -> torch.Tensor:
+        """One tree-decode step: input_ids/positions/tree_index/kv_limit [b, s] (s = branches),
+        tree_mask [b, s, T] -> logits [b, s, V]. Query (i, j) sees slot keys [0, kv_limit[i, j])
+        and the branch keys tree_mask[i, j] allows; its own K/V goes to tree_index[i, j]."""
+        kv_len = self.kv_bucket(kv_len)
+        b, s = input_ids.shape
+        tree_len = tree_mask.shape[-1]
+        if self.graphs is not None and self.graphs.fits(b, s, tree_len):
+            return self.graphs.forward(input_ids, positions, slots, kv_limit, None, kv_len,
+                                       tree_index, tree_mask, tree_len)
+        dev = self.device
+        meta = AttentionMetadata(positions.to(dev), slots.to(dev), kv_len,
+                                 kv_limit=kv_limit.to(dev), tree_index=tree_index.to(dev),
+                                 tree_mask=tree_mask.to(dev), tree_len=tree_len)
+        return self.model(input_ids.to(dev), self.cache, meta)

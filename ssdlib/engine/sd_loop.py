@@ -33,14 +33,15 @@ class SDLoop:
 
     def step(self, seqs) -> None:
         t0 = time.perf_counter()
-        tokens, q = self.drafter.propose(seqs, self.k)
+        greedy = all(s.params.greedy for s in seqs)
+        tokens, q = self.drafter.propose(seqs, self.k, want_q=not greedy)
         t1 = time.perf_counter()
-        draft_q = None if all(s.params.greedy for s in seqs) else DraftQ.from_probs(q)
+        draft_q = None if greedy else DraftQ.from_probs(q)
         outcome = verify_round(self.target, seqs, tokens, draft_q, self.device)
-        ks = commit_outcome(seqs, tokens, outcome)
-        self.drafter.after_commit(seqs, ks, self.k)
+        result = commit_outcome(seqs, tokens, outcome)
+        self.drafter.after_commit(seqs, result.accepted, self.k)
         t2 = time.perf_counter()
-        record_acceptance(seqs, outcome, self.k)
+        record_acceptance(seqs, result, self.k)
         for s in seqs:
             s.metrics["draft_s"] = s.metrics.get("draft_s", 0.0) + (t1 - t0)
             s.metrics["verify_s"] = s.metrics.get("verify_s", 0.0) + (t2 - t1)
@@ -53,6 +54,7 @@ def build_sd_loop(cfg, world, target, target_ck):
         return build_ssd_verifier(cfg, world, target, target_ck)
     draft_ck = load_checkpoint(cfg.draft)
     check_draft_compatible(target_ck, draft_ck)
-    runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len)
+    runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
+                         cuda_graphs=cfg.cuda_graphs)
     loop = SDLoop(target, Drafter(runner, target_ck.config.vocab_size), cfg.k, world.device)
     return loop, lambda: None

@@ -25,7 +25,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.model_runner import KV_BUCKET, ModelRunner
+from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.protocol import OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN, SpecLink
 from ssdlib.engine.sampler import row_distributions
 from ssdlib.engine.spec_cache import SpeculationCache
@@ -33,7 +33,7 @@ from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.log import get_logger
-from ssdlib.ops.tree_mask import tree_mask
+from ssdlib.ops.tree_mask import tree_mask_full
 from ssdlib.sampling import SamplingParams, row_generators
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
@@ -256,7 +256,7 @@ class Speculator:
             t0 = time.perf_counter()
             for r in rows:
                 self.drafter.valid[r.slot] = r.valid
-            toks, qs = self.drafter.propose(rows, self.K)
+            toks, qs = self.drafter.propose(rows, self.K, want_q=q is not None)
             for r in rows:
                 r.valid = len(r.tokens)  # the drafted tokens' KV is speculative
             self.t_jit = time.perf_counter() - t0
@@ -319,21 +319,23 @@ class Speculator:
         fork = torch.cat(forks, 1)  # [b, B]
         first = torch.cat(bonus, 1)  # [b, B]
         # 3. K tree-decode steps over all branches of all rows
-        n = torch.tensor([len(r.tokens) for r in rows], device=dev)  # committed lengths
-        kv_len = min(-(-(int(n.max()) + K) // KV_BUCKET) * KV_BUCKET, self.runner.cache.max_len)
-        key_pos = torch.arange(kv_len, device=dev)
-        slot_mask = key_pos.view(1, 1, -1) < (n.view(-1, 1, 1) + fork.unsqueeze(-1))  # [b, B, L]
+        lengths = [len(r.tokens) for r in rows]  # committed
+        n = torch.tensor(lengths, device=dev)
+        kv_len = max(lengths) + K  # > every slot key a branch sees
+        kv_limit = n.view(-1, 1) + fork  # [b, B]: branch (k, t) sees the prefix + s_1..s_k
+        # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
+        # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
+        full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
         fan_t = torch.tensor(fan, device=dev)
         tok = first
         out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
         rows_t = torch.tensor(live, device=dev)
         for d in range(K):
-            tree = tree_mask(fork, K, d)[..., K:]  # [b, B, B*(d+1)]
-            mask = torch.cat([slot_mask, tree.to(dev)], dim=-1).unsqueeze(1)
-            positions = n.view(-1, 1) + fork + d
+            positions = kv_limit + d
             tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
             lg = self.drafter._logits(self.runner.tree_forward(
-                tok, positions, slots, tree_index, kv_len, B * (d + 1), mask))  # [b, B, V]
+                tok, positions, slots, tree_index, kv_limit,
+                full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len))  # [b, B, V]
             self.branch_top[rows_t, :, d] = lg.topk(self.C, dim=-1).indices
             tok = self._sample_branches(lg, rows, fan_t[d] if d < len(fan) else 0,
                                         rows_t, d)
@@ -367,9 +369,9 @@ class Speculator:
             br = torch.tensor([rows[j].reuse for j in reuse], device=dev)
             jj = torch.tensor(reuse, device=dev)
             cand[jj, :K] = self.branch_top[sel, br]
-            ids = torch.tensor([[rows[j].sent[-1]] for j in reuse], device=dev)
-            pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse], device=dev)
-            slots = torch.tensor([rows[j].slot for j in reuse], device=dev)
+            ids = torch.tensor([[rows[j].sent[-1]] for j in reuse])
+            pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse])
+            slots = torch.tensor([rows[j].slot for j in reuse])
             logits = self.drafter._logits(self.runner.forward(ids, pos, slots))[:, 0]
             cand[jj, K] = logits.topk(self.C, dim=-1).indices
         if full:
@@ -377,10 +379,9 @@ class Speculator:
             # at least the last committed token is fed: its output is the dist at position 1
             starts = [min(r.valid, len(r.tokens) - 1) for r in sub]
             inputs = [r.tokens[st:] + r.sent for r, st in zip(sub, starts)]
-            ids, pos = pack_rows(inputs, starts, dev)
-            index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs],
-                                 device=dev)
-            slots = torch.tensor([r.slot for r in sub], device=dev)
+            ids, pos = pack_rows(inputs, starts)
+            index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs])
+            slots = torch.tensor([r.slot for r in sub])
             logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
             cand[torch.tensor(full, device=dev)] = logits.topk(self.C, dim=-1).indices
         return cand
@@ -408,7 +409,8 @@ def serve_speculator(cfg, world, target_ck) -> None:
     fan = parse_fanout(cfg.fan_out, cfg.k) if cfg.mode == "ssd" else [0]
     budget = cfg.fan_out_budget if fan == "auto" else sum(fan)
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
-                         cfg.max_len + cfg.k + 2, tree_len=budget * cfg.k)
+                         cfg.max_len + cfg.k + 2, tree_len=budget * cfg.k,
+                         cuda_graphs=cfg.cuda_graphs)
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size)
     Speculator(cfg, runner, link, target_ck.config.vocab_size).run()

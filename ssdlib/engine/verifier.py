@@ -101,12 +101,12 @@ class SSDVerifier:
                 probs.append(q_probs)
             draft_q = DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
         outcome = verify_round(self.target, active, tokens, draft_q, self.device)
-        ks = commit_outcome(active, tokens, outcome)
-        record_acceptance(active, outcome, self.k)
+        result = commit_outcome(active, tokens, outcome)
+        record_acceptance(active, result, self.k)
         t1 = time.perf_counter()
         for q in active:
             q.metrics["verify_s"] = q.metrics.get("verify_s", 0.0) + (t1 - t0)
-        self._exchange(active, list(zip(ks, outcome.bonus.tolist())))
+        self._exchange(active, list(zip(result.accepted, result.bonus)))
 
     def release(self, seq) -> None:
         if self.spec.pop(seq.slot, None) is not None:

@@ -6,6 +6,8 @@ exact acceptance rule from :mod:`ssdlib.speculative.acceptance`, and the commit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor
@@ -17,10 +19,11 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | Non
                  device) -> VerifyOutcome:
     """draft_tokens [b, K] -> outcome (k accepted, bonus t*) per row. Does not commit."""
     b, k = draft_tokens.shape
-    rows = [[q.tokens[-1]] + d for q, d in zip(seqs, draft_tokens.tolist())]
-    ids, pos = pack_rows(rows, [len(q.tokens) - 1 for q in seqs], device)
-    logits = target.forward(ids, pos, slots_tensor(seqs, device))      # [b, K+1, V]
-    draft_tokens = draft_tokens.to(logits.device)
+    last, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
+    pos = pos + torch.arange(k + 1)                                      # [b, K+1]
+    draft_tokens = draft_tokens.to(device)
+    ids = torch.cat([last.to(device), draft_tokens], dim=1)              # no read-back of drafts
+    logits = target.forward(ids, pos, slots_tensor(seqs))               # [b, K+1, V]
     if all(q.params.greedy for q in seqs):
         return verify_greedy(draft_tokens, logits)
     p = row_distributions(logits, seqs)
@@ -29,9 +32,22 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | Non
     return verify_sampled(draft_tokens, draft_q, p, generators=[q.generator for q in seqs])
 
 
-def commit_outcome(seqs, draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> list[int]:
-    """Commit s_1..s_k + t* per row (stop rules may cut it short); returns k per row."""
-    ks = outcome.accepted.tolist()
-    for q, toks in zip(seqs, outcome.tokens(draft_tokens.cpu())):
-        q.commit(toks)
-    return ks
+@dataclass
+class RoundResult:
+    """One verification round on the host (read back in one device-to-host copy)."""
+
+    accepted: list[int]  # k per row
+    bonus: list[int]  # t* per row
+    accepted_mask: list[list[int]]  # [b][K] 1 on the accepted prefix
+
+
+def commit_outcome(seqs, draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> RoundResult:
+    """Commit s_1..s_k + t* per row (stop rules may cut it short)."""
+    b, k = draft_tokens.shape
+    host = torch.cat([outcome.accepted[:, None], outcome.bonus[:, None],
+                      outcome.accepted_mask.long(), draft_tokens.to(outcome.bonus.device)],
+                     dim=1).tolist()  # [b, 2 + 2K]: the round's only host sync
+    result = RoundResult([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host])
+    for q, row in zip(seqs, host):
+        q.commit(row[2 + k:2 + k + row[0]] + [row[1]])
+    return result

@@ -1,9 +1,18 @@
-"""Attention over the slot KV cache (torch SDPA: plain math on CPU, fused kernels on GPU).
+"""Attention over the slot KV cache.
 
-Each forward writes the new K/V at their positions, then attends over keys [0, kv_len) of the
-sequence's slot with a per-position causal mask (a query at position p sees keys <= p). The same
-mask handles prefill, one-token decode and the K+1-position verification forward, with rows of
-different lengths in one batch.
+Each forward writes the new K/V (at their positions in the row's slot, or in tree mode at
+``tree_index`` of the slot's branch scratch region), then every query attends to the slot keys
+below its own limit ``kv_limit`` (causal decode / verify / prefill: position + 1; a tree branch:
+its prefix length) and, in tree mode, to the branch keys its ``tree_mask`` allows.
+
+Two ways to compute the same thing:
+- ``slot_attention`` (``ssdlib.ops``): reads keys in place up to each row's limit (the Triton
+  kernel on CUDA); used for small query counts (decode, verify, tree steps) when available;
+- SDPA over a gathered copy of keys [0, kv_len) of each row with a dense mask; ``kv_len`` is a
+  static bucket >= every limit (CPU, prefill, and the reference the kernel is tested against).
+
+Nothing here reads device values on the host: all metadata is shaped by host-known sizes, so a
+forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,33 +28,37 @@ class AttentionMetadata:
     """Per-forward attention inputs, shared by all layers."""
 
     positions: torch.Tensor  # [b, s] int64, logical position of each new token
-    slots: torch.Tensor  # [b] int64, KV slot of each row
-    kv_len: int  # keys [0, kv_len) are read; >= max(positions) + 1
-    mask: torch.Tensor  # [b, 1, s, kv_len] bool, True = may attend
-    slot_start: int | None = None  # rows use slots slot_start.. contiguously (no gather needed)
+    slots: torch.Tensor | None  # [b] int64, KV slot of each row (None: no cache, training)
+    kv_len: int  # static: slot keys [0, kv_len) may be read; >= every kv_limit
+    kv_limit: torch.Tensor | None = None  # [b, s] int64: slot keys [0, limit) visible per query
     # Tree-decode mode (speculator branches): new K/V go to the tree scratch region at
-    # tree_index [b, s] instead of the slot; keys = slot [0, kv_len) ++ tree [0, tree_len);
-    # mask is then [b, 1, s, kv_len + tree_len].
+    # tree_index [b, s] instead of the slot; tree_mask [b, s, tree_len] says which branch keys
+    # each query sees (in addition to its slot keys below kv_limit).
     tree_index: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
     tree_len: int = 0
+    use_kernel: bool = False  # slot_attention reads the cache in place (else SDPA over kv_len)
     rope: tuple | None = None  # (cos, sin) for ``positions``, set by the model once per forward
+    mask: torch.Tensor | None = None  # SDPA mask [b, 1, s, kv_len (+ tree_len)], set once per forward
 
     @classmethod
-    def build(cls, positions: torch.Tensor, slots: torch.Tensor, kv_bucket: int = 1,
-              kv_limit: int | None = None) -> "AttentionMetadata":
-        """Causal-by-position metadata. The key length is rounded up to a multiple of
-        ``kv_bucket`` (capped at ``kv_limit``) so attention sees few distinct shapes: fused GPU
-        attention backends plan per shape, and a new length every step is slow."""
-        kv_len = int(positions.max().item()) + 1
-        if kv_bucket > 1:
-            kv_len = -(-kv_len // kv_bucket) * kv_bucket
-            if kv_limit is not None:
-                kv_len = min(kv_len, kv_limit)
-        keys = torch.arange(kv_len, device=positions.device)
-        mask = (keys.view(1, 1, 1, -1) <= positions.view(positions.shape[0], 1, -1, 1))
-        slot_list = slots.tolist()
-        contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
-        return cls(positions, slots, kv_len, mask, slot_list[0] if contiguous else None)
+    def build(cls, positions: torch.Tensor, slots: torch.Tensor,
+              kv_len: int | None = None) -> "AttentionMetadata":
+        """Causal-by-position metadata (a query at position p sees keys <= p). Without
+        ``kv_len`` it is read from ``positions`` (a host sync on GPU: not for the hot path)."""
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        return cls(positions, slots, kv_len, kv_limit=positions + 1)
+
+    def prepare(self) -> None:
+        """Once per forward (inside a captured graph too): the SDPA mask from the limits."""
+        if self.use_kernel or self.slots is None:
+            return
+        keys = torch.arange(self.kv_len, device=self.positions.device)
+        mask = keys.view(1, 1, -1) < self.kv_limit.unsqueeze(-1)  # [b, s, kv_len]
+        if self.tree_mask is not None:
+            mask = torch.cat([mask, self.tree_mask], dim=-1)
+        self.mask = mask.unsqueeze(1)
 
 
 class CachedAttention(nn.Module):
@@ -64,38 +77,33 @@ class CachedAttention(nn.Module):
         In tree mode the slot is read-only; tree_k/tree_v [slots, hkv, T, hd] receive the new K/V.
         """
         b, s = q.shape[:2]
+        gqa = self.num_heads != self.num_kv_heads
         if k_cache is None:  # training / scoring: plain causal attention over these tokens
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+                scale=self.scale, enable_gqa=gqa)
             return out.transpose(1, 2).reshape(b, s, -1)
         rows = meta.slots.view(-1, 1)
-        if meta.tree_index is not None:
-            return self._tree(q, k, v, k_cache, v_cache, tree_k, tree_v, meta)
-        k_cache[rows, :, meta.positions] = k
-        v_cache[rows, :, meta.positions] = v
-        if meta.slot_start is not None:
-            keys = k_cache[meta.slot_start:meta.slot_start + b, :, :meta.kv_len]
-            values = v_cache[meta.slot_start:meta.slot_start + b, :, :meta.kv_len]
+        tree = meta.tree_index is not None
+        if tree:
+            tree_k[rows, :, meta.tree_index] = k
+            tree_v[rows, :, meta.tree_index] = v
         else:
-            keys = k_cache[meta.slots, :, :meta.kv_len]
-            values = v_cache[meta.slots, :, :meta.kv_len]
-        out = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [b, hq, s, hd]
-        return out.transpose(1, 2).reshape(b, s, -1)
+            k_cache[rows, :, meta.positions] = k
+            v_cache[rows, :, meta.positions] = v
+        if meta.use_kernel:
+            from ssdlib.ops.slot_attention import slot_attention
 
-    def _tree(self, q, k, v, k_cache, v_cache, tree_k, tree_v, meta):
-        b, s = q.shape[:2]
-        rows = meta.slots.view(-1, 1)
-        tree_k[rows, :, meta.tree_index] = k
-        tree_v[rows, :, meta.tree_index] = v
-        # shared prefix and the row's branch tokens, one softmax over both (concatenated keys)
-        keys = torch.cat([k_cache[meta.slots, :, :meta.kv_len],
-                          tree_k[meta.slots, :, :meta.tree_len]], dim=2)
-        values = torch.cat([v_cache[meta.slots, :, :meta.kv_len],
-                            tree_v[meta.slots, :, :meta.tree_len]], dim=2)
+            out = slot_attention(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
+                                 tree_k if tree else None, tree_v if tree else None,
+                                 meta.tree_mask)
+            return out.reshape(b, s, -1)
+        keys = k_cache[meta.slots, :, :meta.kv_len]  # [b, hkv, kv_len, hd] (a gathered copy)
+        values = v_cache[meta.slots, :, :meta.kv_len]
+        if tree:  # the row's branch keys after its prefix: one softmax over both
+            keys = torch.cat([keys, tree_k[meta.slots, :, :meta.tree_len]], dim=2)
+            values = torch.cat([values, tree_v[meta.slots, :, :meta.tree_len]], dim=2)
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)
+            enable_gqa=gqa)  # [b, hq, s, hd]
         return out.transpose(1, 2).reshape(b, s, -1)

@@ -96,6 +96,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, kv_cache, meta):
         x = self.embed_tokens(input_ids)
         meta.rope = self.rotary.cos_sin(meta.positions)  # once per forward, shared by all layers
+        meta.prepare()  # the attention mask, once per forward
         for i, layer in enumerate(self.layers):
             if kv_cache is None:
                 x = layer(x, None, None, meta)
@@ -130,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         """Cache-free causal forward (training, scoring): input_ids [b, s] -> logits [b, s, V]."""
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        meta = AttentionMetadata(positions, None, s, None)
+        meta = AttentionMetadata(positions, None, s)
         return self.lm_head(self.model(input_ids, None, meta))
 
     def load_weights(self, weights) -> None:

@@ -74,7 +74,7 @@ def test_batch_rows_of_different_lengths(tiny_dirs):
     b = torch.randint(0, ck.config.vocab_size, (1, 7), generator=g)
     ref_a = fwd(m, cache, a, [0], [0])[0]
     ref_b = fwd(m, cache, b, [0], [1])[0]
-    ids, pos = pack_rows([a[0].tolist(), b[0].tolist()], [0, 0], "cpu")
+    ids, pos = pack_rows([a[0].tolist(), b[0].tolist()], [0, 0])
     with torch.no_grad():
         out = m(ids, cache, AttentionMetadata.build(pos, torch.tensor([2, 3])))
     assert (out[0] - ref_a).abs().max() <= 1e-4

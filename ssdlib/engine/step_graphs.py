@@ -1,0 +1,123 @@
+"""Captured small-query forwards of one model runner: static inputs, bucketed shapes, replay.
+
+Decode (s = 1), verification (s = K + 1), the draft's steps and the speculator's tree steps have
+few distinct shapes. Each shape is captured once, the first time it is needed, and replayed ever
+after (``ssdlib.ops.graph_pool``: CUDA graphs from the compiled extension or torch, or plain
+eager calls of the same code with ``cuda_graphs=False`` and on CPU).
+
+A step's key is (mode, batch bucket, queries per row, logits rows, key-length bucket, tree
+length). Inputs are copied into static device buffers: integer inputs given on the host travel
+in ONE host-to-device copy (a flat int64 arena whose views are the buffers); inputs already on the
+device are copied device to device. Batches are padded to their bucket with ghost rows that point
+at a scratch KV slot, see one key (limit 1) and are never read back.
+
+Outputs are the captured graph's own tensors: read them before the next replay of the same key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.layers.attention import AttentionMetadata
+
+# Batch buckets (nano-vllm's habit): 1, 2, 4, 8, then steps of 8.
+SMALL_BUCKETS = (1, 2, 4, 8)
+
+
+def batch_bucket(b: int) -> int:
+    for size in SMALL_BUCKETS:
+        if b <= size:
+            return size
+    return -(-b // 8) * 8
+
+
+class StepGraphs:
+    """Static buffers and captured forwards for one :class:`ModelRunner`."""
+
+    # arena segments, each [max_rows * max_queries] int64 (slots: [max_rows])
+    SEGMENTS = ("ids", "pos", "limit", "index", "tree_index")
+
+    def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int):
+        self.runner = runner
+        self.pool = pool
+        self.max_rows = batch_bucket(max_batch)
+        self.max_queries = max_queries
+        self.max_tree = max_tree
+        dev = runner.device
+        n = self.max_rows * max_queries
+        self.offsets = {name: i * n for i, name in enumerate(self.SEGMENTS)}
+        self.offsets["slots"] = len(self.SEGMENTS) * n
+        self.arena_size = self.offsets["slots"] + self.max_rows
+        self.arena = torch.zeros(self.arena_size, dtype=torch.int64, device=dev)
+        self.tree_mask = torch.zeros(self.max_rows, max_queries, max(max_tree, 1),
+                                     dtype=torch.bool, device=dev)
+        self.outputs: dict[tuple, torch.Tensor] = {}
+
+    def fits(self, b: int, s: int, tree_len: int = 0) -> bool:
+        return b <= self.max_rows and s <= self.max_queries and tree_len <= self.max_tree
+
+    def _view(self, name: str, rows: int, cols: int | None) -> torch.Tensor:
+        start = self.offsets[name]
+        if cols is None:
+            return self.arena[start:start + rows]
+        return self.arena[start:start + rows * cols].view(rows, cols)
+
+    def forward(self, ids, positions, slots, kv_limit, logits_index, kv_len: int,
+                tree_index=None, tree_mask=None, tree_len: int = 0) -> torch.Tensor:
+        """Same arguments as the eager forward (host or device tensors); returns logits of the
+        real rows, [b, s or n, V], a view of the graph's output."""
+        b, s = ids.shape
+        rows = batch_bucket(b)
+        n = 0 if logits_index is None else logits_index.shape[1]
+        tree = tree_index is not None
+        key = ("tree" if tree else "fwd", rows, s, n, kv_len, tree_len)
+        self._fill(rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
+                   tree_mask, tree_len)
+        if not self.pool.has(key):
+            self.pool.capture(key, lambda: self._run(key, rows, s, n, kv_len, tree, tree_len))
+        self.pool.replay(key)
+        return self.outputs[key][:b]
+
+    def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
+              tree_mask, tree_len) -> None:
+        """Real rows first, ghost rows after: scratch slot, position 0, limit 1."""
+        host = torch.zeros(self.arena_size, dtype=torch.int64)
+        device_inputs = []
+        parts = [("ids", ids, 0), ("pos", positions, 0), ("limit", kv_limit, 1),
+                 ("slots", slots, self.runner.scratch_slot)]
+        if n:
+            parts.append(("index", logits_index, 0))
+        if tree_index is not None:
+            parts.append(("tree_index", tree_index, 0))
+        for name, src, ghost in parts:
+            cols = None if name == "slots" else (n if name == "index" else s)
+            hv = self._view_of(host, name, rows, cols)
+            if ghost:
+                hv[b:] = ghost
+            if src.device.type == "cpu":
+                hv[:b] = src
+            else:
+                device_inputs.append((name, cols, src))
+        self.arena[:self.arena_size].copy_(host, non_blocking=True)  # one host-to-device copy
+        for name, cols, src in device_inputs:
+            self._view(name, rows, cols)[:b].copy_(src)
+        if tree_mask is not None:
+            self.tree_mask[:b, :s, :tree_len].copy_(tree_mask)
+            self.tree_mask[b:rows].zero_()
+
+    def _view_of(self, host: torch.Tensor, name: str, rows: int, cols: int | None):
+        start = self.offsets[name]
+        if cols is None:
+            return host[start:start + rows]
+        return host[start:start + rows * cols].view(rows, cols)
+
+    def _run(self, key, rows, s, n, kv_len, tree, tree_len) -> None:
+        r = self.runner
+        meta = AttentionMetadata(
+            self._view("pos", rows, s), self._view("slots", rows, None), kv_len,
+            kv_limit=self._view("limit", rows, s),
+            tree_index=self._view("tree_index", rows, s) if tree else None,
+            tree_mask=self.tree_mask[:rows, :s, :tree_len] if tree else None,
+            tree_len=tree_len, use_kernel=r.use_kernel)
+        index = self._view("index", rows, n) if n else None
+        self.outputs[key] = r.model(self._view("ids", rows, s), r.cache, meta, index)
