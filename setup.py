@@ -149,6 +149,8 @@ setup(
         "jinja2",
         "numpy",
         "tqdm",
+        # the slot-attention kernel (ssdlib/ops/triton_slot_attention.py); elsewhere: the torch path
+        "triton; platform_system == 'Linux'",
     ],
     extras_require={
         "triton": ["triton"],
