@@ -17,7 +17,8 @@ if ! python3 -c "import gguf" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+python3 -m pip install -v --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+python3 -m ssdlib.ops.check_ext 2>&1 | tee "$OUT/ext.log"  # ssdlib._C: imported? WITH_CUDA? GraphPool? else why
 python3 -m pytest tests/ops tests/models -q 2>&1 | tail -3 | tee "$OUT/pytest.log"
 HE=${HUMANEVAL:-$STAGE/HumanEval.jsonl.gz}
 B="python3 tools/bench.py --device cuda --tp $TP --modes ar,sd,ssd --n-prompts $N --humaneval $HE"

@@ -6,12 +6,11 @@
 // fork_len: [B] or [n, B], int32 or int64. tree_mask returns bool [(n,) B, K + B*(depth+1)],
 // tree_mask_full bool [(n,) B*D, K + B*D]. Semantics: tree_mask.h and docs/ATTENTION.md.
 // Kernels: CPU (tree_mask_cpu.cpp), CUDA (tree_mask.cu, when built with SSDLIB_WITH_CUDA), and
-// Meta (shape only, for torch.compile / fake tensors).
+// Meta (shape only, for torch.compile / fake tensors). The Python module that loads this library
+// is csrc/module.cpp; this file needs no Python.
 //
 // fork_len values are not range-checked: that would need a device-to-host copy on CUDA (and break
 // CUDA-graph capture). The formula `key < fork_len` makes values outside [0, K] act as clamped.
-#include <Python.h>  // only for the module stub at the bottom; must be included first
-
 #include "tree_mask.h"
 
 #include <ATen/ops/empty.h>
@@ -91,33 +90,4 @@ SSDLIB_TORCH_LIBRARY_IMPL(SSDLIB_OP_NAMESPACE, CUDA, m) {
   m.impl("tree_mask", &ssdlib::tree_mask<ssdlib::tree_mask_window_cuda>);
   m.impl("tree_mask_full", &ssdlib::tree_mask_full<ssdlib::tree_mask_window_cuda>);
 }
-constexpr long kWithCuda = 1;
-#else
-constexpr long kWithCuda = 0;
 #endif
-
-// `import ssdlib._C` loads this library, which registers the ops above. The module itself only
-// carries WITH_CUDA, so Python can tell whether CUDA tensors have a compiled kernel.
-#ifndef TORCH_EXTENSION_NAME
-#define TORCH_EXTENSION_NAME _C
-#endif
-#define SSDLIB_CONCAT_(a, b) a##b
-#define SSDLIB_CONCAT(a, b) SSDLIB_CONCAT_(a, b)
-#define SSDLIB_STR_(a) #a
-#define SSDLIB_STR(a) SSDLIB_STR_(a)
-
-PyMODINIT_FUNC SSDLIB_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  static PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT,
-      SSDLIB_STR(TORCH_EXTENSION_NAME),
-      "ssdlib compiled ops; importing it registers torch.ops.ssdlib.*",
-      -1,
-      nullptr,
-  };
-  PyObject* module = PyModule_Create(&module_def);
-  if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUDA", kWithCuda) < 0) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
-}

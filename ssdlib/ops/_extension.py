@@ -1,14 +1,25 @@
 """Loading the optional compiled extension ``ssdlib._C`` and deciding when to use it.
 
-The extension registers ops under ``torch.ops.ssdlib``. It is optional: every op has a pure-PyTorch
-reference that is used when the extension is missing, broken, lacks a kernel for the tensor's
-device, or is disabled with ``SSDLIB_DISABLE_EXT=1`` (read at each call, so tests and users can
-flip it at run time).
+The extension registers ops under ``torch.ops.ssdlib`` and, in CUDA builds, has the class
+``GraphPool`` (ssdlib.ops.graph_pool). It is optional: every op has a pure-PyTorch reference, and
+CUDA graphs fall back to ``torch.cuda.CUDAGraph``, when the extension is missing, broken, lacks a
+kernel for the tensor's device, or is disabled with ``SSDLIB_DISABLE_EXT=1`` (read at each call, so
+tests and users can flip it at run time).
+
+A missing extension on a CUDA machine is logged once, at first use, with the reason: setup.py
+records the outcome of every install's extension build in ``ssdlib/_build_status.json`` (pip hides
+setup.py's own warnings unless run with ``-v``). ``python3 -m ssdlib.ops.check_ext`` prints the
+same diagnosis as one line.
 """
+
+from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -16,6 +27,11 @@ import torch
 from ssdlib.log import get_logger
 
 logger = get_logger(__name__)
+
+# How to build the extension on a GPU machine (csrc/README.md). `python3 -m pip`, not `pip`: the
+# build runs in pip's interpreter, which must be the one that has torch.
+BUILD_COMMAND = "python3 -m pip install --no-deps --no-build-isolation -e ."
+BUILD_STATUS_PATH = Path(__file__).resolve().parent.parent / "_build_status.json"
 
 _warned: set[str] = set()
 
@@ -25,16 +41,86 @@ def _disabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> ModuleType | None:
+def _load_result() -> tuple[ModuleType | None, str | None]:
+    """(module, None), or (None, why it is missing)."""
     try:
-        return importlib.import_module("ssdlib._C")
+        return importlib.import_module("ssdlib._C"), None
     except ModuleNotFoundError as exc:
-        if exc.name != "ssdlib._C":  # the module exists but something it needs does not
-            logger.warning("ssdlib._C failed to import (%s); using pure-PyTorch ops", exc)
-        return None
+        if exc.name == "ssdlib._C":
+            return None, "ssdlib._C is not built"
+        error = f"ssdlib._C failed to import ({exc})"  # it exists, but something it needs does not
     except (ImportError, OSError) as exc:  # e.g. built against another torch: undefined symbols
-        logger.warning("ssdlib._C failed to load (%s); using pure-PyTorch ops", exc)
+        error = f"ssdlib._C failed to load ({exc})"
+    logger.warning("%s; using pure-PyTorch ops", error)
+    return None, error
+
+
+def _load() -> ModuleType | None:
+    return _load_result()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def build_status() -> dict | None:
+    """What setup.py recorded about the extension at the last install, or None if nothing.
+
+    Keys: ``result`` (built / skipped / failed / started), ``reason``, ``python`` and ``prefix``
+    (the interpreter that ran setup.py), ``torch``, ``torch_cuda``, ``time``.
+    """
+    try:
+        status = json.loads(BUILD_STATUS_PATH.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    return status if isinstance(status, dict) else None
+
+
+_RESULT_WORDS = {
+    "built": "built it",
+    "skipped": "skipped it",
+    "failed": "failed to build it",
+    "started": "started building it but did not finish",
+}
+
+
+def describe_build_status(status: dict | None) -> str:
+    """One sentence on the last install's extension build, for a message."""
+    if status is None:
+        return ("setup.py left no build record (ssdlib/_build_status.json): not installed from this "
+                "checkout with pip, or by an older setup.py")
+    result = status.get("result", "?")
+    text = (f"the last install ({status.get('time', '?')}) {_RESULT_WORDS.get(result, result)}: "
+            f"{status.get('reason', '?')}")
+    prefix = status.get("prefix")
+    if prefix and os.path.realpath(prefix) != os.path.realpath(sys.prefix):
+        text += (f"; NOTE: that install ran {status.get('python')} (environment {prefix}), not this "
+                 f"interpreter {sys.executable} (environment {sys.prefix}): `pip` belongs to another "
+                 f"Python, install with `{sys.executable} -m pip ...`")
+    return text
+
+
+def _unavailable(device_type: str, graph_pool: bool = False) -> str | None:
+    """Why the extension cannot serve ``device_type`` (and GraphPool), or None when it can."""
+    if _disabled():
+        return "SSDLIB_DISABLE_EXT=1"
+    module, error = _load_result()
+    if module is None:
+        return f"{error}; {describe_build_status(build_status())}"
+    if device_type == "cuda" and not module.WITH_CUDA:
+        return f"ssdlib._C was built without CUDA; {describe_build_status(build_status())}"
+    if graph_pool and getattr(module, "GraphPool", None) is None:
+        return "ssdlib._C has no GraphPool: it was built from older sources, rebuild it"
+    return None
+
+
+def _warn_fallback(what: str, reason: str) -> None:
+    """Log once per reason (one warning for every op that falls back for the same cause)."""
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    if reason == "SSDLIB_DISABLE_EXT=1":
+        logger.warning("%s on CUDA uses the pure-PyTorch path (SSDLIB_DISABLE_EXT=1)", what)
+        return
+    logger.warning("%s on CUDA uses the pure-PyTorch path: %s. Build the extension with `%s` "
+                   "(diagnosis: `python3 -m ssdlib.ops.check_ext`)", what, reason, BUILD_COMMAND)
 
 
 def extension_available(device: torch.device | str | None = None) -> bool:
@@ -57,17 +143,37 @@ def extension_available(device: torch.device | str | None = None) -> bool:
 # Under torch.compile the decision is taken once while tracing and baked into the graph.
 @torch.compiler.assume_constant_result
 def use_extension(device: torch.device, op: str) -> bool:
-    """Whether ``op`` should run compiled for a tensor on ``device``; warns once per reason on CUDA."""
+    """Whether ``op`` should run compiled for a tensor on ``device``; on CUDA, logs once why not."""
     if extension_available(device):
         return True
     if device.type == "cuda":
-        if _disabled():
-            reason = "SSDLIB_DISABLE_EXT=1"
-        elif _load() is None:
-            reason = "ssdlib._C is not built"
-        else:
-            reason = "ssdlib._C was built without CUDA"
-        if reason not in _warned:
-            _warned.add(reason)
-            logger.warning("%s on CUDA uses the pure-PyTorch reference (%s)", op, reason)
+        _warn_fallback(op, _unavailable("cuda") or "unknown reason")
     return False
+
+
+def native_graph_pool_class() -> type | None:
+    """``ssdlib._C.GraphPool`` when the extension has it and is enabled; else None, logged once."""
+    reason = _unavailable("cuda", graph_pool=True)
+    if reason is None:
+        return _load().GraphPool
+    _warn_fallback("CUDA-graph capture (torch.cuda.CUDAGraph instead of ssdlib._C.GraphPool)", reason)
+    return None
+
+
+def diagnose() -> tuple[bool, str]:
+    """(ok, one line) on ``ssdlib._C`` for this process: ok when it serves this machine fully
+    (with a visible GPU: CUDA kernels and GraphPool). ``python3 -m ssdlib.ops.check_ext`` prints it."""
+    cuda = torch.cuda.is_available()
+    env = (f"python {sys.executable}, torch {torch.__version__} "
+           f"({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'}), "
+           f"{'GPU visible' if cuda else 'no GPU'}")
+    module, error = _load_result()
+    if module is None:
+        return False, f"ssdlib._C: MISSING: {error}; {describe_build_status(build_status())} | fix: {BUILD_COMMAND} | {env}"
+    with_cuda = bool(module.WITH_CUDA)
+    has_pool = getattr(module, "GraphPool", None) is not None
+    facts = f"WITH_CUDA={with_cuda}, GraphPool={'yes' if has_pool else 'no'}, {module.__file__}"
+    reason = _unavailable("cuda" if cuda else "cpu", graph_pool=cuda)
+    if reason is None:
+        return True, f"ssdlib._C: OK ({facts}) | {env}"
+    return False, f"ssdlib._C: NOT USABLE HERE ({facts}): {reason} | fix: {BUILD_COMMAND} | {env}"
