@@ -87,8 +87,8 @@ def describe_build_status(status: dict | None) -> str:
         return ("setup.py left no build record (ssdlib/_build_status.json): not installed from this "
                 "checkout with pip, or by an older setup.py")
     result = status.get("result", "?")
-    text = (f"the last install ({status.get('time', '?')}) {_RESULT_WORDS.get(result, result)}: "
-            f"{status.get('reason', '?')}")
+    reason = str(status.get("reason", "?")).rstrip(". ")  # it is joined with more text below
+    text = f"the last install ({status.get('time', '?')}) {_RESULT_WORDS.get(result, result)}: {reason}"
     prefix = status.get("prefix")
     if prefix and os.path.realpath(prefix) != os.path.realpath(sys.prefix):
         text += (f"; NOTE: that install ran {status.get('python')} (environment {prefix}), not this "
