@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from ssdlib.engine.batching import pack_rows, prefill, slots_tensor
 from ssdlib.engine.sampler import sample_rows
+from ssdlib.engine.timing import RoundTimer
 
 
 def admit_with_first_token(target, seqs, device) -> None:
@@ -15,13 +14,18 @@ def admit_with_first_token(target, seqs, device) -> None:
         q.commit([t])
 
 
-def ar_step(target, seqs, device) -> None:
+def ar_step(target, seqs, timer: RoundTimer) -> None:
     """One decode step for every sequence: feed the last committed token, commit the next."""
+    timer.start()
     ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
     logits = target.forward(ids, pos, slots_tensor(seqs))[:, 0]
-    for q, t in zip(seqs, sample_rows(logits, seqs)):
+    tokens = sample_rows(logits, seqs)  # the step's read-back
+    timer.mark("verify")
+    for q, t in zip(seqs, tokens):
         q.commit([t])
         q.metrics["rounds"] += 1
+    timer.mark("host")
+    timer.add_to(seqs)
 
 
 class ARLoop:
@@ -32,13 +36,10 @@ class ARLoop:
     def __init__(self, target, device):
         self.target = target
         self.device = device
+        self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
         admit_with_first_token(self.target, seqs, self.device)
 
     def step(self, seqs) -> None:
-        t0 = time.perf_counter()
-        ar_step(self.target, seqs, self.device)
-        dt = time.perf_counter() - t0
-        for q in seqs:
-            q.metrics["verify_s"] = q.metrics.get("verify_s", 0.0) + dt
+        ar_step(self.target, seqs, self.timer)

@@ -34,11 +34,9 @@ def use_slot_kernel(device: torch.device) -> bool:
     (SSDLIB_ATTENTION=torch forces the SDPA path)."""
     if device.type != "cuda" or os.environ.get("SSDLIB_ATTENTION", "").lower() == "torch":
         return False
-    try:
-        from ssdlib.ops.slot_attention import kernel_available
-    except ImportError:
-        return False
-    return kernel_available()
+    from ssdlib.ops.slot_attention import triton_available
+
+    return triton_available()
 
 
 class ModelRunner:

@@ -6,13 +6,12 @@ forward, the exact rule accepts a prefix k and picks t*, both models keep only c
 
 from __future__ import annotations
 
-import time
-
 from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.metrics import record_acceptance
-from ssdlib.engine.verify import commit_outcome, verify_round
+from ssdlib.engine.timing import RoundTimer
+from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ
@@ -25,6 +24,7 @@ class SDLoop:
         self.k = k
         self.device = device
         self.lookahead = k + 1
+        self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
         admit_with_first_token(self.target, seqs, self.device)
@@ -32,19 +32,20 @@ class SDLoop:
             self.drafter.reset(q.slot)
 
     def step(self, seqs) -> None:
-        t0 = time.perf_counter()
+        timer = self.timer
+        timer.start()
         greedy = all(s.params.greedy for s in seqs)
         tokens, q = self.drafter.propose(seqs, self.k, want_q=not greedy)
-        t1 = time.perf_counter()
+        timer.mark("draft")
         draft_q = None if greedy else DraftQ.from_probs(q)
         outcome = verify_round(self.target, seqs, tokens, draft_q, self.device)
-        result = commit_outcome(seqs, tokens, outcome)
+        result = read_round(tokens, outcome)
+        timer.mark("verify")
+        commit_round(seqs, result)
         self.drafter.after_commit(seqs, result.accepted, self.k)
-        t2 = time.perf_counter()
         record_acceptance(seqs, result, self.k)
-        for s in seqs:
-            s.metrics["draft_s"] = s.metrics.get("draft_s", 0.0) + (t1 - t0)
-            s.metrics["verify_s"] = s.metrics.get("verify_s", 0.0) + (t2 - t1)
+        timer.mark("host")
+        timer.add_to(seqs)
 
 
 def build_sd_loop(cfg, world, target, target_ck):

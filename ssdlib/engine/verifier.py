@@ -14,7 +14,8 @@ import torch
 from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.metrics import record_acceptance, record_lookup
 from ssdlib.engine.protocol import SpecLink
-from ssdlib.engine.verify import commit_outcome, verify_round
+from ssdlib.engine.timing import RoundTimer
+from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
@@ -33,6 +34,7 @@ class SSDVerifier:
         self.spec: dict[int, tuple] = {}
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         self._batch_metrics: dict = {}
+        self.timer = RoundTimer(device)
 
     @staticmethod
     def _admit_message(seqs):
@@ -73,18 +75,21 @@ class SSDVerifier:
             return
         t0 = time.perf_counter()
         spec = self.link.recv_spec(out.shape[0], sampling)
-        waited = time.perf_counter() - t0
+        kinds, hits = torch.stack([spec.kinds, spec.hit.long()]).tolist()  # one read-back
+        if first:  # admission (a round's wait is timed by the round's timer)
+            waited = time.perf_counter() - t0
+            for q in seqs:
+                q.metrics["wait_s"] = q.metrics.get("wait_s", 0.0) + waited
         for i, (q, (k, _), a) in enumerate(zip(seqs, outcomes, alive)):
             if not a:
                 continue
-            self.spec[q.slot] = (spec.tokens[i], int(spec.kinds[i]),
-                                 None if spec.q is None else spec.q[i])
-            q.metrics["wait_s"] = q.metrics.get("wait_s", 0.0) + waited
+            self.spec[q.slot] = (spec.tokens[i], kinds[i], None if spec.q is None else spec.q[i])
             if self.use_cache and not first:  # a first speculation cannot come from the cache
-                record_lookup(q.metrics, k, bool(spec.hit[i]), int(spec.kinds[i]))
+                record_lookup(q.metrics, k, bool(hits[i]), kinds[i])
 
     def step(self, active) -> None:
-        t0 = time.perf_counter()
+        timer = self.timer
+        timer.start()
         tokens = torch.stack([self.spec[q.slot][0] for q in active])  # [b, K]
         draft_q = None
         if not all(q.params.greedy for q in active):
@@ -101,12 +106,14 @@ class SSDVerifier:
                 probs.append(q_probs)
             draft_q = DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
         outcome = verify_round(self.target, active, tokens, draft_q, self.device)
-        result = commit_outcome(active, tokens, outcome)
+        result = read_round(tokens, outcome)
+        timer.mark("verify")
+        commit_round(active, result)
         record_acceptance(active, result, self.k)
-        t1 = time.perf_counter()
-        for q in active:
-            q.metrics["verify_s"] = q.metrics.get("verify_s", 0.0) + (t1 - t0)
+        timer.mark("host")
         self._exchange(active, list(zip(result.accepted, result.bonus)))
+        timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
+        timer.add_to(active)
 
     def release(self, seq) -> None:
         if self.spec.pop(seq.slot, None) is not None:

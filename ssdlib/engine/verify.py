@@ -39,15 +39,20 @@ class RoundResult:
     accepted: list[int]  # k per row
     bonus: list[int]  # t* per row
     accepted_mask: list[list[int]]  # [b][K] 1 on the accepted prefix
+    tokens: list[list[int]]  # s_1..s_k + t* per row
 
 
-def commit_outcome(seqs, draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> RoundResult:
-    """Commit s_1..s_k + t* per row (stop rules may cut it short)."""
+def read_round(draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> RoundResult:
+    """The round's outcome on the host: its only device-to-host synchronisation."""
     b, k = draft_tokens.shape
     host = torch.cat([outcome.accepted[:, None], outcome.bonus[:, None],
                       outcome.accepted_mask.long(), draft_tokens.to(outcome.bonus.device)],
-                     dim=1).tolist()  # [b, 2 + 2K]: the round's only host sync
-    result = RoundResult([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host])
-    for q, row in zip(seqs, host):
-        q.commit(row[2 + k:2 + k + row[0]] + [row[1]])
-    return result
+                     dim=1).tolist()  # [b, 2 + 2K]
+    return RoundResult([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host],
+                       [r[2 + k:2 + k + r[0]] + [r[1]] for r in host])
+
+
+def commit_round(seqs, result: RoundResult) -> None:
+    """Commit s_1..s_k + t* per row (stop rules may cut it short)."""
+    for q, toks in zip(seqs, result.tokens):
+        q.commit(toks)

@@ -46,12 +46,28 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [b, s, hq, hd]; k: [b, s, hkv, hd]; cos/sin from ``cos_sin`` -> rotated (q, k)."""
+    """q: [b, s, hq, hd]; k: [b, s, hkv, hd]; cos/sin from ``cos_sin`` -> rotated (q, k).
+
+    When q and k are adjacent views of one projection (the merged qkv output) both are rotated
+    in one pass, in their own dtype (as HF Llama does)."""
+    hq = q.shape[2]
+    qk = _adjacent(q, k)
+    if qk is not None:
+        out = _rotate(qk, cos, sin)
+        return out[:, :, :hq], out[:, :, hq:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[b, s, hq + hkv, hd] view over q then k when k's storage directly follows q's heads."""
+    b, s, hq, hd = q.shape
+    if (q.stride(3) != 1 or q.stride(2) != hd or k.stride() != q.stride()
+            or k.storage_offset() != q.storage_offset() + hq * hd):
+        return None
+    return q.as_strided((b, s, hq + k.shape[2], hd), q.stride())
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -95,7 +95,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, kv_cache, meta):
         x = self.embed_tokens(input_ids)
-        meta.rope = self.rotary.cos_sin(meta.positions)  # once per forward, shared by all layers
+        cos, sin = self.rotary.cos_sin(meta.positions)  # once per forward, shared by all layers
+        meta.rope = (cos.to(x.dtype), sin.to(x.dtype))
         meta.prepare()  # the attention mask, once per forward
         for i, layer in enumerate(self.layers):
             if kv_cache is None:
