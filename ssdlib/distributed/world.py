@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ssdlib.engine_config import EngineConfig
+from ssdlib.errors import ConfigError
+from ssdlib.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -28,6 +32,9 @@ class World:
     tp_group: object | None = None
     spec_group: object | None = None
     speculator_rank: int | None = None
+    # the speculator shares the leader's GPU (fewer GPUs than ranks): NCCL cannot join two ranks
+    # on one device, so the leader <-> speculator link runs on gloo through host memory
+    spec_staged: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -61,20 +68,31 @@ def init_world(cfg: EngineConfig) -> World:
     world = World(rank, world_size, cfg.tp, device)
     if world_size == 1:
         return world
+    shared = cfg.device == "cuda" and torch.cuda.device_count() < world_size
+    if shared and cfg.tp > torch.cuda.device_count():
+        raise ConfigError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible")
     if not dist.is_initialized():
         # leader<->speculator p2p has its own group on purpose; NCCL's serialisation warning
         # about unbatched p2p is expected there
         os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
         kwargs = {}
-        if cfg.device == "cuda":
+        if cfg.device == "cuda" and not shared:
             kwargs["device_id"] = device
-        dist.init_process_group(cfg.dist_backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.timeout_s), **kwargs)
+        dist.init_process_group("gloo" if shared else cfg.dist_backend, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s),
+                                **kwargs)
     if cfg.tp > 1:
-        world.tp_group = dist.new_group(list(range(cfg.tp)))
+        world.tp_group = dist.new_group(list(range(cfg.tp)),
+                                        backend=cfg.dist_backend if shared else None)
     if world_size > cfg.tp:
         world.speculator_rank = cfg.tp
         world.spec_group = dist.new_group([0, cfg.tp])
+        world.spec_staged = shared
+        if shared and rank == 0:
+            log.warning("the speculator shares GPU %d with the verifier (%d GPU(s) for %d ranks): "
+                        "its link runs on gloo through host memory, and SSD's speed-up needs "
+                        "the draft on its own GPU", device.index, torch.cuda.device_count(),
+                        world_size)
     return world
 
 

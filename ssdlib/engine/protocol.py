@@ -44,8 +44,9 @@ class Speculation:
 
 class SpecLink:
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
-                 vocab_size: int):
+                 vocab_size: int, staged: bool = False):
         self.group, self.peer, self.device = group, peer, device
+        self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
         self.header = torch.zeros(8, dtype=torch.int64, device=device)
         self.outcome_buf = torch.zeros(max_batch, 4, dtype=torch.int64, device=device)
@@ -53,9 +54,14 @@ class SpecLink:
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
 
     def _send(self, t: torch.Tensor) -> None:
-        dist.send(t.contiguous(), dst=self.peer, group=self.group)
+        dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
 
     def _recv(self, t: torch.Tensor) -> torch.Tensor:
+        if self.staged:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            dist.recv(host, src=self.peer, group=self.group)
+            t.copy_(host)
+            return t
         dist.recv(t, src=self.peer, group=self.group)
         return t
 

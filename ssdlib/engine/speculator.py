@@ -412,5 +412,5 @@ def serve_speculator(cfg, world, target_ck) -> None:
                          cfg.max_len + cfg.k + 2, tree_len=budget * cfg.k,
                          cuda_graphs=cfg.cuda_graphs)
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
-                    target_ck.config.vocab_size)
+                    target_ck.config.vocab_size, staged=world.spec_staged)
     Speculator(cfg, runner, link, target_ck.config.vocab_size).run()

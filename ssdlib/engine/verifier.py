@@ -129,6 +129,6 @@ class SSDVerifier:
 def build_ssd_verifier(cfg, world, target, target_ck):
     check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
     link = SpecLink(world.spec_group, world.speculator_rank, world.device, cfg.max_batch, cfg.k,
-                    target_ck.config.vocab_size)
+                    target_ck.config.vocab_size, staged=world.spec_staged)
     loop = SSDVerifier(target, link, cfg.k, world.device, use_cache=cfg.mode == "ssd")
     return loop, loop.close
