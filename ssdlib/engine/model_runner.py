@@ -74,6 +74,15 @@ class ModelRunner:
             return self.cache.max_len  # the kernel reads only up to each limit
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
+    @staticmethod
+    def _slot_start(slots: torch.Tensor) -> int | None:
+        """First slot when host-side ``slots`` are consecutive (attention then reads views of
+        the cache instead of gathering a copy; matters on CPU)."""
+        if slots.device.type != "cpu":
+            return None
+        first = int(slots[0])
+        return first if slots.tolist() == list(range(first, first + len(slots))) else None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 logits_index: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
@@ -90,7 +99,8 @@ class ModelRunner:
                                        kv_len)
         dev = self.device
         positions = positions.to(dev)
-        meta = AttentionMetadata(positions, slots.to(dev), kv_len, kv_limit=positions + 1)
+        meta = AttentionMetadata(positions, slots.to(dev), kv_len, kv_limit=positions + 1,
+                                 slot_start=self._slot_start(slots))
         index = None if logits_index is None else logits_index.to(dev)
         return self.model(input_ids.to(dev), self.cache, meta, index)
 
@@ -110,5 +120,6 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(positions.to(dev), slots.to(dev), kv_len,
                                  kv_limit=kv_limit.to(dev), tree_index=tree_index.to(dev),
-                                 tree_mask=tree_mask.to(dev), tree_len=tree_len)
+                                 tree_mask=tree_mask.to(dev), tree_len=tree_len,
+                                 slot_start=self._slot_start(slots))
         return self.model(input_ids.to(dev), self.cache, meta)

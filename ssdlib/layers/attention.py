@@ -38,6 +38,7 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None
     tree_len: int = 0
     use_kernel: bool = False  # slot_attention reads the cache in place (else SDPA over kv_len)
+    slot_start: int | None = None  # host-known: rows use slots slot_start.. in order (no gather)
     rope: tuple | None = None  # (cos, sin) for ``positions``, set by the model once per forward
     mask: torch.Tensor | None = None  # SDPA mask [b, 1, s, kv_len (+ tree_len)], set once per forward
 
@@ -94,15 +95,21 @@ class CachedAttention(nn.Module):
         if meta.use_kernel:
             from ssdlib.ops.slot_attention import slot_attention
 
+            n = meta.tree_len  # the mask covers the first tree_len branch keys
             out = slot_attention(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
-                                 tree_k if tree else None, tree_v if tree else None,
-                                 meta.tree_mask)
+                                 tree_k[:, :, :n] if tree else None,
+                                 tree_v[:, :, :n] if tree else None, meta.tree_mask)
             return out.reshape(b, s, -1)
-        keys = k_cache[meta.slots, :, :meta.kv_len]  # [b, hkv, kv_len, hd] (a gathered copy)
-        values = v_cache[meta.slots, :, :meta.kv_len]
+        if meta.slot_start is not None:  # a view, no copy
+            rows = slice(meta.slot_start, meta.slot_start + b)
+            keys, values = k_cache[rows, :, :meta.kv_len], v_cache[rows, :, :meta.kv_len]
+        else:  # [b, hkv, kv_len, hd], a gathered copy
+            keys = k_cache[meta.slots, :, :meta.kv_len]
+            values = v_cache[meta.slots, :, :meta.kv_len]
         if tree:  # the row's branch keys after its prefix: one softmax over both
-            keys = torch.cat([keys, tree_k[meta.slots, :, :meta.tree_len]], dim=2)
-            values = torch.cat([values, tree_v[meta.slots, :, :meta.tree_len]], dim=2)
+            rows = meta.slots if meta.slot_start is None else rows
+            keys = torch.cat([keys, tree_k[rows, :, :meta.tree_len]], dim=2)
+            values = torch.cat([values, tree_v[rows, :, :meta.tree_len]], dim=2)
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
             enable_gqa=gqa)  # [b, hq, s, hd]
