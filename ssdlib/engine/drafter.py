@@ -52,19 +52,27 @@ class Drafter:
                                                   last_index([len(r) for r in rows]))[:, 0])
         greedy = all(s.params.greedy for s in seqs)
         next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)  # [b, 1]
+        if greedy:  # the other k-1 steps as one chain (one graph replay on GPU)
+            first = logits.argmax(-1)
+            tokens = first.view(-1, 1)
+            if k > 1:
+                v = min(self.vocab_size, self.runner.config.vocab_size)
+                rest = self.runner.greedy_chain(first, next_pos[:, 0], slots, k - 1, v)
+                tokens = torch.cat([tokens, rest], dim=1)
+            for s in seqs:
+                self.valid[s.slot] = len(s.tokens) + k - 1
+            q = None
+            if want_q:  # argmax tokens were drawn from one-hot q
+                q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+                q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+            return tokens, q
         tokens, qs = [], []
         for j in range(k):
-            if greedy:
-                tok = logits.argmax(-1)
-                if want_q:
-                    qs.append(torch.zeros(logits.shape, device=logits.device).scatter_(
-                        -1, tok[:, None], 1.0))
-            else:
-                q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
-                tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
-                                   if not s.params.greedy else q[i].argmax()
-                                   for i, s in enumerate(seqs)])
-                qs.append(q)
+            q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
+            tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
+                               if not s.params.greedy else q[i].argmax()
+                               for i, s in enumerate(seqs)])
+            qs.append(q)
             tokens.append(tok)
             if j + 1 < k:
                 logits = self._logits(self.runner.forward(tok.view(-1, 1), next_pos + j, slots,
@@ -72,7 +80,7 @@ class Drafter:
         for s in seqs:
             # KV now holds the committed tokens plus the first k-1 drafted ones
             self.valid[s.slot] = len(s.tokens) + k - 1
-        return torch.stack(tokens, 1), (torch.stack(qs, 1) if qs else None)
+        return torch.stack(tokens, 1), torch.stack(qs, 1)
 
     def after_commit(self, seqs, accepted: list[int], k: int) -> None:
         """Keep draft KV only for committed tokens: prefix + accepted drafts (never the bonus)."""

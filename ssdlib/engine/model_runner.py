@@ -105,6 +105,30 @@ class ModelRunner:
         return self.model(input_ids.to(dev), self.cache, meta, index)
 
     @torch.inference_mode()
+    def greedy_chain(self, first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     steps: int, vocab: int) -> torch.Tensor:
+        """Greedy decoding of ``steps`` tokens per row with no host in between (one captured
+        graph on GPU): first [b] token ids (device) at positions [b] (host) -> the next
+        ``steps`` tokens [b, steps], argmax over the first ``vocab`` logits."""
+        kv_len = self.kv_bucket(int(positions.max()) + steps)
+        b = first.shape[0]
+        if self.graphs is not None and self.graphs.fits(b, 1):
+            return self.graphs.chain(first, positions, slots, steps, vocab, kv_len)
+        return self.chain_body(first.to(self.device), positions.to(self.device),
+                               slots.to(self.device), steps, vocab, kv_len, False)
+
+    def chain_body(self, tok, positions, slots, steps: int, vocab: int, kv_len: int,
+                   use_kernel: bool) -> torch.Tensor:
+        """tok/positions/slots [b] on the device -> [b, steps] (the captured chain's body)."""
+        out = []
+        for j in range(steps):
+            pos = (positions + j).view(-1, 1)
+            meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=use_kernel)
+            tok = self.model(tok.view(-1, 1), self.cache, meta)[:, 0, :vocab].argmax(-1)
+            out.append(tok)
+        return torch.stack(out, dim=1)
+
+    @torch.inference_mode()
     def tree_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      tree_index: torch.Tensor, kv_limit: torch.Tensor, tree_mask: torch.Tensor,
                      kv_len: int) -> torch.Tensor:

@@ -78,6 +78,24 @@ class StepGraphs:
         self.pool.replay(key)
         return self.outputs[key][:b]
 
+    def chain(self, first, positions, slots, steps: int, vocab: int, kv_len: int) -> torch.Tensor:
+        """Greedy chain of ``steps`` single-token steps in one graph (see
+        ``ModelRunner.greedy_chain``): first [b] (device), positions [b], slots [b]."""
+        b = first.shape[0]
+        rows = batch_bucket(b)
+        key = ("chain", rows, steps, vocab, kv_len)
+        self._fill(rows, b, 1, 0, first.view(-1, 1), positions.view(-1, 1), slots,
+                   positions.view(-1, 1) + 1, None, None, None, 0)
+        if not self.pool.has(key):
+            def run():
+                r = self.runner
+                self.outputs[key] = r.chain_body(
+                    self._view("ids", rows, 1)[:, 0], self._view("pos", rows, 1)[:, 0],
+                    self._view("slots", rows, None), steps, vocab, kv_len, r.use_kernel)
+            self.pool.capture(key, run)
+        self.pool.replay(key)
+        return self.outputs[key][:b]
+
     def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
               tree_mask, tree_len) -> None:
         """Real rows first, ghost rows after: scratch slot, position 0, limit 1."""

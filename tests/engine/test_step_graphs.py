@@ -86,3 +86,27 @@ def test_tree_steps_equal_eager(tiny_dirs, device, pool_kind):
         a = eager.tree_forward(*args)
         b = stepped.tree_forward(*args)
         assert (a - b).abs().max().item() <= 1e-4, (d, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_greedy_chain_equals_step_by_step(tiny_dirs, device, pool_kind):
+    """The draft's K-1 greedy steps captured as one chain == one forward + argmax per step."""
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    lens = [10, 6, 13]
+    slots = torch.tensor([5, 1, 3])
+    from ssdlib.engine.batching import last_index, pack_rows
+
+    ids, pos = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
+    first = None
+    for r in (eager, stepped):
+        first = r.forward(ids, pos, slots, last_index(lens))[:, 0].argmax(-1)
+    positions = torch.tensor(lens)
+    chain = stepped.greedy_chain(first, positions, slots, 4, V).cpu()
+    tok, want = first, []
+    for j in range(4):
+        logits = eager.forward(tok.view(-1, 1), (positions + j).view(-1, 1), slots)[:, 0]
+        tok = logits.argmax(-1)
+        want.append(tok.cpu())
+    assert chain.tolist() == torch.stack(want, 1).tolist()
