@@ -129,6 +129,40 @@ class ModelRunner:
         return torch.stack(out, dim=1)
 
     @torch.inference_mode()
+    def greedy_tree(self, first: torch.Tensor, kv_limit: torch.Tensor, full_mask: torch.Tensor,
+                    slots: torch.Tensor, depth: int, top: int, vocab: int, kv_len: int):
+        """All ``depth`` tree-decode steps of greedy branches with no host in between (one
+        captured graph on GPU). first [b, B]: each branch's first token; kv_limit [b, B]: its
+        slot prefix; full_mask [b, B*depth, B*depth] (``tree_mask_full`` without speculation
+        keys). Returns (tokens [b, B, depth], top-``top`` candidates after each token
+        [b, B, depth, top])."""
+        b, B = first.shape
+        kv_len = self.kv_bucket(kv_len)
+        if self.graphs is not None and self.graphs.fits(b, B, B * depth):
+            return self.graphs.tree_chain(first, kv_limit, full_mask, slots, depth, top, vocab,
+                                          kv_len)
+        dev = self.device
+        return self.tree_body(first.to(dev), kv_limit.to(dev), full_mask.to(dev), slots.to(dev),
+                              depth, top, vocab, kv_len, False)
+
+    def tree_body(self, tok, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
+                  kv_len: int, use_kernel: bool):
+        """The captured body of :meth:`greedy_tree` (all tensors on the device)."""
+        b, B = tok.shape
+        lane = torch.arange(B, device=tok.device).expand(b, B)
+        tokens, tops = [], []
+        for d in range(depth):
+            meta = AttentionMetadata(kv_limit + d, slots, kv_len, kv_limit=kv_limit,
+                                     tree_index=lane + d * B,
+                                     tree_mask=full_mask[:, d * B:(d + 1) * B, :B * (d + 1)],
+                                     tree_len=B * (d + 1), use_kernel=use_kernel)
+            logits = self.model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
+            tops.append(logits.topk(top, dim=-1).indices)
+            tok = logits.argmax(-1)
+            tokens.append(tok)
+        return torch.stack(tokens, dim=2), torch.stack(tops, dim=2)
+
+    @torch.inference_mode()
     def tree_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      tree_index: torch.Tensor, kv_limit: torch.Tensor, tree_mask: torch.Tensor,
                      kv_len: int) -> torch.Tensor:

@@ -326,10 +326,18 @@ class Speculator:
         # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
         # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
         full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
+        rows_t = torch.tensor(live, device=dev)
+        if not self.sampling:  # greedy branches: all depths in one captured chain
+            v = min(self.V, self.runner.config.vocab_size)
+            out_tokens, tops = self.runner.greedy_tree(first, kv_limit, full, slots, K,
+                                                       min(self.C, v), v, kv_len)
+            self.branch_top[rows_t, :, :, :tops.shape[-1]] = tops
+            self.cache.tokens[rows_t] = out_tokens
+            self.cache.store_keys(rows_t, fork, first)
+            return
         fan_t = torch.tensor(fan, device=dev)
         tok = first
         out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
-        rows_t = torch.tensor(live, device=dev)
         for d in range(K):
             positions = kv_limit + d
             tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)

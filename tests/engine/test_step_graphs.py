@@ -110,3 +110,32 @@ def test_greedy_chain_equals_step_by_step(tiny_dirs, device, pool_kind):
         tok = logits.argmax(-1)
         want.append(tok.cpu())
     assert chain.tolist() == torch.stack(want, 1).tolist()
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_greedy_tree_equals_stepwise(tiny_dirs, device, pool_kind):
+    """All tree depths as one captured chain == one tree_forward + argmax/top-k per depth."""
+    from ssdlib.ops.tree_mask import tree_mask_full
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    V, K, B = ck.config.vocab_size, 3, 4
+    g = torch.Generator().manual_seed(4)
+    lens = [12, 8, 10]
+    slots = torch.tensor([0, 4, 2])
+    from ssdlib.engine.batching import last_index, pack_rows
+
+    ids, pos = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
+    for r in (eager, stepped):
+        r.forward(ids, pos, slots, last_index(lens))
+    fork = torch.tensor([[0, 1, 1, 3], [0, 0, 2, 3], [1, 2, 3, 3]])
+    kv_limit = torch.tensor(lens).view(-1, 1) - K + fork
+    full = tree_mask_full(fork, K, K)[..., K:]
+    first = torch.randint(0, V, (3, B), generator=g)
+    tokens, tops = stepped.greedy_tree(first, kv_limit, full, slots, K, 5, V, max(lens))
+    tok = first
+    for d in range(K):
+        lg = eager.tree_forward(tok, kv_limit + d, slots, (d * B + torch.arange(B)).expand(3, B),
+                                kv_limit, full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens))
+        tok = lg.argmax(-1)
+        assert tokens[:, :, d].cpu().tolist() == tok.cpu().tolist()
+        assert tops[:, :, d].cpu().tolist() == lg.topk(5, dim=-1).indices.cpu().tolist()
