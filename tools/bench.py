@@ -120,11 +120,13 @@ def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
     kw = dict(target=args.target, mode=mode, tp=args.tp, device=args.device, dtype=args.dtype,
               k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
-              fallback=args.fallback)
+              fallback=args.fallback, cuda_graphs=args.cuda_graphs)
     if mode != "ar":
         kw["draft"] = args.draft
     with Generator(**kw) as gen:
-        gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
+        # warm-up (excluded): one full batch of the same requests, so that the steps' shapes
+        # (batch buckets, query counts) are captured before timing
+        gen.generate(prompt_ids[:args.batch], params)
         sync(args.device)
         t0 = time.perf_counter()
         outs = gen.generate(prompt_ids, params)
@@ -308,6 +310,8 @@ def parse_args(argv):
     p.add_argument("--fallback", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run the engine's steps eagerly")
     p.add_argument("--prompts", default="humaneval", choices=("humaneval",))
     p.add_argument("--humaneval", default=None, help="path to HumanEval.jsonl.gz")
     p.add_argument("--prompts-file", default=None, help=".jsonl or .txt prompts (see above)")

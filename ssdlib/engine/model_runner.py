@@ -59,6 +59,11 @@ class ModelRunner:
                              config.head_dim, dtype, device, tree_len)
         self.scratch_slot = n_slots
         self.use_kernel = use_slot_kernel(self.device)
+        # the model as the captured steps run it: torch.compile'd (fusing the small kernels
+        # inside each graph) when SSDLIB_COMPILE=1 on CUDA
+        self.step_model = self.model
+        if self.device.type == "cuda" and os.environ.get("SSDLIB_COMPILE", "") == "1":
+            self.step_model = torch.compile(self.model, dynamic=False)
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             from ssdlib.ops.graph_pool import make_graph_pool
@@ -124,7 +129,7 @@ class ModelRunner:
         for j in range(steps):
             pos = (positions + j).view(-1, 1)
             meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=use_kernel)
-            tok = self.model(tok.view(-1, 1), self.cache, meta)[:, 0, :vocab].argmax(-1)
+            tok = self.step_model(tok.view(-1, 1), self.cache, meta)[:, 0, :vocab].argmax(-1)
             out.append(tok)
         return torch.stack(out, dim=1)
 
@@ -156,7 +161,7 @@ class ModelRunner:
                                      tree_index=lane + d * B,
                                      tree_mask=full_mask[:, d * B:(d + 1) * B, :B * (d + 1)],
                                      tree_len=B * (d + 1), use_kernel=use_kernel)
-            logits = self.model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
+            logits = self.step_model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
             tops.append(logits.topk(top, dim=-1).indices)
             tok = logits.argmax(-1)
             tokens.append(tok)

@@ -163,4 +163,4 @@ class StepGraphs:
             tree_mask=self.tree_mask[:rows, :s, :tree_len] if tree else None,
             tree_len=tree_len, use_kernel=r.use_kernel)
         index = self._view("index", rows, n) if n else None
-        self.outputs[key] = r.model(self._view("ids", rows, s), r.cache, meta, index)
+        self.outputs[key] = r.step_model(self._view("ids", rows, s), r.cache, meta, index)

@@ -41,8 +41,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [b, s] -> (cos, sin), each [b, s, 1, hd/2]; computed once per forward."""
-        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        """positions [b, s] -> (cos, sin), each [b, s, 1, hd]: cos repeated over both halves,
+        sin signed (-sin on the first half) so that rotation is x*cos + swap_halves(x)*sin;
+        computed once per forward."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return (torch.cat([cos, cos], dim=-1).unsqueeze(2),
+                torch.cat([-sin, sin], dim=-1).unsqueeze(2))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -68,6 +72,6 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    # [x1, x2] -> [x1*c - x2*s, x2*c + x1*s] in three kernels (cat, mul, addcmul)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
