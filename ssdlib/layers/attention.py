@@ -93,12 +93,10 @@ class CachedAttention(nn.Module):
             k_cache[rows, :, meta.positions] = k
             v_cache[rows, :, meta.positions] = v
         if meta.use_kernel:
-            from ssdlib.ops.slot_attention import slot_attention
-
             n = meta.tree_len  # the mask covers the first tree_len branch keys
-            out = slot_attention(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
-                                 tree_k[:, :, :n] if tree else None,
-                                 tree_v[:, :, :n] if tree else None, meta.tree_mask)
+            out = _slot_kernel(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
+                               tree_k[:, :, :n] if tree else None,
+                               tree_v[:, :, :n] if tree else None, meta.tree_mask)
             return out.reshape(b, s, -1)
         if meta.slot_start is not None:  # a view, no copy
             rows = slice(meta.slot_start, meta.slot_start + b)
@@ -114,3 +112,10 @@ class CachedAttention(nn.Module):
             q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
             enable_gqa=gqa)  # [b, hq, s, hd]
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+@torch.compiler.disable  # torch.compile fuses around the kernel (launched as it is)
+def _slot_kernel(*args):
+    from ssdlib.ops.slot_attention import slot_attention
+
+    return slot_attention(*args)
