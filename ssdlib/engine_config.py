@@ -42,7 +42,7 @@ class EngineConfig:
     def validate(self) -> "EngineConfig":
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not isinstance(self.tp, int) or self.tp < 1:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {self.tp!r}")
         if self.mode in ("sd", "ssd") and not self.draft:
             from ssdlib.loading.registry import default_draft
@@ -55,17 +55,44 @@ class EngineConfig:
             raise ConfigError("--device cuda requested but no CUDA GPU is available")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.k, int) or not (1 <= self.k <= 32):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not (1 <= self.k <= 32):
             raise ConfigError(f"--k must be an integer in [1, 32], got {self.k!r}")
-        if not (0.0 < float(self.saguaro_c) <= 1.0):
+        if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) \
+                or not (0.0 < self.saguaro_c <= 1.0):
             raise ConfigError(f"--saguaro-c must be in (0, 1], got {self.saguaro_c!r}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         if self.draft_placement not in ("leader", "separate"):
             raise ConfigError("--draft-placement must be leader or separate")
-        if self.max_batch < 1 or self.max_len < 8:
-            raise ConfigError("max_batch must be >= 1 and max_len >= 8")
+        for name, flag, low in (("max_batch", "--max-batch", 1), ("max_len", "--max-len", 8),
+                                ("fan_out_budget", "--fan-out-budget", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        self._check_fan_out()
+        self._check_position_slack()
         return self
+
+    def _check_fan_out(self) -> None:
+        """--fan-out is checked in every mode (a typo must not pass silently where it is unused)."""
+        from ssdlib.speculative.fanout import parse_fanout
+        try:
+            parse_fanout(self.fan_out, self.k)
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(f"--{msg}" if msg.startswith("fan-out") else f"--fan-out: {msg}") \
+                from None
+
+    def _check_position_slack(self) -> None:
+        """A verification writes k + 1 positions past the committed length, which may reach
+        max_len - 1: the model runners allocate POSITION_SLACK positions past max_len for them."""
+        from ssdlib.engine.model_runner import POSITION_SLACK
+        if self.mode != "ar" and self.k + 1 > POSITION_SLACK:
+            raise ConfigError(f"--k {self.k}: a round writes k + 1 = {self.k + 1} positions past "
+                              f"the committed tokens, more than the {POSITION_SLACK} the KV cache "
+                              f"keeps past --max-len; use --k {POSITION_SLACK - 1} or less")
 
     @property
     def torch_dtype(self) -> torch.dtype:

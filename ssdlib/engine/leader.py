@@ -8,6 +8,7 @@ Continuous batching: finished rows leave and free their KV slot, waiting request
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -25,7 +26,11 @@ class Leader:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.n_slots = n_slots
-        self.limit = max_len - getattr(loop, "lookahead", 1)
+        # Every mode stops a sequence at max_len - 1 committed tokens, so SD/SSD produce as
+        # many tokens as AR before "length". A round that starts below the limit writes up to
+        # lookahead positions past it; the model runners keep POSITION_SLACK positions past
+        # max_len for that (EngineConfig checks k + 1 fits).
+        self.limit = max_len - 1
         if hasattr(loop, "limit"):
             loop.limit = self.limit
         self.device = device
@@ -38,8 +43,8 @@ class Leader:
         while pending or active:
             new = []
             while pending and free and getattr(self.loop, "can_admit", lambda a: True)(active):
-                new.append(Sequence(pending.popleft(), free.pop(0), self.eos_ids,
-                                    self.tokenizer, self.device))
+                new.append(Sequence(self._within_limit(pending.popleft()), free.pop(0),
+                                    self.eos_ids, self.tokenizer, self.device))
             if new:
                 before = [len(q.tokens) for q in new]
                 self.loop.admit(new)
@@ -57,6 +62,14 @@ class Leader:
             for o in outputs.values():
                 o.metrics.update(self.loop.batch_metrics())
         return [outputs[r.index] for r in requests]
+
+    def _within_limit(self, request: Request) -> Request:
+        """The request with max_new_tokens cut to what fits before the limit, so a round that
+        accepts several tokens commits none past it (the finish reason is "length" either way)."""
+        room = max(1, self.limit - len(request.prompt_ids))
+        if request.params.max_new_tokens <= room:
+            return request
+        return replace(request, params=replace(request.params, max_new_tokens=room))
 
     def _harvest(self, active, outputs, free) -> list[Sequence]:
         """Collect finished sequences (free their slots); return the ones still running."""
