@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
 
 
+def check_draft_vocab(target: ModelConfig, draft: ModelConfig, target_source: str = "target",
+                      draft_source: str = "draft") -> None:
+    """Raise CheckpointError unless the draft can read every token id the target can emit.
+
+    The target samples from all of its embedding rows, and every committed token is fed to the
+    draft, so the draft needs at least as many rows. (More is fine: the draft's extra logits are
+    cut off.) Needs the configs only, so it runs before any weight is read.
+    """
+    if draft.vocab_size < target.vocab_size:
+        raise CheckpointError(
+            f"draft {draft_source!r} has {draft.vocab_size} embedding rows but the target "
+            f"{target_source!r} can emit token ids up to {target.vocab_size - 1}: the draft could "
+            "not read them; use a draft whose vocabulary covers the target's")
+
+
 def check_draft_compatible(target: Checkpoint, draft: Checkpoint) -> None:
-    """Raise CheckpointError unless draft and target tokenize identically.
+    """Raise CheckpointError unless draft and target tokenize identically and the draft reads
+    every id the target can emit.
 
     Embedding-row counts may differ (checkpoints pad their vocab differently) when the tokenizers
-    are identical; without tokenizer files on either side the vocab sizes must match exactly.
+    are identical, as long as the draft has at least the target's rows; without tokenizer files
+    on either side the vocab sizes must match exactly.
     """
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is not None and dt is not None:
@@ -19,6 +37,7 @@ def check_draft_compatible(target: Checkpoint, draft: Checkpoint) -> None:
             raise CheckpointError(
                 f"draft {draft.source!r} and target {target.source!r} have different tokenizers"
                 f"{diff}; speculative decoding needs a draft trained on the target's tokenizer")
+        check_draft_vocab(target.config, draft.config, target.source, draft.source)
         return
     if target.config.vocab_size != draft.config.vocab_size:
         raise CheckpointError(
