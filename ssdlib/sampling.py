@@ -2,16 +2,23 @@
 
 Conventions (also what SD/SSD verification must reproduce exactly):
 temperature 0 = greedy; otherwise logits / temperature, then top-k, then top-p, where top-p keeps
-the smallest set of most likely tokens whose cumulative probability reaches ``top_p`` (HF/vLLM).
+the smallest set of most likely tokens whose cumulative probability reaches ``top_p`` (HF/vLLM;
+among equally likely tokens the lower id comes first).
+
+:func:`target_probs` states the rule for one parameter set; :func:`target_distributions` applies
+it to a batch whose rows have their own parameters (:class:`SamplingTensors`), with no per-row
+Python and no host read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from ssdlib.errors import ConfigError
+from ssdlib.speculative.rng import RowStream
 
 
 @dataclass
@@ -63,7 +70,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         # keep token i if the mass strictly before it is < top_p: the smallest set reaching top_p
         keep_sorted = (cum - sorted_p) < top_p
@@ -73,9 +80,94 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return probs
 
 
+@dataclass(frozen=True, eq=False)
+class SamplingTensors:
+    """The sampling parameters of a batch's rows as [b] device tensors, plus facts known on the
+    host that let :func:`target_distributions` skip work without reading the device.
+
+    temperature [b] float32 (1 on greedy rows); top_k [b] int64 (0 = off); top_p [b] float32
+    (1 = off); greedy [b] bool. Greedy rows carry neutral top-k / top-p.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    any_greedy: bool
+    any_sampled: bool
+    max_top_k: int  # the largest top_k of a sampled row (0: no row uses top-k)
+    any_top_p: bool  # a sampled row has top_p < 1
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams],
+                    device: torch.device | str = "cpu") -> "SamplingTensors":
+        """One host-to-device copy for the whole batch."""
+        host = torch.tensor([[1.0, 0.0, 1.0, 1.0] if p.greedy else
+                             [p.temperature, float(p.top_k), p.top_p, 0.0] for p in params],
+                            dtype=torch.float64).reshape(-1, 4)
+        dev = host.to(device, non_blocking=True)
+        sampled = [p for p in params if not p.greedy]
+        return cls(dev[:, 0].float(), dev[:, 1].long(), dev[:, 2].float(), dev[:, 3] > 0,
+                   any_greedy=len(sampled) < len(params), any_sampled=bool(sampled),
+                   max_top_k=max((p.top_k for p in sampled), default=0),
+                   any_top_p=any(p.top_p < 1.0 for p in sampled))
+
+    @property
+    def batch(self) -> int:
+        return self.greedy.shape[0]
+
+
+def target_distributions(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Each row's exact AR distribution: logits [b, ..., V] -> probs [b, ..., V] float32, row i
+    under row i's parameters: :func:`target_probs` on sampled rows (the same float32 operations,
+    so the same numbers), one-hot on the argmax of the logits on greedy rows."""
+    b, vocab = logits.shape[0], logits.shape[-1]
+    if params.batch != b:
+        raise ValueError(f"sampling parameters for {params.batch} rows, logits have {b}")
+    per_row = (b,) + (1,) * (logits.dim() - 1)  # views [b] params over [b, ..., V]
+    onehot = None
+    if params.any_greedy:
+        onehot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        if not params.any_sampled:
+            return onehot
+    x = logits.float() / params.temperature.view(per_row)
+    if params.max_top_k > 0:
+        kmax = min(params.max_top_k, vocab)
+        top = x.topk(kmax, dim=-1).values                                 # [b, ..., kmax]
+        pick = (params.top_k.clamp(1, kmax) - 1).view(per_row).expand(*x.shape[:-1], 1)
+        kth = top.gather(-1, pick)                                        # [b, ..., 1] k-th largest
+        on = ((params.top_k > 0) & (params.top_k < vocab)).view(per_row)
+        x = x.masked_fill((x < kth) & on, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.any_top_p:
+        top_p = params.top_p.view(per_row)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        keep_sorted = (cum - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        cut = probs * keep
+        cut = cut / cut.sum(dim=-1, keepdim=True)
+        probs = torch.where(top_p < 1.0, cut, probs)                      # top_p = 1: untouched
+    if onehot is not None:
+        probs = torch.where(params.greedy.view(per_row), onehot, probs)
+    return probs
+
+
+def row_streams(seed: int | None, rows: int, offset: int = 0) -> list[RowStream]:
+    """One random stream per row (rows offset, offset+1, ...): a fixed seed makes every row
+    reproducible, and row i's stream is the one :meth:`RowStream.from_seed` gives request
+    ``offset + i``."""
+    base = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+    return [RowStream.from_seed(base, offset + i) for i in range(rows)]
+
+
 def row_generators(seed: int | None, rows: int, device: torch.device | str = "cpu",
                    offset: int = 0) -> list[torch.Generator]:
-    """One independent random stream per row; a fixed seed makes the whole call reproducible."""
+    """One ``torch.Generator`` per row, seeded as :meth:`RowStream.from_seed` keys its stream
+    (``generator.initial_seed()`` hashed by :func:`~ssdlib.speculative.rng.stream_key` is that
+    key). Kept for callers that still hold generators; new code holds a
+    :class:`~ssdlib.speculative.rng.RowStream`."""
     gens = []
     base = torch.randint(0, 2**62, (1,)).item() if seed is None else seed
     for i in range(rows):
@@ -83,8 +175,3 @@ def row_generators(seed: int | None, rows: int, device: torch.device | str = "cp
         g.manual_seed((base * 1_000_003 + offset + i) % (2**63 - 1))
         gens.append(g)
     return gens
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())

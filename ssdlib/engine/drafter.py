@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import last_index, pack_rows, prefill, slots_tensor
-from ssdlib.engine.sampler import row_distributions
+from ssdlib.engine.sampler import draw_tokens, reserve_streams, sampling_tensors
+from ssdlib.sampling import target_distributions
 
 
 class Drafter:
@@ -66,12 +67,12 @@ class Drafter:
                 q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
                 q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
             return tokens, q
+        params = sampling_tensors(seqs, logits.device)
+        u = reserve_streams(seqs, k, logits.device).uniforms(k)  # [b, k]: draw j for token j
         tokens, qs = [], []
         for j in range(k):
-            q = row_distributions(logits, seqs)  # [b, V], one-hot for greedy rows
-            tok = torch.stack([torch.multinomial(q[i], 1, generator=s.generator)[0]
-                               if not s.params.greedy else q[i].argmax()
-                               for i, s in enumerate(seqs)])
+            q = target_distributions(logits, params)  # [b, V] float32, one-hot on greedy rows
+            tok = draw_tokens(q, logits, params, u[:, j])  # [b], the argmax on greedy rows
             qs.append(q)
             tokens.append(tok)
             if j + 1 < k:

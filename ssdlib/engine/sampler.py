@@ -1,35 +1,83 @@
-"""Choosing the next token from target logits, per row, under each row's SamplingParams."""
+"""Choosing tokens from logits under each row's SamplingParams, batched over rows.
+
+A row is anything with ``params`` (:class:`~ssdlib.sampling.SamplingParams`) and ``stream`` (its
+:class:`~ssdlib.speculative.rng.RowStream`): the leader's Sequence, the speculator's rows. The
+rows' parameters and streams go to the device as [b] tensors in one copy each; everything after
+that is batched device work with no host read (``sample_rows`` ends with the step's read-back).
+Greedy rows always get exactly the argmax of their logits.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ssdlib.sampling import sample_from, target_probs
+from ssdlib.sampling import SamplingTensors, target_distributions
+from ssdlib.speculative.rng import RowStream, RowStreams, sample_categorical, stream_key
+from ssdlib.speculative.saguaro import saguaro_q
 
 
-def row_distributions(logits: torch.Tensor, seqs) -> torch.Tensor:
-    """logits [b, ..., V] -> each row's exact AR distribution, same shape: one-hot on the argmax
-    for greedy rows (so the sampled acceptance rule reduces to the greedy one), temperature /
-    top-k / top-p otherwise."""
-    p = torch.empty_like(logits)
-    for i, seq in enumerate(seqs):
-        sp = seq.params
-        if sp.greedy:
-            p[i].zero_().scatter_(-1, logits[i].argmax(-1, keepdim=True), 1.0)
-        else:
-            p[i] = target_probs(logits[i], sp.temperature, sp.top_k, sp.top_p)
-    return p
+def sampling_tensors(rows, device: torch.device | str) -> SamplingTensors:
+    """The rows' sampling parameters as [b] tensors on ``device``."""
+    return SamplingTensors.from_params([r.params for r in rows], device)
 
 
-def sample_rows(logits: torch.Tensor, seqs) -> list[int]:
-    """logits: [b, V] (row i belongs to seqs[i]) -> one token per row."""
-    out = []
-    greedy = logits.argmax(dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            out.append(greedy[i])
-        else:
-            probs = target_probs(logits[i], p.temperature, p.top_k, p.top_p)
-            out.append(sample_from(probs, seq.generator))
-    return out
+def _stream(row) -> RowStream:
+    stream = getattr(row, "stream", None)
+    if stream is None:
+        # a row that still holds only a torch.Generator seeded by ssdlib.sampling.row_generators:
+        # its stream is keyed by that seed, which is the key RowStream.from_seed would give it
+        stream = row.stream = RowStream(stream_key(row.generator.initial_seed()))
+    return stream
+
+
+def reserve_streams(rows, n: int, device: torch.device | str) -> RowStreams:
+    """Reserve ``n`` draws of each row's stream for one call (the rng convention's fixed count)."""
+    return RowStreams.reserve([_stream(r) for r in rows], n, device)
+
+
+def row_distributions(logits: torch.Tensor, rows) -> torch.Tensor:
+    """logits [b, ..., V] -> each row's exact AR distribution [b, ..., V] float32: one-hot on the
+    argmax for greedy rows (so the sampled acceptance rule reduces to the greedy one),
+    temperature / top-k / top-p otherwise."""
+    return target_distributions(logits, sampling_tensors(rows, logits.device))
+
+
+def draw_tokens(probs: torch.Tensor, logits: torch.Tensor, params: SamplingTensors,
+                u: torch.Tensor) -> torch.Tensor:
+    """One token per distribution: probs and logits [b, ..., V], u [b, ...] uniforms -> ids
+    [b, ...] int64, the argmax of the logits on greedy rows, an inverse-CDF draw from probs
+    (:func:`~ssdlib.speculative.rng.sample_categorical`) on the others."""
+    vocab = probs.shape[-1]
+    tokens = sample_categorical(probs.reshape(-1, vocab), u.reshape(-1)).view(u.shape)
+    if params.any_greedy:
+        greedy = params.greedy.view((-1,) + (1,) * (u.dim() - 1))
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens
+
+
+def sample_tokens(logits: torch.Tensor, rows) -> torch.Tensor:
+    """logits [b, V] (row i belongs to rows[i]) -> one token per row [b] on the device; one draw
+    of each row's stream."""
+    params = sampling_tensors(rows, logits.device)
+    if not params.any_sampled:
+        return logits.argmax(-1)
+    u = reserve_streams(rows, 1, logits.device).uniforms(1)[:, 0]       # [b]
+    return draw_tokens(target_distributions(logits, params), logits, params, u)
+
+
+def sample_rows(logits: torch.Tensor, rows) -> list[int]:
+    """logits [b, V] -> one token per row, on the host (the step's read-back)."""
+    return sample_tokens(logits, rows).tolist()
+
+
+def sample_branches(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
+                    fan_out: int, saguaro_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculator's next token for every branch of every row: logits [b, B, V], u [b, B]
+    (B draws of each row's stream) -> tokens [b, B] int64 and the q each was drawn from
+    [b, B, V] float32: Saguaro's sigma_{F,C} of the row's distribution on sampled rows, the
+    argmax and its one-hot on greedy rows."""
+    q = target_distributions(logits, params)                            # [b, B, V]
+    if params.any_sampled:
+        scaled = saguaro_q(q, fan_out, saguaro_c)
+        q = torch.where(params.greedy[:, None, None], q, scaled) if params.any_greedy else scaled
+    return draw_tokens(q, logits, params, u), q

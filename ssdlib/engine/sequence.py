@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ssdlib.engine.metrics import finalize_acceptance_metrics
-from ssdlib.sampling import SamplingParams, row_generators
+from ssdlib.sampling import SamplingParams
+from ssdlib.speculative.rng import RowStream
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Sequence:
         self.num_prompt = len(request.prompt_ids)
         self.eos_ids = set() if request.params.ignore_eos else set(eos_ids)
         self.finish_reason: str | None = None
-        self.generator = row_generators(request.params.seed, 1, device, offset=request.index)[0]
+        self.stream = RowStream.from_seed(request.params.seed, request.index)  # random draws
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.text = ""
         self.stop_at: int | None = None  # text length where a stop string starts

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor
-from ssdlib.engine.sampler import row_distributions
+from ssdlib.engine.sampler import reserve_streams, row_distributions
 from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, verify_sampled
 
 
@@ -29,7 +29,8 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | Non
     p = row_distributions(logits, seqs)
     if draft_q is None:
         raise ValueError("sampling rows need the draft q")
-    return verify_sampled(draft_tokens, draft_q, p, generators=[q.generator for q in seqs])
+    streams = reserve_streams(seqs, k + 1, logits.device)  # K accept tests + the bonus draw
+    return verify_sampled(draft_tokens, draft_q, p, generators=streams)
 
 
 @dataclass

@@ -12,7 +12,8 @@ n-gram lookup, uniform for random tokens), so the verifier never materialises [b
 
 Rows may carry fewer valid draft tokens than K (``num_draft``); positions >= num_draft are ignored
 (their token ids and q may be garbage). Randomness follows :mod:`ssdlib.speculative.rng`: each row
-draws exactly K+1 uniforms per call (K accept tests, one bonus draw).
+draws exactly K+1 uniforms per call (K accept tests, one bonus draw). Both rules are batched over
+rows and read nothing back to the host (checks of host-side inputs aside).
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ class QKind(IntEnum):
     DENSE = 0    # an explicit distribution per position (draft model, Saguaro sampling)
     ONEHOT = 1   # deterministic proposer (n-gram): q = 1 on the proposed token
     UNIFORM = 2  # random proposer: tokens drawn uniformly over the vocabulary
+
+
+def _check_kinds(kinds: torch.Tensor, has_probs: bool) -> None:
+    """Host-side checks of a DraftQ's kinds [b]."""
+    if bool(((kinds < 0) | (kinds > max(QKind))).any()):
+        raise ValueError(f"DraftQ.kinds must hold QKind values, got {kinds.tolist()}")
+    if not has_probs and bool((kinds == QKind.DENSE).any()):
+        raise ValueError("DraftQ has DENSE rows but no probs")
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,10 +62,8 @@ class DraftQ:
                                        or self.probs.shape[0] != self.kinds.shape[0]):
             raise ValueError(f"DraftQ.probs must be [b, K, V] with b = {self.kinds.shape[0]}, "
                              f"got {tuple(self.probs.shape)}")
-        if bool(((self.kinds < 0) | (self.kinds > max(QKind))).any()):
-            raise ValueError(f"DraftQ.kinds must hold QKind values, got {self.kinds.tolist()}")
-        if self.probs is None and bool((self.kinds == QKind.DENSE).any()):
-            raise ValueError("DraftQ has DENSE rows but no probs")
+        if self.kinds.device.type == "cpu":  # on a device, checking would read it back
+            _check_kinds(self.kinds, self.probs is not None)
 
     @classmethod
     def from_probs(cls, probs: torch.Tensor) -> "DraftQ":
@@ -74,12 +81,16 @@ class DraftQ:
     @classmethod
     def per_row(cls, kinds: Sequence[int] | torch.Tensor,
                 probs: torch.Tensor | None = None) -> "DraftQ":
-        """Mixed kinds: kinds [b] (QKind values); probs [b, K, V] needed if any row is DENSE."""
+        """Mixed kinds: kinds [b] (QKind values); probs [b, K, V] needed if any row is DENSE.
+        Host kinds are checked on the host, then moved to probs' device."""
         if probs is not None:
             device = probs.device
         else:
             device = kinds.device if isinstance(kinds, torch.Tensor) else "cpu"
-        return cls(torch.as_tensor(kinds, dtype=torch.int64, device=device), probs)
+        kinds = torch.as_tensor(kinds, dtype=torch.int64)
+        if kinds.device.type == "cpu":
+            _check_kinds(kinds, probs is not None)
+        return cls(kinds.to(device, non_blocking=True), probs)
 
     @property
     def batch(self) -> int:
@@ -152,12 +163,13 @@ def _num_draft(num_draft: torch.Tensor | Sequence[int] | int | None, b: int, K: 
         return torch.full((b,), K, dtype=torch.int64, device=device)
     if isinstance(num_draft, int):
         num_draft = [num_draft] * b
-    nd = torch.as_tensor(num_draft, dtype=torch.int64, device=device)
+    nd = torch.as_tensor(num_draft, dtype=torch.int64)
     if nd.shape != (b,):
         raise ValueError(f"num_draft must have shape [{b}], got {tuple(nd.shape)}")
-    if bool(((nd < 0) | (nd > K)).any()):
+    # values are checked on the host only: on a device, checking would read it back
+    if nd.device.type == "cpu" and bool(((nd < 0) | (nd > K)).any()):
         raise ValueError(f"num_draft must be in [0, {K}], got {nd.tolist()}")
-    return nd
+    return nd.to(device, non_blocking=True)
 
 
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
@@ -192,8 +204,9 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_q: DraftQ, target_p: torch.
                    generators: Generators = None) -> VerifyOutcome:
     """Exact speculative sampling. draft_tokens [b, K] int64; draft_q the q they were drawn from;
     target_p [b, K+1, V] the exact target distribution (after temperature / top-k / top-p, see
-    :func:`ssdlib.sampling.target_probs`); num_draft [b] (default K); generators: one per row, one
-    for the batch, or None (see :mod:`ssdlib.speculative.rng`)."""
+    :func:`ssdlib.sampling.target_distributions`); num_draft [b] (default K); generators: the
+    rows' :class:`~ssdlib.speculative.rng.RowStreams` with K+1 draws reserved per row (the
+    engine's form), one generator for the batch, or None (see :mod:`ssdlib.speculative.rng`)."""
     b, K = _check_shapes(draft_tokens, target_p)
     device, V = draft_tokens.device, target_p.shape[-1]
     if draft_q.batch != b or (draft_q.probs is not None and draft_q.probs.shape[1:] != (K, V)):

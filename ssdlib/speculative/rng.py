@@ -1,31 +1,152 @@
-"""Randomness for speculative decoding: one convention shared by every sampler in this package.
+"""Randomness for sampling and speculative decoding: one convention shared by every sampler.
 
-``generators`` is accepted in three forms:
+Each row owns a counter-based random stream: a 64-bit key, derived from the request's seed and
+index (:meth:`RowStream.from_seed`), and a counter. Draw j of a stream is a stateless hash of
+(key, j) -- the splitmix64 output function (Steele, Lea & Flood 2014) in int64 tensor ops -- so
+the uniforms of a whole batch are a short chain of elementwise integer kernels on the device (one
+kernel once fused by a compiler): no host read, no state besides the counters, capturable in a
+CUDA graph. A row's draws depend only on its key and counter, so its tokens are reproducible
+from its seed and do not depend on which other rows share the batch.
 
-* a sequence with one ``torch.Generator`` per row -- what the engine passes: each row draws from its
-  own stream, so a row's tokens are reproducible from its seed and do not depend on which other rows
-  share the batch (see :func:`ssdlib.sampling.row_generators`);
-* a single ``torch.Generator`` for the whole batch -- vectorised; statistical tests draw 50k rows at
-  once this way;
-* ``None`` -- torch's global generator.
+Every call draws a fixed number of uniforms per row, decided before the call and never by an
+outcome, so the host always knows each counter without reading the device: a call *reserves*
+its draws on the host (:meth:`RowStreams.reserve` advances :attr:`RowStream.counter`) and sends
+the rows' keys and first counters to the device with its other inputs. The fixed counts:
 
-Every call draws a fixed number of uniforms per row (never a number that depends on the outcome),
-and a categorical sample consumes exactly one uniform (inverse CDF), so the streams stay aligned
-and a per-row call costs one small ``torch.rand`` per row.
+* sampling one token from a distribution: 1 (inverse CDF, :func:`sample_categorical`);
+* verifying K draft tokens (:func:`~ssdlib.speculative.acceptance.verify_sampled`): K+1, K
+  accept tests then the bonus draw;
+* drafting k tokens autoregressively: k (draw j for token j); k random draft tokens: k;
+* sampling B branch tokens of one row at once: B, in branch order.
+
+``generators`` arguments take a :class:`RowStreams` (what the engine passes), a single
+``torch.Generator`` for the whole batch or ``None`` (torch's global generator) -- vectorised
+draws for statistical tests over many rows -- or, until every caller holds a :class:`RowStream`,
+a list of one ``torch.Generator`` per row (one small ``torch.rand`` per row).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 import torch
 
-Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit pattern as the int64 value torch stores."""
+    c &= _MASK64
+    return c - (1 << 64) if c >> 63 else c
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)  # golden-ratio increment between consecutive draws
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: clear the copied sign bits)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (products wrap modulo 2**64, as in C)."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def mix64_int(x: int) -> int:
+    """:func:`mix64` on one Python int (host side; the same bits as the tensor version)."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return _signed(x ^ (x >> 31))
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """Draws counters[i] .. counters[i]+n-1 of stream keys[i]: keys [b], counters [b] int64 ->
+    [b, n] float64 in [0, 1), multiples of 2**-53. Stateless: advancing the counters is the
+    caller's business."""
+    j = torch.arange(1, n + 1, dtype=torch.int64, device=keys.device)    # [n]
+    x = keys[:, None] + (counters[:, None] + j) * _GAMMA                 # [b, n] splitmix64 state
+    return _shr(mix64(x), 11).double() * 2.0 ** -53                      # top 53 bits
+
+
+@dataclass
+class RowStream:
+    """One row's stream on the host: its key and the first draw not yet reserved."""
+
+    key: int  # an int64 value
+    counter: int = 0
+
+    @classmethod
+    def from_seed(cls, seed: int | None, index: int = 0) -> "RowStream":
+        """The stream of request ``index`` under ``seed`` (None: a seed from torch's global
+        generator, so ``torch.manual_seed`` still makes an unseeded run reproducible)."""
+        base = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+        return cls(stream_key((base * 1_000_003 + index) % (2**63 - 1)))
+
+    def reserve(self, n: int) -> int:
+        """Take the next ``n`` draws; returns the first one's counter."""
+        first = self.counter
+        self.counter += n
+        return first
+
+
+def stream_key(seed: int) -> int:
+    """The key of the stream seeded by ``seed`` (any int): hashed, so that streams of nearby
+    seeds (consecutive request indices) are unrelated."""
+    return mix64_int(seed)
+
+
+@dataclass(frozen=True, eq=False)
+class RowStreams:
+    """The streams of a batch's rows on the device: keys [b] and first counters [b] (int64).
+
+    ``width`` draws per row starting at ``counters`` belong to this call (None: no limit).
+    """
+
+    keys: torch.Tensor
+    counters: torch.Tensor
+    width: int | None = None
+
+    @classmethod
+    def reserve(cls, streams: Sequence[RowStream], n: int,
+                device: torch.device | str = "cpu") -> "RowStreams":
+        """Reserve ``n`` draws of each row's stream (advancing its host counter) and put the
+        keys and first counters on ``device`` in one host-to-device copy (no device read)."""
+        host = torch.tensor([[s.key, s.reserve(n)] for s in streams],
+                            dtype=torch.int64).reshape(-1, 2)
+        dev = host.to(device, non_blocking=True)
+        return cls(dev[:, 0], dev[:, 1], n)
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    def uniforms(self, n: int, start: int = 0) -> torch.Tensor:
+        """Draws start .. start+n-1 of this call's reservation: [b, n] float64 in [0, 1)."""
+        if start < 0 or (self.width is not None and start + n > self.width):
+            raise ValueError(f"draws {start}..{start + n - 1} are outside the {self.width} "
+                             "reserved per row")
+        counters = self.counters if start == 0 else self.counters + start
+        return counter_uniforms(self.keys, counters, n)
+
+
+Generators = Union[RowStreams, torch.Generator, Sequence[torch.Generator], None]
 
 
 def uniforms(generators: Generators, rows: int, n: int,
              device: torch.device | str = "cpu") -> torch.Tensor:
-    """``n`` uniforms in [0, 1) per row, float64: returns [rows, n] on ``device``."""
+    """``n`` uniforms in [0, 1) per row, float64: returns [rows, n] on ``device`` (a
+    :class:`RowStreams` answers on its own device)."""
+    if isinstance(generators, RowStreams):
+        if generators.batch != rows:
+            raise ValueError(f"got streams for {generators.batch} rows, need {rows}")
+        return generators.uniforms(n)
     if generators is None or isinstance(generators, torch.Generator):
         gen_device = generators.device if generators is not None else device
         u = torch.rand(rows, n, dtype=torch.float64, generator=generators, device=gen_device)
@@ -40,28 +161,31 @@ def uniforms(generators: Generators, rows: int, n: int,
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: probs [n, V] (non-negative, each row with positive mass, need not be
-    normalised), u [n] uniforms in [0, 1) -> token ids [n] int64.
+    normalised), u [n] uniforms in [0, 1) -> token ids [n] int64. No host read.
 
     A zero-probability token is never returned: its CDF interval is empty (cumsum in float64).
     """
     cdf = probs.double().cumsum(-1)                                      # [n, V]
-    target = (u.double() * cdf[:, -1])[:, None]                          # [n, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)        # [n]: first cdf > target
-    vocab = probs.shape[-1]
-    over = idx >= vocab
-    if bool(over.any()):
-        # u * total rounded up to total (float64 makes this all but impossible): take the last
-        # token with positive mass.
-        last_pos = vocab - 1 - (probs[over] > 0).flip(-1).int().argmax(-1)
-        idx = idx.masked_scatter(over, last_pos)
-    return idx
+    total = cdf[:, -1:].contiguous()                                     # [n, 1]
+    idx = torch.searchsorted(cdf, u.double()[:, None] * total, right=True)  # first cdf > target
+    # u * total rounded up to total (float64 makes this all but impossible) finds no cdf above
+    # it: take the first token where the cdf reaches the total, which has positive mass.
+    last = torch.searchsorted(cdf, total, right=False)                   # [n, 1]
+    return torch.minimum(idx, last).squeeze(-1)
 
 
 def sample_token(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
-    """Draw one token per row from probs [..., V] -> [...] int64 (one uniform per row).
+    """Draw one token per distribution from probs [..., V] -> [...] int64 (one uniform each).
 
-    With a list of generators it must hold one per row (the product of the leading dims).
+    :class:`RowStreams` cover the first dim: row i draws probs[i].numel() / V uniforms, in
+    row-major order ([b, B, V]: B per row). A list of generators holds one per distribution.
     """
     flat = probs.reshape(-1, probs.shape[-1])                            # [n, V]
-    u = uniforms(generators, flat.shape[0], 1, probs.device)[:, 0]       # [n]
-    return sample_categorical(flat, u).reshape(probs.shape[:-1])
+    if isinstance(generators, RowStreams):
+        if probs.dim() < 2 or generators.batch != probs.shape[0]:
+            raise ValueError(f"streams for {generators.batch} rows cannot sample probs of shape "
+                             f"{tuple(probs.shape)} (need [b, ..., V] with b rows)")
+        u = generators.uniforms(flat.shape[0] // max(probs.shape[0], 1)).reshape(-1)
+    else:
+        u = uniforms(generators, flat.shape[0], 1, probs.device)[:, 0]   # [n]
+    return sample_categorical(flat, u.to(probs.device)).reshape(probs.shape[:-1])

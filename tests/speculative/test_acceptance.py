@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ssdlib.sampling import row_generators
+from ssdlib.sampling import row_streams
 from ssdlib.speculative import DraftQ, QKind, verify_greedy, verify_sampled
-from ssdlib.speculative.rng import sample_categorical, sample_token
+from ssdlib.speculative.rng import RowStreams, sample_categorical, sample_token
 
 
 def greedy_reference(draft, logits, num_draft):
@@ -102,21 +102,49 @@ def test_sampled_K0_samples_from_target():
     assert out.accepted.tolist() == [0] and out.bonus.tolist() == [2]
 
 
-def test_per_row_generators_make_rows_independent_of_the_batch():
+def test_row_streams_make_rows_independent_of_the_batch():
     g = torch.Generator().manual_seed(0)
     b, K, V = 6, 3, 7
     q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
     p = torch.softmax(torch.randn(b, K + 1, V, generator=g), -1)
     draft = torch.randint(V, (b, K), generator=g)
-    full = verify_sampled(draft, DraftQ.from_probs(q), p, generators=row_generators(7, b))
-    gens = row_generators(7, b)
+    full = verify_sampled(draft, DraftQ.from_probs(q), p,
+                          generators=RowStreams.reserve(row_streams(7, b), K + 1))
+    streams = row_streams(7, b)
     for row in range(b):
         sl = slice(row, row + 1)
-        one = verify_sampled(draft[sl], DraftQ.from_probs(q[sl]), p[sl], generators=[gens[row]])
+        one = verify_sampled(draft[sl], DraftQ.from_probs(q[sl]), p[sl],
+                             generators=RowStreams.reserve(streams[row:row + 1], K + 1))
         assert one.accepted.item() == full.accepted[row].item()
         assert one.bonus.item() == full.bonus[row].item()
     with pytest.raises(ValueError):
-        verify_sampled(draft, DraftQ.from_probs(q), p, generators=row_generators(7, b - 1))
+        verify_sampled(draft, DraftQ.from_probs(q), p,
+                       generators=RowStreams.reserve(row_streams(7, b - 1), K + 1))
+    with pytest.raises(ValueError):  # fewer draws reserved than the rule uses (K+1)
+        verify_sampled(draft, DraftQ.from_probs(q), p,
+                       generators=RowStreams.reserve(row_streams(7, b), K))
+
+
+def test_sampled_rule_matches_a_per_row_loop():
+    """The batched rule against the rule stated one row at a time with the row's K+1 uniforms."""
+    g = torch.Generator().manual_seed(3)
+    b, K, V = 40, 3, 6
+    q = torch.softmax(2 * torch.randn(b, K, V, generator=g, dtype=torch.float64), -1)
+    p = torch.softmax(2 * torch.randn(b, K + 1, V, generator=g, dtype=torch.float64), -1)
+    draft = sample_token(q, g)
+    nd = torch.randint(K + 1, (b,), generator=g)
+    streams = RowStreams.reserve(row_streams(1, b), K + 1)
+    out = verify_sampled(draft, DraftQ.from_probs(q), p, nd, streams)
+    u = streams.uniforms(K + 1)
+    for i in range(b):
+        k = 0
+        while k < nd[i] and u[i, k] * q[i, k, draft[i, k]] < p[i, k, draft[i, k]]:
+            k += 1
+        dist = p[i, k]
+        if k < nd[i]:
+            dist = (p[i, k] - q[i, k]).clamp_min(0)
+        assert out.accepted[i].item() == k
+        assert out.bonus[i].item() == sample_categorical(dist[None], u[i, K:]).item()
 
 
 def test_sample_categorical_never_returns_zero_mass_tokens():

@@ -2,17 +2,18 @@
 
 A tiny "model" is a pair of tables p(x | previous token) and q(x | previous token) over a small
 vocabulary. Each of N rows (all in one batch, one shared generator -- the vectorised form of the
-rng convention) drafts K tokens, verifies them, and starts a second round from its last committed
-token, until it holds at least two tokens. The empirical law of the first two output tokens must
-equal p(x1 | x0) p(x2 | x1), computed exactly; deliberately wrong verifiers must fail the same test.
+rng convention -- or each row's own stream) drafts K tokens, verifies them, and starts a second
+round from its last committed token, until it holds at least two tokens. The empirical law of the
+first two output tokens must equal p(x1 | x0) p(x2 | x1), computed exactly; deliberately wrong
+verifiers must fail the same test.
 """
 
 import pytest
 import torch
 
-from ssdlib.sampling import row_generators, target_probs
+from ssdlib.sampling import row_streams, target_probs
 from ssdlib.speculative import DraftQ, QKind, saguaro_q, verify_sampled
-from ssdlib.speculative.rng import sample_token
+from ssdlib.speculative.rng import RowStreams, sample_token
 
 from .spec_stats import chi2_test
 
@@ -85,7 +86,7 @@ def first_two_tokens(p_table, propose, K, n=N, seed=0, ragged=False, verify_tabl
     verify_table: the p handed to the verifier if it differs from the true target (wrong verifier).
     """
     gen = torch.Generator().manual_seed(seed)
-    gens = row_generators(seed, n) if per_row else gen
+    streams = row_streams(seed, n) if per_row else None
     verify_table = p_table if verify_table is None else verify_table
     last = torch.full((n,), X0)
     out = torch.full((n, 2), -1)
@@ -95,6 +96,7 @@ def first_two_tokens(p_table, propose, K, n=N, seed=0, ragged=False, verify_tabl
         tokens, q = propose(last, K, gen)                           # [n, K]
         contexts = torch.cat([last[:, None], tokens], 1)            # [n, K+1]: token before each
         num_draft = torch.randint(K + 1, (n,), generator=gen) if ragged else None
+        gens = RowStreams.reserve(streams, K + 1) if per_row else gen  # K+1 draws per row
         o = verify(tokens, q, verify_table[contexts], num_draft, gens)
         committed = torch.cat([tokens, tokens[:, :1]], 1)           # [n, K+1]
         committed[rows, o.accepted] = o.bonus
@@ -127,7 +129,7 @@ def test_dense_q_ragged_num_draft():
     assert p_value(p_table, dense_proposer(q_table), 3, ragged=True) > PASS
 
 
-def test_per_row_generators():
+def test_per_row_streams():
     target_logits, q_table = tables(12)
     p_table = torch.softmax(target_logits, -1)
     assert p_value(p_table, dense_proposer(q_table), 2, n=20_000, per_row=True) > PASS
