@@ -1,4 +1,5 @@
-"""Command-line flags shared by ``ssdlib.generate``, ``ssdlib.chat`` and tools/batch_generate.py.
+"""Command-line flags shared by ``ssdlib.generate``, ``ssdlib.chat`` and tools/batch_generate.py,
+and how those CLIs report an error (one line on stderr, one exit code per kind of error).
 
 Flag names match ``Generator``'s and ``SamplingParams``' keyword names.
 """
@@ -6,7 +7,9 @@ Flag names match ``Generator``'s and ``SamplingParams``' keyword names.
 from __future__ import annotations
 
 import argparse
+import sys
 
+from ssdlib.errors import RankFailure, SSDError, exit_code
 from ssdlib.sampling import SamplingParams
 
 
@@ -57,3 +60,31 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                           top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=list(a.stop),
                           ignore_eos=a.ignore_eos)
+
+
+def report_error(error: BaseException, note: str = "") -> int:
+    """Print ``error`` (an SSDError or a KeyboardInterrupt) as one line on stderr and return its
+    exit code (:func:`ssdlib.errors.exit_code`); ``note`` is added to an interruption's line."""
+    if isinstance(error, KeyboardInterrupt):
+        sys.stderr.write("\nssdlib: interrupted" + (f" ({note})" if note else "") + "\n")
+        return exit_code(error)
+    lines = str(error).strip().splitlines()
+    msg = lines[0] if lines else type(error).__name__
+    internal = isinstance(error, RankFailure) and error.cause is None
+    sys.stderr.write(f"ssdlib {'rank failure' if internal else 'error'}: {msg}\n")
+    if internal and len(lines) > 1:
+        sys.stderr.write("  (run with --debug for the full traceback)\n")
+    return exit_code(error)
+
+
+def run_reporting(fn, args: argparse.Namespace, note: str = "") -> int:
+    """``fn(args)``, with SSDErrors and Ctrl-C reported by :func:`report_error` (``--debug``
+    re-raises SSDErrors with their traceback)."""
+    try:
+        return fn(args)
+    except KeyboardInterrupt as e:
+        return report_error(e, note)
+    except SSDError as e:
+        if getattr(args, "debug", False):
+            raise
+        return report_error(e)

@@ -7,16 +7,15 @@ and optionally writes JSONL records (--output) and a metrics JSON (--metrics-jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 
 import torch
 
-from ssdlib.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
-from ssdlib.errors import ConfigError, RankFailure, SSDError
-from ssdlib.jsonl import read_prompts_file, write_jsonl_atomic
+from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs, run_reporting,
+                             sampling_params)
+from ssdlib.jsonl import check_writable, read_prompts_file, write_json, write_jsonl_atomic
 from ssdlib.log import setup_logging
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -51,13 +50,19 @@ def machine_info(args) -> dict:
 def run(args) -> int:
     from ssdlib.generator import Generator
 
+    # everything that can be checked without the models, before any model loads
     params = sampling_params(args)
+    for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json)):
+        if path:
+            check_writable(path, flag)
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    with Generator(log_level=args.log_level, **engine_kwargs(args)) as gen:
+    with Generator(log_level=args.log_level, start=False, **engine_kwargs(args)) as gen:
+        gen.validate(prompts, params, chat=args.chat)
+        gen.start()
         if not gen.is_leader:
             return 0
         stream = len(prompts) == 1 and not args.no_stream
@@ -79,30 +84,16 @@ def run(args) -> int:
             {"id": o.index, "text": o.text, "token_ids": o.token_ids,
              "finish_reason": o.finish_reason, "metrics": o.metrics} for o in outputs])
     if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump({"run": m, "outputs": [o.metrics for o in outputs],
-                       "args": vars(args), "machine": machine_info(args),
-                       "command": " ".join(sys.argv)}, f, indent=2)
+        write_json(args.metrics_json, {"run": m, "outputs": [o.metrics for o in outputs],
+                                       "args": vars(args), "machine": machine_info(args),
+                                       "command": " ".join(sys.argv)})
     return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        return run(args)
-    except SSDError as e:
-        if args.debug:
-            raise
-        kind = "error" if not isinstance(e, RankFailure) else "rank failure"
-        first = str(e).strip().splitlines()
-        msg = first[0] if first else type(e).__name__
-        sys.stderr.write(f"ssdlib {kind}: {msg}\n")
-        if isinstance(e, RankFailure) and len(first) > 1:
-            sys.stderr.write("  (run with --debug for the full traceback)\n")
-        return 2 if isinstance(e, ConfigError) or not isinstance(e, RankFailure) else 1
-    except KeyboardInterrupt:
-        return 130
+    return run_reporting(run, args)
 
 
 if __name__ == "__main__":

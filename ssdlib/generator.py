@@ -2,7 +2,13 @@
 
 Owns the job's ranks: runs in-process when the job needs one rank, spawns and watches its ranks
 otherwise (CPU gloo / GPU NCCL, free port chosen), or joins the current torchrun world. Prompts are
-strings or token-id lists; each output has ``token_ids``, ``text`` and ``metrics``.
+strings, token-id lists or dicts (see :mod:`ssdlib.prompts`); each output has ``token_ids``,
+``text`` and ``metrics``.
+
+Everything that can be checked without the models is checked when the ``Generator`` is built,
+before any rank starts: the flags, the target's config and tokenizer, the draft's vocabulary, and
+whether the weights and KV cache fit in memory. With ``start=False`` the ranks start at the first
+:meth:`generate` (or :meth:`start`), so a caller can :meth:`validate` its prompts first.
 """
 
 from __future__ import annotations
@@ -13,138 +19,163 @@ from typing import Callable, Iterable, Sequence
 
 import torch.multiprocessing as mp
 
+from ssdlib.capacity import check_memory
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
 from ssdlib.engine.sequence import Output, Request
 from ssdlib.engine_config import EngineConfig
-from ssdlib.errors import ConfigError, RankFailure, SSDError
+from ssdlib.errors import RankFailure, SSDError
 from ssdlib.loading import load_checkpoint
+from ssdlib.loading.compat import check_draft_vocab
 from ssdlib.log import get_logger
+from ssdlib.prompts import Prompt, PromptEncoder, is_single_prompt
 from ssdlib.runtime import build_rank, rank_entry
 from ssdlib.sampling import SamplingParams
 
 log = get_logger(__name__)
 
-Prompt = str | list[int] | dict
-
 
 class Generator:
     """Generate text with a target model, alone (``ar``) or speculatively (``sd``, ``ssd``).
 
-    Keyword names match the CLI flags. Use as a context manager or call :meth:`close`.
+    Keyword names match the CLI flags. Use as a context manager or call :meth:`close`; leaving
+    the ``with`` block on an exception stops the ranks at once and never replaces that exception.
+    Raises :class:`ConfigError` / :class:`CheckpointError` for anything checkable before the models
+    load; ``start=False`` defers loading them to :meth:`start` or the first :meth:`generate`.
     """
 
     def __init__(self, target: str = "smollm2-135m", draft: str | None = None, mode: str = "ar",
                  tp: int = 1, device: str = "cpu", dtype: str | None = None, k: int = 5,
                  fan_out: str = "auto", saguaro_c: float = 1.0, fallback: str = "auto",
                  max_batch: int = 8, max_len: int = 2048, log_level: str = "WARNING",
-                 **kwargs):
+                 start: bool = True, **kwargs):
+        self._closed = True  # until the checks pass: nothing to release
+        self._runtime = None
+        self._ranks: RankGroup | None = None
         self.cfg = EngineConfig(target=target, draft=draft, mode=mode, tp=tp, device=device,
                                 dtype=dtype, k=k, fan_out=fan_out, saguaro_c=saguaro_c,
                                 fallback=fallback, max_batch=max_batch, max_len=max_len, **kwargs)
+        if under_torchrun():
+            self.cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
         ck = load_checkpoint(self.cfg.target)
         self.tokenizer = ck.tokenizer
         self.model_config = ck.config
+        draft_config = None
+        if self.cfg.mode != "ar":
+            draft_config = load_checkpoint(self.cfg.draft).config
+            check_draft_vocab(ck.config, draft_config, self.cfg.target, self.cfg.draft)
+        if under_torchrun():  # each rank checks its own device
+            rank = int(os.environ.get("RANK", "0"))
+            check_memory(self.cfg, ck.config, draft_config, rank,
+                         int(os.environ.get("LOCAL_RANK", rank)))
+        else:
+            check_memory(self.cfg, ck.config, draft_config)
         self.max_context = min(self.cfg.max_len, ck.config.max_position_embeddings)
-        self._runtime = None
-        self._ranks: RankGroup | None = None
+        self.prompts = PromptEncoder(self.tokenizer, ck.config.vocab_size, self.max_context)
+        self._log_level = log_level
+        self._leader = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
+        self._started = False
+        self._pending = 0  # results of interrupted generate calls still to come from the leader
         self._closed = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the ranks (load the models); :meth:`generate` calls it when needed."""
+        if self._started or self._closed:
+            return
+        self._started = True
         if under_torchrun() or self.cfg.world_size == 1:
             if not under_torchrun():
                 os.environ.setdefault("RANK", "0")
             self._runtime = build_rank(self.cfg)
             if self._runtime is None:  # a non-leader torchrun rank: its serving has ended
+                self._leader = False
                 self._closed = True
-        else:
-            ctx = mp.get_context("spawn")
-            self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-            self._ranks = RankGroup(self.cfg.world_size, rank_entry,
-                                    (self.cfg, self._inbox, self._outbox, log_level))
+            return
+        ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._ranks = RankGroup(self.cfg.world_size, rank_entry,
+                                (self.cfg, self._inbox, self._outbox, self._log_level),
+                                roles=self._roles())
+        try:
             kind, _ = self._ranks.wait(self._outbox, timeout_s=self.cfg.timeout_s)
             if kind != "ready":
                 raise RankFailure(f"unexpected first message from the leader: {kind!r}")
+        except BaseException:
+            self._closed = True
+            self._ranks.kill()
+            raise
+
+    def _roles(self) -> list[str]:
+        roles = ["leader"] + ["tensor-parallel rank"] * (self.cfg.tp - 1)
+        if self.cfg.world_size > self.cfg.tp:
+            roles.append("speculator" if self.cfg.mode == "ssd" else "draft")
+        return roles
 
     @property
     def is_leader(self) -> bool:
-        return self._runtime is not None or self._ranks is not None
+        """Whether this process serves :meth:`generate` (False on torchrun ranks other than 0)."""
+        return self._leader
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """A prompt (text, token ids, or {"messages": [...]}) -> token ids."""
-        if isinstance(prompt, dict):
-            if "messages" in prompt:
-                return self._encode_chat(prompt["messages"])
-            if "prompt_ids" in prompt:
-                return self.encode(prompt["prompt_ids"])
-            return self.encode(prompt.get("prompt"), chat=chat)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt or not all(isinstance(t, int) for t in prompt):
-                raise ConfigError("a token-id prompt must be a non-empty list of integers")
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ConfigError(f"token id {bad[0]} is outside the vocabulary "
-                                  f"(size {self.model_config.vocab_size})")
-            return list(prompt)
-        if not isinstance(prompt, str):
-            raise ConfigError(f"a prompt must be a string, a token-id list or a dict, got "
-                              f"{type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ConfigError("this checkpoint has no tokenizer: give prompts as token-id lists")
-        if chat:
-            return self._encode_chat([{"role": "user", "content": prompt}])
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        return ids
+        """A prompt (text, token ids, or a dict: see :mod:`ssdlib.prompts`) -> token ids."""
+        return self.prompts.encode(prompt, chat)
 
-    def _encode_chat(self, messages) -> list[int]:
-        if self.tokenizer is None:
-            raise ConfigError("this checkpoint has no tokenizer: chat prompts need one")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def validate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | list | None = None, chat: bool = False) -> None:
+        """Raise :class:`ConfigError` for any prompt or parameter :meth:`generate` would refuse
+        (needs no rank: call it before :meth:`start` to fail before the models load)."""
+        self._requests(prompts, params, chat)
 
     def _requests(self, prompts, params, chat) -> list[Request]:
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            raise ConfigError("generate() takes a list of prompts")
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ConfigError("give one SamplingParams, or one per prompt")
-        reqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
-            p = (p or SamplingParams()).validate()
-            ids = self.encode(prompt, chat)
-            if len(ids) >= self.max_context - 1:
-                raise ConfigError(f"prompt {i} has {len(ids)} tokens, longer than the context "
-                                  f"({self.max_context} tokens incl. the answer; see --max-len)")
-            reqs.append(Request(i, ids, p))
-        return reqs
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        return self.prompts.requests(prompts, params, chat)
 
     # -- generation ------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | list | None = None,
-                 chat: bool = False,
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | list | None = None, chat: bool = False,
                  on_text: Callable[[int, str], None] | None = None) -> list[Output]:
         """Generate for every prompt; outputs come back in input order.
 
-        ``on_text(index, text_delta)`` is called as text is produced (streaming).
+        ``prompts`` is a list of prompts, or one prompt (a string, a dict or a token-id list),
+        which gives a list of one output. ``on_text(index, text_delta)`` is called as text is
+        produced (streaming). A ``KeyboardInterrupt`` stops waiting for this call's outputs;
+        the Generator stays usable.
         """
         if self._closed or not self.is_leader:
             raise SSDError("this Generator is closed (or is not the leader rank)")
-        reqs = self._requests(list(prompts), params, chat)
+        reqs = self._requests(prompts, params, chat)
+        self.start()
+        if self._closed:
+            raise SSDError("this Generator is closed (or is not the leader rank)")
         t0 = time.perf_counter()
         on_event = (lambda i, d, ids: on_text(i, d) if d else None) if on_text else None
         if self._runtime is not None:
             outputs = self._runtime.generate(reqs, on_event)
         else:
+            self._drain_interrupted()
             self._inbox.put(("generate", reqs, on_text is not None))
+            self._pending += 1
             while True:
                 kind, payload = self._ranks.wait(self._outbox)
                 if kind == "event":
                     on_event(*payload)
                 elif kind == "result":
+                    self._pending -= 1
                     outputs = payload
                     break
         self.last_run_metrics = run_metrics(outputs, time.perf_counter() - t0)
         return outputs
+
+    def _drain_interrupted(self) -> None:
+        """Wait out the calls a KeyboardInterrupt left running on the leader (their output is
+        dropped), so the next answer is not mixed with theirs."""
+        while self._pending:
+            kind, _ = self._ranks.wait(self._outbox)
+            if kind == "result":
+                self._pending -= 1
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool = False) -> Iterable[str]:
@@ -169,12 +200,17 @@ class Generator:
             raise result["error"]
 
     def close(self) -> None:
+        """Shut the ranks down (gracefully unless they failed or are busy with an interrupted
+        call, which is cut short: its output was never going to be read)."""
         if self._closed:
             return
         self._closed = True
         if self._runtime is not None:
             self._runtime.close()
         elif self._ranks is not None:
+            if self._ranks.failure is not None or self._pending:
+                self._ranks.kill()
+                return
             try:
                 self._inbox.put(("close",))
                 self._ranks.wait(self._outbox, timeout_s=60)
@@ -182,11 +218,28 @@ class Generator:
             finally:
                 self._ranks.kill()
 
+    def abort(self) -> None:
+        """Stop at once: spawned ranks are killed, not asked to finish."""
+        if self._closed:
+            return
+        if self._ranks is not None:
+            self._closed = True
+            self._ranks.kill()
+        else:
+            self.close()
+
     def __enter__(self) -> "Generator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # an error is on its way out: stop the ranks at once and never replace that error
+        try:
+            self.abort()
+        except Exception as e:
+            log.warning("while stopping after %s: %s", exc_type.__name__, e)
 
     def __del__(self):
         try:

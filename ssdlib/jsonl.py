@@ -1,4 +1,5 @@
-"""JSONL prompt files and atomic JSONL output (a crash never leaves a half-written file)."""
+"""JSONL prompt files, and output files: checked writable up front, written atomically (a crash
+never leaves a half-written file) with the permissions an ordinary file would get."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import os
 import tempfile
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, SSDError
 
 
 def parse_prompt_record(line: str, where: str):
@@ -14,19 +15,32 @@ def parse_prompt_record(line: str, where: str):
     try:
         rec = json.loads(line)
     except ValueError as e:
-        raise ConfigError(f"{where}: malformed JSON ({e.msg})") from None
+        raise ConfigError(f"{where}: malformed JSON ({getattr(e, 'msg', e)})") from None
+    return prompt_from_record(rec, where)
+
+
+def prompt_from_record(rec: object, where: str):
+    """A decoded record -> a prompt; exactly one of "prompt", "messages", "prompt_ids"."""
     if isinstance(rec, str):
         return rec
     if not isinstance(rec, dict):
         raise ConfigError(f"{where}: a record must be a JSON object or string")
-    if "prompt" in rec and isinstance(rec["prompt"], str):
-        return rec["prompt"]
-    if "messages" in rec and isinstance(rec["messages"], list):
-        return {"messages": rec["messages"]}
-    if "prompt_ids" in rec and isinstance(rec["prompt_ids"], list):
-        return {"prompt_ids": rec["prompt_ids"]}
-    raise ConfigError(f"{where}: a record needs 'prompt' (string), 'messages' (list) or "
-                      "'prompt_ids' (list of ints)")
+    given = [k for k in ("prompt", "messages", "prompt_ids") if k in rec]
+    if len(given) != 1:
+        raise ConfigError(f"{where}: a record needs exactly one of 'prompt' (string), "
+                          "'messages' (list) or 'prompt_ids' (list of ints)"
+                          + (f", not {' and '.join(given)}" if given else ""))
+    key, value = given[0], rec[given[0]]
+    if key == "prompt" and isinstance(value, str):
+        return value
+    if key == "messages" and isinstance(value, list):
+        return {"messages": value}
+    if key == "prompt_ids" and isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return {"prompt_ids": value}
+    kind = {"prompt": "a string", "messages": "a list of messages",
+            "prompt_ids": "a list of integer token ids"}[key]
+    raise ConfigError(f"{where}: '{key}' must be {kind}")
 
 
 def read_prompts_file(path: str) -> list:
@@ -44,10 +58,62 @@ def read_prompts_file(path: str) -> list:
     return prompts
 
 
+def check_writable(path: str, flag: str) -> None:
+    """Raise ConfigError now if ``path`` cannot be written later (after the generation work)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{flag} {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: directory {directory} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path}: file is not writable")
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no thread-safe way to read it elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
+
+
+def _file_mode(path: str) -> int:
+    """An existing file keeps its mode; a new one gets what open() would give (0666 & ~umask)."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 def write_jsonl_atomic(path: str, records: list[dict]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
+    except OSError as e:
+        raise SSDError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp makes it 0600 whatever the umask
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, obj: object) -> None:
+    """Write one JSON document (metrics, summaries)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+    except OSError as e:
+        raise SSDError(f"cannot write {path}: {e.strerror or e}") from None

@@ -137,3 +137,74 @@ def test_killing_the_speculator_stops_the_job(tiny_dirs, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- checked before any model loads (issue 14, items 6 and 9) ---------------------------------
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Any attempt to load a model (in-process or in spawned ranks) fails the test."""
+    import ssdlib.generator as generator
+
+    def refuse(*a, **k):
+        raise AssertionError("models loaded before the inputs were checked")
+
+    monkeypatch.setattr(generator, "build_rank", refuse)
+    monkeypatch.setattr(generator, "RankGroup", refuse)
+
+
+def run_main(capsys, *argv):
+    from ssdlib.generate import main
+
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("ssdlib")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return rc, lines[0]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("flags,needle", [
+    (["--fan-out", "1,2"], "--fan-out '1,2': needs K+1 = 6 entries"),
+    (["--fan-out", "banana"], "--fan-out 'banana'"),
+    (["--fan-out", "all-accepted:0"], "all-accepted:N needs an integer N >= 1"),
+    (["--fan-out-budget", "0"], "--fan-out-budget must be an integer >= 1"),
+    (["--max-batch", "0"], "--max-batch must be an integer >= 1"),
+])
+def test_invalid_flags_fail_before_loading(tiny_dirs, no_models, capsys, mode, flags, needle):
+    rc, line = run_main(capsys, "--target", tiny_dirs["smol_heads"], "--draft",
+                        tiny_dirs["smol_heads_draft"], "--mode", mode, "--prompt", "x", *flags)
+    assert rc == 2 and needle in line, line
+
+
+@pytest.mark.parametrize("flag", ["--output", "--metrics-json"])
+def test_unwritable_output_fails_before_loading(tiny_dirs, no_models, capsys, tmp_path, flag):
+    target = str(tmp_path / "missing_dir" / "out.json")
+    rc, line = run_main(capsys, "--target", tiny_dirs["gqa"], "--prompts-file",
+                        _ids_file(tmp_path, [[5, 6, 7]]), flag, target)
+    assert rc == 2 and f"{flag} {target}: directory" in line and "does not exist" in line, line
+
+
+def _ids_file(tmp_path, prompts) -> str:
+    f = tmp_path / "ids.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    return str(f)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_prompt_checks_run_before_loading(tiny_dirs, no_models, capsys, tmp_path, mode):
+    common = ["--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
+              "--mode", mode, "--max-len", "16"]
+    rc, line = run_main(capsys, *common, "--prompts-file", _ids_file(tmp_path, [list(range(5,
+                                                                                          25))]))
+    assert rc == 2 and "longer than the context" in line, line
+    rc, line = run_main(capsys, *common, "--prompts-file", _ids_file(tmp_path, [[5, 6, 500]]))
+    assert rc == 2 and "token id 500 is outside the vocabulary" in line, line
+
+
+def test_empty_prompt_fails_before_loading(no_models, capsys, tmp_path):
+    from tests.tiny_chat import make_tiny_chat_model
+
+    model = make_tiny_chat_model(str(tmp_path / "chat"))
+    rc, line = run_main(capsys, "--target", model, "--mode", "ar", "--prompt", "")
+    assert rc == 2 and "the prompt is empty" in line, line

@@ -12,8 +12,35 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs,  # noqa: E402
-                             sampling_params)
-from ssdlib.errors import ConfigError, SSDError  # noqa: E402
+                             run_reporting, sampling_params)
+from ssdlib.errors import ConfigError  # noqa: E402
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from ssdlib.batch import read_records, run_batch
+    from ssdlib.generator import Generator
+    from ssdlib.jsonl import check_writable, write_json
+
+    # everything that can be checked without the models, before any model loads
+    params = sampling_params(args)
+    if not os.path.exists(args.input):
+        raise ConfigError(f"--input {args.input}: no such file")
+    for flag, path in (("--output", args.output), ("--summary-json", args.summary_json)):
+        if path:
+            check_writable(path, flag)
+    if args.chunk < 1:
+        raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
+    records = read_records(args.input, params)
+    # the ranks start at the first chunk with work to do
+    with Generator(start=False, **engine_kwargs(args)) as gen, \
+            tqdm(total=len(records), unit="rec", file=sys.stderr) as bar:
+        summary = run_batch(gen, records, args.output, args.chat, args.chunk, bar)
+    sys.stderr.write("[ssdlib] " + json.dumps(summary) + "\n")
+    if args.summary_json:
+        write_json(args.summary_json, summary)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -27,28 +54,7 @@ def main(argv=None) -> int:
     add_engine_args(p)
     add_sampling_args(p)
     args = p.parse_args(argv)
-    try:
-        from tqdm import tqdm
-
-        from ssdlib.batch import read_records, run_batch
-        from ssdlib.generator import Generator
-
-        if not os.path.exists(args.input):
-            raise ConfigError(f"--input {args.input}: no such file")
-        records = read_records(args.input, sampling_params(args))
-        with Generator(**engine_kwargs(args)) as gen, \
-                tqdm(total=len(records), unit="rec", file=sys.stderr) as bar:
-            summary = run_batch(gen, records, args.output, args.chat, args.chunk, bar)
-    except SSDError as e:
-        if args.debug:
-            raise
-        sys.stderr.write(f"ssdlib error: {str(e).splitlines()[0]}\n")
-        return 2
-    sys.stderr.write("[ssdlib] " + json.dumps(summary) + "\n")
-    if args.summary_json:
-        with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+    return run_reporting(run, args, note="finished records are saved; rerun to resume")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,19 @@
 
 Used by ``Generator`` (and so by ``python -m ssdlib.generate`` without torchrun). Each child gets
 the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). A child that
-raises reports ``(rank, message)`` on the error queue and exits non-zero; the parent then kills
-the others at once (a rank blocked in a recv would otherwise wait for its timeout) and raises
-:class:`RankFailure` with the first error.
+raises reports ``(time, rank, message, error kind)`` on the error queue and exits non-zero; the
+parent then kills the others at once (a rank blocked in a recv would otherwise wait for its
+timeout) and raises :class:`RankFailure` with the *first* failure: its rank, role and message.
+
+Children ignore SIGINT: a terminal's Ctrl-C reaches the whole process group, and it is the
+parent's to handle (it stops the ranks); a child must not report it as its own failure.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -18,7 +22,10 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from ssdlib.errors import RankFailure, SSDError
+from ssdlib.errors import RankFailure, SSDError, error_kind, rebuild_error
+
+# how long a failing job's other ranks get to report their errors before they are killed
+REPORT_GRACE_S = 1.0
 
 
 def free_port() -> int:
@@ -38,6 +45,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn, args, errors, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -50,19 +58,31 @@ def _child(rank: int, world_size: int, port: int, fn, args, errors, parent: int)
         else:
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         try:
-            errors.put((time.time(), rank, msg))
+            errors.put((time.time(), rank, msg, error_kind(e)))
             errors.close()
             errors.join_thread()  # flush before dying: os._exit skips the queue's feeder thread
         finally:
             os._exit(1)
 
 
-class RankGroup:
-    """The spawned ranks of one job."""
+def _death(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name}"
+    return f"exited with code {exitcode} without reporting an error"
 
-    def __init__(self, world_size: int, fn, args: tuple):
+
+class RankGroup:
+    """The spawned ranks of one job. ``roles`` names each rank in failure reports."""
+
+    def __init__(self, world_size: int, fn, args: tuple, roles: list[str] | None = None):
         self.ctx = mp.get_context("spawn")
         self.errors = self.ctx.Queue()
+        self.roles = roles
+        self.failure: RankFailure | None = None
         port = free_port()
         self.procs = []
         for rank in range(world_size):
@@ -71,32 +91,56 @@ class RankGroup:
             p.start()
             self.procs.append(p)
 
+    def _name(self, rank: int) -> str:
+        role = self.roles[rank] if self.roles and rank < len(self.roles) else None
+        return f"rank {rank}" + (f" ({role})" if role else "")
+
+    def _drain(self, reports: dict) -> None:
+        while True:
+            try:
+                t, rank, msg, kind = self.errors.get_nowait()
+            except queue.Empty:
+                return
+            reports.setdefault(rank, (t, msg, kind))
+
     def check(self) -> None:
         """Raise RankFailure if any rank reported an error or died.
 
-        When one rank fails, its peers usually fail too (their collectives break); the report
-        names the *earliest* error, the cause.
+        When one rank fails its peers usually fail too (their collectives break), so the report
+        names the cause: a rank that died without reporting (killed, crashed in C) comes first,
+        since its peers' errors are the consequence; otherwise the earliest reported error.
+        Once failed, every later call raises the same failure.
         """
-        reports = []
-        try:
-            reports.append(self.errors.get_nowait())
-        except queue.Empty:
-            dead = [(i, p.exitcode) for i, p in enumerate(self.procs)
-                    if p.exitcode not in (None, 0)]
-            if not dead:
-                return
-            reports.append((float("inf"), dead[0][0],
-                            f"rank {dead[0][0]} died (exit code {dead[0][1]})"))
-        deadline = time.time() + 1.0  # let the other ranks' reports arrive
-        while time.time() < deadline:
-            try:
-                reports.append(self.errors.get(timeout=0.1))
-            except queue.Empty:
-                if all(p.exitcode is not None for p in self.procs):
-                    break
+        if self.failure is not None:
+            raise self.failure
+        reports: dict = {}
+        self._drain(reports)
+        if not reports and all(p.exitcode in (None, 0) for p in self.procs):
+            return
+        silent: dict[int, tuple[float, int]] = {}  # rank -> (when noticed, exit code)
+        deadline = time.time() + REPORT_GRACE_S  # let the other ranks' reports arrive
+        while True:
+            codes = [p.exitcode for p in self.procs]
+            self._drain(reports)  # after reading exit codes: a reporting rank flushed first
+            for rank, code in enumerate(codes):
+                if code not in (None, 0) and rank not in reports and rank not in silent:
+                    silent[rank] = (time.time(), code)
+            if time.time() >= deadline or all(c is not None for c in codes):
+                break
+            time.sleep(0.05)
+        self._drain(reports)
+        silent = {r: v for r, v in silent.items() if r not in reports}
         self.kill()
-        _, rank, msg = min(reports, key=lambda r: r[0])
-        raise RankFailure(f"rank {rank} failed: {msg}")
+        if silent:
+            rank = min(silent, key=lambda r: silent[r])
+            self.failure = RankFailure(f"{self._name(rank)} died: {_death(silent[rank][1])}",
+                                       rank=rank)
+        else:
+            rank = min(reports, key=lambda r: reports[r][0])
+            _, msg, kind = reports[rank]
+            self.failure = RankFailure(f"{self._name(rank)} failed: {msg}", rank=rank,
+                                       cause=rebuild_error(kind, msg))
+        raise self.failure
 
     def wait(self, q, timeout_s: float | None = None):
         """Get one item from ``q`` while watching the ranks."""
@@ -109,7 +153,9 @@ class RankGroup:
                 waited += 0.1
                 if timeout_s is not None and waited > timeout_s:
                     self.kill()
-                    raise RankFailure(f"no answer from the ranks within {timeout_s:.0f} s")
+                    self.failure = RankFailure(
+                        f"no answer from the ranks within {timeout_s:.0f} s")
+                    raise self.failure
 
     def join(self, timeout_s: float = 30.0) -> None:
         for p in self.procs:

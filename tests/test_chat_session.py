@@ -1,0 +1,121 @@
+"""Chat sessions: a conversation that outgrows --max-len drops its oldest turns, a message too
+long on its own is refused, and the session goes on; Ctrl-C stops the answer, a second one at the
+prompt exits (issue 14, item 7). A Generator stays usable after an interrupted call."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ssdlib import Generator, SamplingParams
+from tests.tiny_chat import make_tiny_chat_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return make_tiny_chat_model(str(tmp_path_factory.mktemp("chat") / "m"))
+
+
+def test_a_long_conversation_drops_old_turns_and_goes_on(chat_model, monkeypatch, capsys):
+    from ssdlib import chat
+
+    turns = ["Tell me about the sea.", "And the sky?", "x" * 100, "What about rivers?",
+             "Thanks, bye."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(t + "\n" for t in turns)))
+    rc = chat.main(["--target", chat_model, "--max-len", "64", "--max-new-tokens", "8",
+                    "--ignore-eos", "--metrics"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    answers = [l for l in out.splitlines() if l.startswith("[") and "tok/s" in l]
+    assert len(answers) == 4, out  # every message but the one too long on its own
+    assert "dropped the 1 oldest exchange(s)" in err, err
+    refused = [l for l in err.splitlines() if l.startswith("ssdlib error")]
+    assert len(refused) == 1 and "it was not sent" in refused[0], err
+
+
+def test_fit_conversation_keeps_the_system_prompt(chat_model):
+    from ssdlib.chat import fit_conversation
+
+    p = SamplingParams(max_new_tokens=8)
+    with Generator(target=chat_model, max_len=64, start=False) as g:
+        system = {"role": "system", "content": "Be brief."}
+        history = [{"role": r, "content": "word " * 3} for r in ("user", "assistant") * 3]
+        msgs, dropped = fit_conversation(g, [system, *history, {"role": "user", "content": "Hi"}],
+                                         p)
+        assert msgs[0] == system and msgs[-1]["content"] == "Hi" and dropped >= 1
+        assert len(g.encode({"messages": msgs})) + 8 < 64
+        assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * ((len(msgs) - 2) // 2) \
+            + ["user"]
+
+
+def _read_into(stream, buf: list) -> None:
+    for ch in iter(lambda: stream.read(1), ""):
+        buf.append(ch)
+
+
+def _wait_for(buf: list, needle: str, start: int, timeout: float) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = "".join(buf)
+        i = text.find(needle, start)
+        if i >= 0:
+            return i + len(needle)
+        time.sleep(0.02)
+    raise AssertionError(f"{needle!r} not seen after position {start}: {''.join(buf)[-300:]!r}")
+
+
+def test_ctrl_c_stops_the_answer_and_then_exits(chat_model):
+    proc = subprocess.Popen([sys.executable, "-m", "ssdlib.chat", "--target", chat_model,
+                             "--max-len", "4000", "--max-new-tokens", "3000", "--ignore-eos"],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out: list = []
+    threading.Thread(target=_read_into, args=(proc.stdout, out), daemon=True).start()
+    try:
+        pos = 0
+        for message in ("Hello there", "Again"):
+            proc.stdin.write(message + "\n")
+            proc.stdin.flush()
+            deadline = time.time() + 60
+            while len("".join(out)) < pos + 20 and time.time() < deadline:
+                time.sleep(0.02)  # the answer is streaming
+            proc.send_signal(signal.SIGINT)
+            pos = _wait_for(out, "[interrupted]", pos, 5)
+        assert proc.poll() is None  # both answers interrupted, the session still going
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)  # at the prompt: exit
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err, err
+        assert [l for l in err.splitlines() if l.startswith("ssdlib")] == \
+            ["ssdlib: interrupted"], err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_generator_is_usable_after_an_interrupted_spawned_call(chat_model, tmp_path):
+    """Ctrl-C while a spawned SSD job streams (the KeyboardInterrupt is raised where the signal
+    would land: in the main process, waiting for the leader): generate raises it, and the next
+    call's output is its own (the interrupted call's output is dropped)."""
+    from tests.tiny import make_noisy_draft
+
+    draft = make_noisy_draft(chat_model, str(tmp_path / "draft"), 0.03)
+    p = SamplingParams(max_new_tokens=60, ignore_eos=True)
+
+    def ctrl_c(_i, _delta):
+        raise KeyboardInterrupt
+
+    with Generator(target=chat_model, max_len=128) as g:
+        ref = g.generate(["Hi"], p)[0].token_ids
+    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=128, max_batch=2) as g:
+        with pytest.raises(KeyboardInterrupt):
+            g.generate(["Hello", "Tell me"], p, on_text=ctrl_c)
+        assert g.generate(["Hi"], p)[0].token_ids == ref
