@@ -2,7 +2,8 @@
 
 - leader (rank 0): target shard + sequences + the mode's loop; serves generate requests;
 - TP follower (ranks 1..tp-1): target shard; executes the leader's forwards;
-- speculator (rank tp, mode ssd): draft + speculation cache (``ssdlib.engine.speculator``).
+- speculator (rank tp): mode ssd: draft + speculation cache (``Speculator``); mode sd with the
+  draft on its own rank: the draft alone (``JitSpeculator``), both in ``ssdlib.engine.speculator``.
 """
 
 from __future__ import annotations

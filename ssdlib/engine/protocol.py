@@ -1,55 +1,205 @@
-"""Leader <-> speculator wire protocol (one definition used by both sides; see docs/PROTOCOL.md).
+"""Leader <-> speculator wire protocol: every message defined once, used by both sides
+(docs/PROTOCOL.md has the table).
 
-Point-to-point send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on
-GPU, gloo on CPU). Hot-loop buffers are preallocated at their maximum size (max_batch rows) and
-only the first ``b`` rows travel; nothing is pickled.
+Each message is a small dataclass that knows its wire layout: ``pack`` turns it into the tensors
+that travel (one per message part, fixed dtype), ``unpack`` turns received tensors back into it.
+:class:`SpecLink` moves them: point-to-point send/recv on the two-rank ``spec_group``, tensors on
+the rank's device (NCCL on GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that
+share a GPU). Hot-loop parts (OUTCOME, SPEC) are received into buffers preallocated at
+``max_batch`` rows, of which only the first ``b`` travel. Nothing is pickled.
 
-Messages, each preceded by the int64 header [8] = (op, b, n_tokens, sampling, 0, 0, 0, 0):
-- ADMIT (leader -> speculator), when sequences join the batch (any time; outside the hot loop):
-  rows int64 [b, 4] = (slot, prompt_len, request_index, seed or -1),
-  params float64 [b, 3] = (temperature, top_p, top_k), tokens int64 [n_tokens] (prompts, concat.).
-- OUTCOME (leader -> speculator): int64 [b, 4] = (slot, k accepted, bonus t*, active) for the
-  rows of one exchange (all running rows after a round; the new rows after an ADMIT, with k = 0
-  and t* = the token sampled from the prefill). ``sampling`` in the header says whether the SPEC
-  answer carries q (some listed active row samples).
-- SPEC (speculator -> leader), the answer to an OUTCOME with an active row (no header), rows in
-  the OUTCOME's order: int64 [b, K + 2] = (s_1..s_K, q kind (QKind), hit 0/1); then, only when
-  ``sampling``, float32 [b, K, V] = the q each token was sampled from (dense rows).
-  An OUTCOME with no active row is answered with STATS instead: float64 [5] = (speculator idle s,
-  busy s, cache hits, cache lookups, hits whose branch KV was reused) since the last STATS.
-- SHUTDOWN (leader -> speculator): header only.
+Leader -> speculator messages start with a :class:`Header`; the speculator's answers (SPEC, STATS)
+do not (the leader knows what it asked for).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-OP_ADMIT = 1
-OP_OUTCOME = 2
-OP_SHUTDOWN = 3
+from ssdlib.sampling import SamplingParams
+
+
+class Op(IntEnum):
+    ADMIT = 1
+    OUTCOME = 2
+    SHUTDOWN = 3
+
+
+OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN = Op.ADMIT, Op.OUTCOME, Op.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class Header:
+    """int64 [8] = (op, b, n_tokens, sampling, 0, 0, 0, 0): what follows and its sizes."""
+
+    op: int
+    b: int = 0  # rows of the message
+    n_tokens: int = 0  # ADMIT: prompt tokens, all rows together
+    sampling: bool = False  # OUTCOME: the SPEC answer carries q
+
+    SIZE: ClassVar[int] = 8
+
+    def pack(self, out: torch.Tensor) -> torch.Tensor:
+        """Write into ``out`` (int64 [8]) and return it."""
+        return out.copy_(torch.tensor([int(self.op), self.b, self.n_tokens, int(self.sampling),
+                                       0, 0, 0, 0]))
+
+    @classmethod
+    def unpack(cls, buf: torch.Tensor) -> "Header":
+        op, b, n_tokens, sampling = buf.tolist()[:4]
+        return cls(op, b, n_tokens, bool(sampling))
+
+
+@dataclass
+class AdmitRow:
+    """One sequence joining the batch."""
+
+    slot: int  # KV slot: the row's identity on the wire and in the speculation cache
+    tokens: list[int]  # its committed tokens (the prompt)
+    request_index: int  # salts the speculator's random stream
+    params: SamplingParams  # only temperature, top_p, top_k and seed travel
+
+
+@dataclass
+class Admit:
+    """ADMIT (L -> S), when sequences join (any time; outside the hot loop). After the header:
+    rows int64 [b, 4] = (slot, prompt_len, request_index, seed or -1),
+    params float64 [b, 3] = (temperature, top_p, top_k), tokens int64 [n_tokens] (concatenated)."""
+
+    rows: list[AdmitRow]
+
+    def header(self) -> Header:
+        return Header(Op.ADMIT, len(self.rows), sum(len(r.tokens) for r in self.rows))
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (rows, params, tokens) on the host."""
+        rows = torch.tensor([[r.slot, len(r.tokens), r.request_index,
+                              -1 if r.params.seed is None else r.params.seed] for r in self.rows],
+                            dtype=torch.int64)
+        params = torch.tensor([[r.params.temperature, r.params.top_p, float(r.params.top_k)]
+                               for r in self.rows], dtype=torch.float64)
+        tokens = torch.tensor([t for r in self.rows for t in r.tokens], dtype=torch.int64)
+        return rows, params, tokens
+
+    @staticmethod
+    def empty(header: Header, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Receive buffers for the parts announced by ``header``."""
+        return (torch.empty(header.b, 4, dtype=torch.int64, device=device),
+                torch.empty(header.b, 3, dtype=torch.float64, device=device),
+                torch.empty(header.n_tokens, dtype=torch.int64, device=device))
+
+    @classmethod
+    def unpack(cls, rows: torch.Tensor, params: torch.Tensor, tokens: torch.Tensor) -> "Admit":
+        tokens = tokens.tolist()
+        out, offset = [], 0
+        for (slot, length, index, seed), (temp, top_p, top_k) in zip(rows.tolist(),
+                                                                     params.tolist()):
+            sp = SamplingParams(temperature=temp, top_p=top_p, top_k=int(top_k),
+                                seed=None if seed < 0 else seed)
+            out.append(AdmitRow(slot, tokens[offset:offset + length], index, sp))
+            offset += length
+        return cls(out)
+
+
+@dataclass
+class Outcome:
+    """OUTCOME (L -> S): the rows of one exchange -- all running rows after a round, or the new
+    rows after an ADMIT (k = 0, t* = the token sampled from the prefill). An inactive row leaves
+    the batch. After the header: int64 [b, 4] = (slot, k accepted, bonus t*, active)."""
+
+    slots: list[int]
+    accepted: list[int]  # k
+    bonus: list[int]  # t*
+    active: list[bool]
+    sampling: bool  # some active row samples: the SPEC answer carries q
+
+    WIDTH: ClassVar[int] = 4
+
+    def header(self) -> Header:
+        return Header(Op.OUTCOME, len(self.slots), 0, self.sampling)
+
+    def pack(self, out: torch.Tensor) -> torch.Tensor:
+        """Write into the first b rows of ``out`` (int64 [>= b, 4]) and return them."""
+        rows = torch.tensor([[s, k, t, int(a)] for s, k, t, a in
+                             zip(self.slots, self.accepted, self.bonus, self.active)],
+                            dtype=torch.int64)
+        return out[:rows.shape[0]].copy_(rows)
+
+    @classmethod
+    def unpack(cls, rows: torch.Tensor, header: Header) -> "Outcome":
+        cols = rows.T.tolist()  # one read: slot, k, t*, active columns
+        return cls(cols[0], cols[1], cols[2], [bool(a) for a in cols[3]], header.sampling)
 
 
 @dataclass
 class Speculation:
-    """A speculation per row as the verifier receives it."""
+    """SPEC (S -> L), the answer to an OUTCOME with an active row; rows in the OUTCOME's order
+    (inactive rows: zeros, ignored). int64 [b, K + 2] = (s_1..s_K, q kind, hit); then, only when
+    the OUTCOME said ``sampling``, float32 [b, K, V] = the q each token was drawn from."""
 
     tokens: torch.Tensor  # [b, K] int64
     kinds: torch.Tensor  # [b] int64 QKind of q
     hit: torch.Tensor  # [b] bool, served from the speculation cache
     q: torch.Tensor | None  # [b, K, V] float32 when sampling
 
+    def pack(self, out: torch.Tensor, q_out: torch.Tensor | None) -> list[torch.Tensor]:
+        """Write into the first b rows of ``out`` (int64 [>= b, K + 2]) and of ``q_out``."""
+        b, k = self.tokens.shape
+        buf = out[:b]
+        buf[:, :k].copy_(self.tokens)
+        buf[:, k].copy_(self.kinds)
+        buf[:, k + 1].copy_(self.hit.long())
+        if self.q is None:
+            return [buf]
+        return [buf, q_out[:b].copy_(self.q)]
+
+    @classmethod
+    def unpack(cls, buf: torch.Tensor, q: torch.Tensor | None) -> "Speculation":
+        """Copies out of the (reused) receive buffers."""
+        k = buf.shape[1] - 2
+        return cls(buf[:, :k].clone(), buf[:, k].clone(), buf[:, k + 1].bool(),
+                   None if q is None else q.clone())
+
+
+@dataclass
+class SpeculatorStats:
+    """STATS (S -> L), the answer to an OUTCOME with no active row; counters since the last
+    STATS. float64 [5] = (idle s, busy s, cache hits, cache lookups, hits whose branch KV was
+    reused)."""
+
+    idle_s: float
+    busy_s: float
+    hits: int
+    lookups: int
+    reused: int
+
+    SIZE: ClassVar[int] = 5
+
+    def pack(self) -> torch.Tensor:
+        return torch.tensor([self.idle_s, self.busy_s, float(self.hits), float(self.lookups),
+                             float(self.reused)], dtype=torch.float64)
+
+    @classmethod
+    def unpack(cls, buf: torch.Tensor) -> "SpeculatorStats":
+        idle, busy, hits, lookups, reused = buf.tolist()
+        return cls(idle, busy, int(hits), int(lookups), int(reused))
+
 
 class SpecLink:
+    """The transport: sends and receives the messages above between leader and speculator."""
+
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
                  vocab_size: int, staged: bool = False):
         self.group, self.peer, self.device = group, peer, device
         self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
-        self.header = torch.zeros(8, dtype=torch.int64, device=device)
-        self.outcome_buf = torch.zeros(max_batch, 4, dtype=torch.int64, device=device)
+        self.header = torch.zeros(Header.SIZE, dtype=torch.int64, device=device)
+        self.outcome_buf = torch.zeros(max_batch, Outcome.WIDTH, dtype=torch.int64, device=device)
         self.spec_buf = torch.zeros(max_batch, k + 2, dtype=torch.int64, device=device)
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
 
@@ -71,62 +221,46 @@ class SpecLink:
                                       dtype=torch.float32, device=self.device)
         return self._q_buf
 
-    def _send_header(self, op: int, b: int = 0, n_tokens: int = 0, sampling: int = 0) -> None:
-        self.header.copy_(torch.tensor([op, b, n_tokens, sampling, 0, 0, 0, 0]))
-        self._send(self.header)
+    def _send_header(self, header: Header) -> None:
+        self._send(header.pack(self.header))
 
     # -- leader side ------------------------------------------------------------------------
-    def send_admit(self, rows: torch.Tensor, params: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._send_header(OP_ADMIT, rows.shape[0], tokens.numel())
-        self._send(rows.to(self.device))
-        self._send(params.to(self.device, torch.float64))
-        self._send(tokens.to(self.device))
+    def send_admit(self, msg: Admit) -> None:
+        self._send_header(msg.header())
+        for part in msg.pack():
+            self._send(part.to(self.device))
 
-    def send_outcome(self, outcome: torch.Tensor, sampling: bool) -> None:
-        b = outcome.shape[0]
-        self._send_header(OP_OUTCOME, b, 0, int(sampling))
-        self.outcome_buf[:b].copy_(outcome)
-        self._send(self.outcome_buf[:b])
+    def send_outcome(self, msg: Outcome) -> None:
+        self._send_header(msg.header())
+        self._send(msg.pack(self.outcome_buf))
 
     def recv_spec(self, b: int, sampling: bool) -> Speculation:
         buf = self._recv(self.spec_buf[:b])
         q = self._recv(self.q_buf()[:b]) if sampling else None
-        k = self.k
-        return Speculation(buf[:, :k].clone(), buf[:, k].clone(), buf[:, k + 1].bool(),
-                           None if q is None else q.clone())
+        return Speculation.unpack(buf, q)
 
-    def recv_stats(self) -> list[float]:
-        return self._recv(torch.zeros(5, dtype=torch.float64, device=self.device)).tolist()
+    def recv_stats(self) -> SpeculatorStats:
+        buf = torch.zeros(SpeculatorStats.SIZE, dtype=torch.float64, device=self.device)
+        return SpeculatorStats.unpack(self._recv(buf))
 
     def send_shutdown(self) -> None:
-        self._send_header(OP_SHUTDOWN)
+        self._send_header(Header(Op.SHUTDOWN))
 
     # -- speculator side --------------------------------------------------------------------
-    def recv_header(self) -> tuple[int, int, int, int]:
-        op, b, n, sampling = self._recv(self.header).tolist()[:4]
-        return op, b, n, sampling
+    def recv_header(self) -> Header:
+        return Header.unpack(self._recv(self.header))
 
-    def recv_admit(self, b: int, n_tokens: int):
-        rows = self._recv(torch.empty(b, 4, dtype=torch.int64, device=self.device))
-        params = self._recv(torch.empty(b, 3, dtype=torch.float64, device=self.device))
-        tokens = self._recv(torch.empty(n_tokens, dtype=torch.int64, device=self.device))
-        return rows.cpu(), params.cpu(), tokens.cpu()
+    def recv_admit(self, header: Header) -> Admit:
+        parts = [self._recv(t).cpu() for t in Admit.empty(header, self.device)]
+        return Admit.unpack(*parts)
 
-    def recv_outcome(self, b: int) -> torch.Tensor:
-        return self._recv(self.outcome_buf[:b]).cpu()
+    def recv_outcome(self, header: Header) -> Outcome:
+        return Outcome.unpack(self._recv(self.outcome_buf[:header.b]).cpu(), header)
 
-    def send_spec(self, tokens: torch.Tensor, kinds: torch.Tensor, hit: torch.Tensor,
-                  q: torch.Tensor | None) -> None:
-        b, k = tokens.shape
-        buf = self.spec_buf[:b]
-        buf[:, :k].copy_(tokens)
-        buf[:, k].copy_(kinds)
-        buf[:, k + 1].copy_(hit.long())
-        self._send(buf)
-        if q is not None:
-            qb = self.q_buf()[:b]
-            qb.copy_(q)
-            self._send(qb)
+    def send_spec(self, spec: Speculation) -> None:
+        q_out = self.q_buf() if spec.q is not None else None
+        for part in spec.pack(self.spec_buf, q_out):
+            self._send(part)
 
-    def send_stats(self, stats: torch.Tensor) -> None:
-        self._send(stats.to(self.device, torch.float64))
+    def send_stats(self, stats: SpeculatorStats) -> None:
+        self._send(stats.pack().to(self.device))

@@ -50,9 +50,9 @@ class SDLoop:
 
 def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
-        # the draft on its own rank: the SSD verifier/speculator pair with the cache switched off
-        from ssdlib.engine.verifier import build_ssd_verifier
-        return build_ssd_verifier(cfg, world, target, target_ck)
+        # the draft on its own rank (a JitSpeculator), speculations over the SSD link
+        from ssdlib.engine.verifier import build_separate_draft_verifier
+        return build_separate_draft_verifier(cfg, world, target, target_ck)
     draft_ck = load_checkpoint(cfg.draft)
     check_draft_compatible(target_ck, draft_ck)
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,

@@ -1,10 +1,15 @@
-"""Speculation cache keys/lookup against a plain reference, and the wire protocol round trip."""
+"""Speculation cache keys/lookup against a plain reference, and the wire protocol: every message
+through its pack/unpack (in process), then through SpecLink between two spawned ranks (gloo,
+direct and ``staged``)."""
 
 import torch
 import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
+from ssdlib.engine.protocol import (Admit, AdmitRow, Header, Op, Outcome, Speculation,
+                                    SpeculatorStats)
 from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.sampling import SamplingParams
 
 
 def test_cache_lookup_matches_reference():
@@ -35,37 +40,126 @@ def test_cache_lookup_matches_reference():
     assert not bool(hit.any())
 
 
+# ---- messages -------------------------------------------------------------------------------
+K, V = 3, 6
+
+
+def _admit() -> Admit:
+    return Admit([
+        AdmitRow(0, [1, 2, 3], 10, SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=42)),
+        AdmitRow(3, [4, 5], 11, SamplingParams()),
+    ])
+
+
+def _outcome() -> Outcome:
+    return Outcome([0, 3, 1], [2, 0, 0], [5, 4, 0], [True, True, False], sampling=True)
+
+
+def _spec() -> Speculation:
+    q = torch.rand(3, K, V, generator=torch.Generator().manual_seed(1))
+    return Speculation(torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]]), torch.tensor([0, 2, 0]),
+                       torch.tensor([True, False, False]), q)
+
+
+def _same_admit(a: Admit, b: Admit) -> bool:
+    key = lambda r: (r.slot, r.tokens, r.request_index, r.params.temperature, r.params.top_p,
+                     r.params.top_k, r.params.seed)
+    return [key(r) for r in a.rows] == [key(r) for r in b.rows]
+
+
+def _same_spec(a: Speculation, b: Speculation) -> bool:
+    return (torch.equal(a.tokens, b.tokens) and torch.equal(a.kinds, b.kinds)
+            and torch.equal(a.hit, b.hit)
+            and (a.q is None) == (b.q is None) and (a.q is None or torch.equal(a.q, b.q)))
+
+
+def test_header_pack_unpack():
+    buf = torch.zeros(Header.SIZE, dtype=torch.int64)
+    h = Header(Op.OUTCOME, 3, 7, True)
+    assert buf is h.pack(buf) and buf.tolist() == [2, 3, 7, 1, 0, 0, 0, 0]
+    assert Header.unpack(buf) == h
+
+
+def test_admit_pack_unpack():
+    msg = _admit()
+    assert msg.header() == Header(Op.ADMIT, 2, 5)
+    rows, params, tokens = msg.pack()
+    assert rows.dtype == tokens.dtype == torch.int64 and params.dtype == torch.float64
+    assert rows.tolist() == [[0, 3, 10, 42], [3, 2, 11, -1]]
+    assert params.tolist() == [[0.7, 0.9, 5.0], [0.0, 1.0, 0.0]]
+    assert tokens.tolist() == [1, 2, 3, 4, 5]
+    assert [t.shape for t in Admit.empty(msg.header(), "cpu")] == [rows.shape, params.shape,
+                                                                  tokens.shape]
+    back = Admit.unpack(rows, params, tokens)
+    assert _same_admit(back, msg) and back.rows[1].params.greedy
+
+
+def test_outcome_pack_unpack():
+    msg = _outcome()
+    assert msg.header() == Header(Op.OUTCOME, 3, 0, True)
+    buf = torch.full((5, Outcome.WIDTH), -9, dtype=torch.int64)  # preallocated, max_batch rows
+    rows = msg.pack(buf)
+    assert rows.tolist() == [[0, 2, 5, 1], [3, 0, 4, 1], [1, 0, 0, 0]] and buf[3, 0] == -9
+    assert Outcome.unpack(rows, msg.header()) == msg
+
+
+def test_speculation_pack_unpack():
+    msg = _spec()
+    buf = torch.zeros(5, K + 2, dtype=torch.int64)
+    q_buf = torch.zeros(5, K, V)
+    parts = msg.pack(buf, q_buf)
+    assert [p.shape for p in parts] == [(3, K + 2), (3, K, V)]
+    assert parts[0].tolist() == [[1, 2, 3, 0, 1], [4, 5, 0, 2, 0], [0, 0, 0, 0, 0]]
+    back = Speculation.unpack(*parts)
+    buf.zero_()
+    q_buf.zero_()  # the receive buffers are reused: unpack copies out of them
+    assert _same_spec(back, msg)
+    greedy = Speculation(msg.tokens, msg.kinds, msg.hit, None)
+    parts = greedy.pack(buf, None)
+    assert len(parts) == 1 and _same_spec(Speculation.unpack(parts[0], None), greedy)
+
+
+def test_stats_pack_unpack():
+    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6)
+    t = msg.pack()
+    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,)
+    assert SpeculatorStats.unpack(t) == msg
+
+
 def _protocol_rank(results) -> None:
     from ssdlib.distributed.world import init_world
-    from ssdlib.engine.protocol import OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN, SpecLink
+    from ssdlib.engine.protocol import SpecLink
     from ssdlib.engine_config import EngineConfig
 
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))
-    K, V = 3, 6
-    link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V)
-    rows = torch.tensor([[0, 3, 10, 42], [1, 2, 11, -1]])
-    params = torch.tensor([[0.7, 0.9, 5.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
-    toks = torch.tensor([1, 2, 3, 4, 5])
-    outcome = torch.tensor([[0, 2, 5, 1], [1, 0, 4, 0]])
-    spec = torch.tensor([[1, 2, 3], [4, 5, 0]])
-    q = torch.rand(2, K, V, generator=torch.Generator().manual_seed(1))
+    for staged in (False, True):
+        link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged)
+        spec, stats = _spec(), SpeculatorStats(0.5, 2.0, 3, 4, 1)
+        if world.rank == 0:  # the leader
+            link.send_admit(_admit())
+            link.send_outcome(_outcome())
+            assert _same_spec(link.recv_spec(3, sampling=True), spec)
+            link.send_outcome(Outcome([0], [1], [2], [True], sampling=False))
+            got = link.recv_spec(1, sampling=False)
+            assert got.q is None and torch.equal(got.tokens, spec.tokens[:1])
+            link.send_outcome(Outcome([0, 3], [0, 0], [0, 0], [False, False], sampling=False))
+            assert link.recv_stats() == stats
+            link.send_shutdown()
+        else:  # the speculator
+            header = link.recv_header()
+            assert header == Header(Op.ADMIT, 2, 5)
+            assert _same_admit(link.recv_admit(header), _admit())
+            header = link.recv_header()
+            assert header == _outcome().header() and link.recv_outcome(header) == _outcome()
+            link.send_spec(spec)
+            header = link.recv_header()
+            assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False)
+            link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], spec.hit[:1], None))
+            assert not any(link.recv_outcome(link.recv_header()).active)
+            link.send_stats(stats)
+            assert link.recv_header() == Header(Op.SHUTDOWN)
     if world.rank == 0:
-        link.send_admit(rows, params, toks)
-        link.send_outcome(outcome, sampling=True)
-        got = link.recv_spec(2, sampling=True)
-        assert torch.equal(got.tokens, spec) and torch.equal(got.q, q)
-        assert got.kinds.tolist() == [0, 2] and got.hit.tolist() == [True, False]
-        link.send_shutdown()
         results.put("ok")
-    else:
-        op, b, n, sampling = link.recv_header()
-        assert (op, b, n) == (OP_ADMIT, 2, 5)
-        r, p, t = link.recv_admit(b, n)
-        assert torch.equal(r, rows) and torch.equal(p, params) and torch.equal(t, toks)
-        op, b, _, sampling = link.recv_header()
-        assert (op, sampling) == (OP_OUTCOME, 1) and torch.equal(link.recv_outcome(b), outcome)
-        link.send_spec(spec, torch.tensor([0, 2]), torch.tensor([True, False]), q)
-        assert link.recv_header()[0] == OP_SHUTDOWN
 
 
 def test_protocol_round_trip():

@@ -1,11 +1,13 @@
-"""SSDVerifier.step with fake target and link: a greedy row whose speculation arrived without q
-(an exchange with no sampling rows) is verified correctly next to a sampled row."""
+"""The verifier side of the link with a fake target and link: a greedy row whose speculation
+arrived without q (an exchange with no sampling rows) is verified correctly next to a sampled row;
+only the SSD verifier records cache lookups (the separate-draft SD verifier has no cache)."""
 
+import pytest
 import torch
 
-from ssdlib.engine.protocol import Speculation
+from ssdlib.engine.protocol import Outcome, Speculation
 from ssdlib.engine.sequence import Request, Sequence
-from ssdlib.engine.verifier import SSDVerifier
+from ssdlib.engine.verifier import SeparateDraftVerifier, SSDVerifier
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 
@@ -25,10 +27,10 @@ class FakeLink:
     vocab_size = V
 
     def __init__(self):
-        self.sent = []
+        self.sent: list[Outcome] = []
 
-    def send_outcome(self, out, sampling):
-        self.sent.append(out.clone())
+    def send_outcome(self, msg: Outcome):
+        self.sent.append(msg)
 
     def recv_spec(self, b, sampling):
         return Speculation(torch.full((b, K), 2), torch.zeros(b, dtype=torch.int64),
@@ -36,9 +38,7 @@ class FakeLink:
                            torch.full((b, K, V), 1.0 / V) if sampling else None)
 
 
-def test_greedy_row_without_q_next_to_sampled_row():
-    link = FakeLink()
-    ver = SSDVerifier(FakeTarget(), link, K, torch.device("cpu"))
+def _greedy_and_sampled(ver):
     g = Sequence(Request(0, [1, 1], SamplingParams(max_new_tokens=50)), 0, [], None, "cpu")
     s = Sequence(Request(1, [1, 1], SamplingParams(max_new_tokens=50, temperature=1.0, seed=0)),
                  1, [], None, "cpu")
@@ -46,7 +46,17 @@ def test_greedy_row_without_q_next_to_sampled_row():
         q.commit([2])
     ver.spec[0] = (torch.full((K,), 2), int(QKind.DENSE), None)  # from a greedy-only exchange
     ver.spec[1] = (torch.full((K,), 2), int(QKind.DENSE), torch.full((K, V), 1.0 / V))
+    return g, s
+
+
+@pytest.mark.parametrize("cls", [SSDVerifier, SeparateDraftVerifier])
+def test_greedy_row_without_q_next_to_sampled_row(cls):
+    link = FakeLink()
+    ver = cls(FakeTarget(), link, K, torch.device("cpu"))
+    g, s = _greedy_and_sampled(ver)
     ver.step([g, s])
     assert g.tokens[-(K + 1):] == [2] * (K + 1)  # all K accepted + bonus, as greedy AR would
-    k_sent = link.sent[-1][:, 1].tolist()
-    assert k_sent[0] == K
+    msg = link.sent[-1]
+    assert msg.slots == [0, 1] and msg.accepted[0] == K and msg.active == [True, True]
+    assert msg.sampling  # the sampled row is still running: the answer must carry q
+    assert ("lookups" in g.metrics) == (cls is SSDVerifier)

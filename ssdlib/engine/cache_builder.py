@@ -1,0 +1,181 @@
+"""Building the speculation cache (SSD Algorithm 1), while the verifier verifies.
+
+For a sent speculation s_1..s_K of a row with n committed tokens:
+1. candidates: the draft's top-C tokens at the K+1 positions of the speculation. On a hit they are
+   reused from drafting its branch (the branch KV is copied from the tree scratch into the slot
+   and only s_K is fed); otherwise one draft forward over the tokens the draft has not committed
+   yet plus s_1..s_K (which leaves their KV in the slot);
+2. outcomes (fan-out): at position k < K the top-F_k draft tokens other than s_{k+1} (the bonus
+   after a rejection at k+1 cannot be s_{k+1}), at k = K the top-F_K; B = sum F_k branches per row;
+3. K tree-decode steps draft every branch at once: branch (k, t) holds t at position n+k, then its
+   own tokens; it attends to the slot's first n+k keys and to its own earlier branch tokens
+   (tree mask), its KV goes to the tree scratch region, never to the slot.
+Draft tokens are sampled from Saguaro's sigma_{F,C} of the draft distribution (F = the fan-out
+of the position being drafted); that exact q goes to the verifier with the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.engine.batching import pack_rows
+from ssdlib.engine.sampler import row_distributions
+from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.engine.spec_row import SpecRow
+from ssdlib.ops.tree_mask import tree_mask_full
+from ssdlib.speculative.rng import sample_token
+from ssdlib.speculative.saguaro import saguaro_q
+
+
+class CacheBuilder:
+    def __init__(self, runner, drafter, cache: SpeculationCache, vocab_size: int,
+                 saguaro_c: float):
+        self.runner = runner
+        self.drafter = drafter
+        self.cache = cache
+        self.K, self.B, self.V = cache.K, cache.B, vocab_size
+        self.device = runner.device
+        self.saguaro_c = saguaro_c
+        # Candidates kept from drafting each branch, so a hit needs no recomputation: the draft's
+        # top-C tokens after each branch token [rows, B, K, C] (C = max fan-out + 1).
+        self.C = min(self.B + 1, vocab_size)
+        self.branch_top = torch.zeros(cache.ready.shape[0], self.B, self.K, self.C,
+                                      dtype=torch.int64, device=self.device)
+
+    @torch.inference_mode()
+    def build(self, rows: list[SpecRow], fan: list[int], sampling: bool) -> int:
+        """Cache every likely outcome of the rows' sent speculations (their KV enters the
+        slots). Returns how many rows reused their branch KV (speculations that were hits)."""
+        live = [r.slot for r in rows]  # cache rows are slots
+        K, dev = self.K, self.device
+        cand, reused = self._candidates(live, rows)  # [b, K+1, C]
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        for r in rows:
+            r.fed = True
+        sent = torch.tensor([r.sent for r in rows], device=dev)  # [b, K]
+        fork, first = self._outcomes(cand, sent, fan)  # [b, B] each
+        lengths = [len(r.tokens) for r in rows]  # committed
+        n = torch.tensor(lengths, device=dev)
+        kv_len = max(lengths) + K  # > every slot key a branch sees
+        kv_limit = n.view(-1, 1) + fork  # [b, B]: branch (k, t) sees the prefix + s_1..s_k
+        # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
+        # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
+        full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
+        rows_t = torch.tensor(live, device=dev)
+        if not sampling:
+            out_tokens = self._greedy_tree(first, kv_limit, full, slots, rows_t, kv_len)
+        else:
+            out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, rows_t, fan,
+                                            kv_len)
+        self.cache.tokens[rows_t] = out_tokens
+        self.cache.store_keys(rows_t, fork, first)
+        return reused
+
+    def _outcomes(self, cand: torch.Tensor, sent: torch.Tensor, fan: list[int]):
+        """The outcomes to cache, (fork k, bonus t) per branch: [b, B] each."""
+        K = self.K
+        forks, bonus = [], []
+        for k, f in enumerate(fan):
+            if f == 0:
+                continue
+            f_eff = min(f, self.V - (1 if k < K else 0))
+            top = cand[:, k, :min(f_eff + 1, self.C)]  # [b, f+1]
+            if k < K:
+                keep = top != sent[:, k:k + 1]
+                # drop s_{k+1} if present, else the last candidate: f tokens per row
+                order = torch.argsort((~keep).int(), dim=-1, stable=True)[:, :f_eff]
+                top = top.gather(1, order)
+            else:
+                top = top[:, :f_eff]
+            if f_eff < f:
+                # tiny vocabularies: repeat the last candidate (a duplicate never hits twice)
+                top = torch.cat([top, top[:, -1:].expand(-1, f - f_eff)], dim=1)
+            forks.append(torch.full_like(top, k))
+            bonus.append(top)
+        return torch.cat(forks, 1), torch.cat(bonus, 1)
+
+    def _greedy_tree(self, first, kv_limit, full, slots, rows_t, kv_len) -> torch.Tensor:
+        """Greedy branches: all K depths in one captured chain -> tokens [b, B, K]."""
+        K = self.K
+        v = min(self.V, self.runner.config.vocab_size)
+        out_tokens, tops = self.runner.greedy_tree(first, kv_limit, full, slots, K,
+                                                   min(self.C, v), v, kv_len)
+        self.branch_top[rows_t, :, :, :tops.shape[-1]] = tops
+        return out_tokens
+
+    def _sampled_tree(self, first, kv_limit, full, slots, rows, rows_t, fan,
+                      kv_len) -> torch.Tensor:
+        """K tree-decode steps, one depth at a time, sampling each branch -> tokens [b, B, K]."""
+        K, B, dev = self.K, self.B, self.device
+        fan_t = torch.tensor(fan, device=dev)
+        tok = first
+        out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
+        for d in range(K):
+            positions = kv_limit + d
+            tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
+            lg = self.drafter._logits(self.runner.tree_forward(
+                tok, positions, slots, tree_index, kv_limit,
+                full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len))  # [b, B, V]
+            self.branch_top[rows_t, :, d] = lg.topk(self.C, dim=-1).indices
+            tok = self._sample_branches(lg, rows, fan_t[d] if d < len(fan) else 0, rows_t, d)
+            out_tokens[:, :, d] = tok
+        return out_tokens
+
+    def _sample_branches(self, logits, rows, f, rows_t, depth) -> torch.Tensor:
+        """logits [b, B, V] -> next token per branch; records q in the cache."""
+        out = logits.argmax(-1)
+        q_all = row_distributions(logits, rows)  # [b, B, V]; one-hot for greedy rows
+        for i, r in enumerate(rows):
+            if not r.params.greedy:
+                q_all[i] = saguaro_q(q_all[i], int(f), self.saguaro_c)
+                out[i] = sample_token(q_all[i], [r.generator] * q_all.shape[1])
+        self.cache.q[rows_t, :, depth] = q_all
+        return out
+
+    def _candidates(self, live: list[int], rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
+        """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C],
+        and how many rows reused their branch (a hit: positions 1..K come from drafting it)."""
+        cand = torch.empty(len(rows), self.K + 1, self.C, dtype=torch.int64, device=self.device)
+        reuse = [j for j, r in enumerate(rows) if r.reuse is not None]
+        fresh = [j for j, r in enumerate(rows) if r.reuse is None]
+        if reuse:
+            self._reused_candidates(cand, live, rows, reuse)
+        if fresh:
+            self._fed_candidates(cand, rows, fresh)
+        return cand, len(reuse)
+
+    def _reused_candidates(self, cand, live, rows, reuse: list[int]) -> None:
+        """Rows answered from the cache: copy the branch KV from the tree scratch into the slot,
+        take positions 1..K from the stored candidates, feed s_K for position K+1."""
+        K, B, dev = self.K, self.B, self.device
+        cache = self.runner.cache
+        for j in reuse:
+            r = rows[j]
+            start = len(r.tokens) - 1  # the branch's first token t* sits here
+            idx = torch.arange(K, device=dev) * B + r.reuse
+            cache.k[:, r.slot, :, start:start + K] = cache.tree_k[:, r.slot, :, idx]
+            cache.v[:, r.slot, :, start:start + K] = cache.tree_v[:, r.slot, :, idx]
+            r.valid = len(r.tokens)
+        sel = torch.tensor([live[j] for j in reuse], device=dev)
+        br = torch.tensor([rows[j].reuse for j in reuse], device=dev)
+        jj = torch.tensor(reuse, device=dev)
+        cand[jj, :K] = self.branch_top[sel, br]
+        ids = torch.tensor([[rows[j].sent[-1]] for j in reuse])
+        pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse])
+        slots = torch.tensor([rows[j].slot for j in reuse])
+        logits = self.drafter._logits(self.runner.forward(ids, pos, slots))[:, 0]
+        cand[jj, K] = logits.topk(self.C, dim=-1).indices
+
+    def _fed_candidates(self, cand, rows, fresh: list[int]) -> None:
+        """Other rows (first round, fallbacks): one forward over their unseen committed tokens +
+        s_1..s_K."""
+        K = self.K
+        sub = [rows[j] for j in fresh]
+        # at least the last committed token is fed: its output is the dist at position 1
+        starts = [min(r.valid, len(r.tokens) - 1) for r in sub]
+        inputs = [r.tokens[st:] + r.sent for r, st in zip(sub, starts)]
+        ids, pos = pack_rows(inputs, starts)
+        index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs])
+        slots = torch.tensor([r.slot for r in sub])
+        logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
+        cand[torch.tensor(fresh, device=self.device)] = logits.topk(self.C, dim=-1).indices

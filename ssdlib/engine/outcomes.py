@@ -1,0 +1,151 @@
+"""Answering an outcome on the speculator: the cache lookup, the choice of backup for the rows
+that missed (Thm 17), and the backups themselves -- the draft just in time (jit), n-gram, random.
+
+Every answer declares the q its tokens were drawn from (QKind), so the verifier stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ssdlib.engine.protocol import Speculation
+from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.engine.spec_row import SpecRow
+from ssdlib.speculative.acceptance import QKind
+from ssdlib.speculative.fallback import choose_fallback
+from ssdlib.speculative.ngram import ngram_or_random, random_tokens
+
+# fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
+# (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
+# prior for an explicit fan-out list (no estimator).
+MIN_LOOKUPS_FOR_AUTO = 8
+NGRAM_COST = 0.0
+NGRAM_ACCEPTANCE_PRIOR = 0.2
+A_P_PRIOR = 0.7
+
+
+@dataclass
+class Answer:
+    """The next speculation of an outcome's live rows, in the order of the live rows."""
+
+    tokens: torch.Tensor  # [n, K] int64, host
+    kinds: torch.Tensor  # [n] int64 QKind, host
+    hit: torch.Tensor  # [n] bool, host: served from the cache
+    branch: torch.Tensor  # [n] int64, the cache branch of a hit (cache device)
+    q: torch.Tensor | None  # [n, K, V] float32 on the device, when the exchange samples
+
+    @classmethod
+    def blank(cls, n: int, k: int, vocab_size: int, device, sampling: bool,
+              hit: torch.Tensor | None = None, branch: torch.Tensor | None = None) -> "Answer":
+        return cls(torch.zeros(n, k, dtype=torch.int64),
+                   torch.full((n,), int(QKind.DENSE), dtype=torch.int64),
+                   torch.zeros(n, dtype=torch.bool) if hit is None else hit,
+                   torch.zeros(n, dtype=torch.int64) if branch is None else branch,
+                   torch.zeros(n, k, vocab_size, device=device) if sampling else None)
+
+    def record(self, rows: list[SpecRow]) -> None:
+        """The rows' speculations in flight are now these."""
+        for j, row in enumerate(rows):
+            row.reuse = int(self.branch[j]) if bool(self.hit[j]) and row.fed else None
+            row.sent = self.tokens[j].tolist()
+            row.fed = False
+            row.kind = int(self.kinds[j])
+
+    def in_order(self, live: list[int], order: list[int], device) -> Speculation:
+        """The SPEC message: rows in the outcome's ``order`` of slots (inactive rows: zeros)."""
+        pos = torch.tensor([order.index(s_) for s_ in live])
+        n, k = len(order), self.tokens.shape[1]
+        tokens = torch.zeros(n, k, dtype=torch.int64)
+        kinds = torch.zeros(n, dtype=torch.int64)
+        hit = torch.zeros(n, dtype=torch.bool)
+        tokens[pos], kinds[pos], hit[pos] = self.tokens, self.kinds, self.hit
+        q = None
+        if self.q is not None:
+            q = torch.zeros(n, k, self.q.shape[-1], device=self.q.device)
+            q[pos.to(self.q.device)] = self.q
+        return Speculation(tokens.to(device), kinds.to(device), hit.to(device), q)
+
+
+def lookup(cache: SpeculationCache, slots: list[int], ks: list[int], bonus: list[int],
+           sampling: bool) -> Answer:
+    """Look the outcomes (k, t*) of rows ``slots`` up; the answer holds the hits' cached
+    speculations (and q), zeros for the misses."""
+    slots_t = torch.tensor(slots, dtype=torch.int64)
+    hit, branch = cache.lookup(slots_t, torch.tensor(ks), torch.tensor(bonus))
+    ans = Answer.blank(len(slots), cache.K, cache.V, cache.device, sampling, hit.cpu(), branch)
+    if bool(ans.hit.any()):
+        idx = ans.hit.nonzero().squeeze(-1)
+        rows_h, br = slots_t[idx].to(cache.device), branch[idx.to(branch.device)]
+        ans.tokens[idx] = cache.tokens[rows_h, br].cpu()
+        if ans.q is not None:
+            ans.q[idx.to(cache.device)] = cache.q[rows_h, br]
+    return ans
+
+
+def draft_jit(drafter, rows: list[SpecRow], k: int, want_q: bool):
+    """The draft proposes k tokens per row now: tokens [n, k] and q [n, k, V] (or None)."""
+    for r in rows:
+        drafter.valid[r.slot] = r.valid
+    toks, qs = drafter.propose(rows, k, want_q=want_q)
+    for r in rows:
+        r.valid = len(r.tokens)  # the drafted tokens' KV is speculative
+    return toks, qs
+
+
+class Fallbacks:
+    """The backups for rows whose outcome missed the cache, and the choice among them."""
+
+    def __init__(self, drafter, configured: str, k: int, vocab_size: int):
+        self.drafter = drafter
+        self.configured = configured  # "jit" | "ngram" | "random" | "auto"
+        self.K, self.V = k, vocab_size
+        self.t_jit: float | None = None  # measured cost of a jit draft, seconds
+        self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
+
+    def observe_ngram(self, k: int) -> None:
+        """An n-gram speculation had k tokens accepted: learn its per-token acceptance."""
+        self.ngram_accepted += k
+        self.ngram_tried += k + (1 if k < self.K else 0)
+
+    def ngram_acceptance(self) -> float:
+        """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
+        prior_tries = 10
+        return ((self.ngram_accepted + NGRAM_ACCEPTANCE_PRIOR * prior_tries)
+                / (self.ngram_tried + prior_tries))
+
+    def choose(self, n_rows: int, hits: int, lookups: int, t_round: float | None,
+               estimator) -> str:
+        """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
+        rounds, ``t_round`` seconds each) and the batch size; jit until there are measurements."""
+        if self.configured != "auto":
+            return self.configured
+        if self.t_jit is None or not t_round or lookups < MIN_LOOKUPS_FOR_AUTO:
+            return "jit"
+        a_p = estimator.a_p if estimator is not None else A_P_PRIOR
+        return choose_fallback(n_rows, hits / lookups, a_p, self.K, self.t_jit / t_round,
+                               NGRAM_COST, self.ngram_acceptance())
+
+    def fill(self, kind: str, rows: list[SpecRow], local: list[int], ans: Answer) -> None:
+        """Answer ``rows`` (positions ``local`` of ``ans``) with backup ``kind``."""
+        loc = torch.tensor(local)
+        if kind == "jit":
+            t0 = time.perf_counter()
+            toks, qs = draft_jit(self.drafter, rows, self.K, want_q=ans.q is not None)
+            self.t_jit = time.perf_counter() - t0
+            ans.tokens[loc] = toks.cpu()
+            ans.kinds[loc] = int(QKind.DENSE)
+            if ans.q is not None:
+                ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
+            return
+        gens = [r.generator for r in rows]
+        if kind == "ngram":
+            toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
+        else:
+            toks = random_tokens(gens, len(rows), self.K, self.V).cpu()
+            dq = None
+        ans.tokens[loc] = toks
+        ans.kinds[loc] = (dq.kinds.cpu() if dq is not None
+                          else torch.full((len(rows),), int(QKind.UNIFORM)))

@@ -1,0 +1,44 @@
+"""The speculator's mirror of one sequence of the batch (by KV slot)."""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.engine.protocol import AdmitRow
+from ssdlib.sampling import SamplingParams, row_generators
+from ssdlib.speculative.acceptance import QKind
+
+# Salt that separates the speculator's random streams from the verifier's for the same seed.
+SPEC_STREAM = 7_777_777
+
+
+class SpecRow:
+    """Committed tokens, how far the draft KV in the slot is valid, and the speculation in flight."""
+
+    def __init__(self, slot: int, tokens: list[int], params: SamplingParams, index: int,
+                 device: torch.device):
+        self.slot = slot
+        self.tokens = tokens  # committed
+        self.params = params
+        self.generator = row_generators(params.seed, 1, device, offset=SPEC_STREAM + index)[0]
+        self.valid = 0  # leading committed tokens whose draft KV in the slot is correct
+        self.sent: list[int] | None = None  # the speculation in flight
+        self.fed = False  # the speculation's tokens are in the slot (cache was built)
+        self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
+        self.kind = int(QKind.DENSE)
+
+    @classmethod
+    def admitted(cls, row: AdmitRow, device: torch.device) -> "SpecRow":
+        return cls(row.slot, row.tokens, row.params, row.request_index, device)
+
+    def commit(self, k: int, bonus: int) -> bool:
+        """Commit outcome (k, t*): s_1..s_k of the speculation in flight + t*. Returns whether
+        there was one (False on a sequence's first outcome, which only carries t*)."""
+        n = len(self.tokens)
+        if self.sent is None:
+            self.tokens.append(bonus)
+            return False
+        self.tokens += self.sent[:k] + [bonus]
+        if self.fed:  # s_1..s_k are in the slot's draft KV
+            self.valid = n + k
+        return True
