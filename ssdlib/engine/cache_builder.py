@@ -19,12 +19,10 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows
-from ssdlib.engine.sampler import row_distributions
+from ssdlib.engine.sampler import reserve_streams, sample_branches, sampling_tensors
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.ops.tree_mask import tree_mask_full
-from ssdlib.speculative.rng import sample_token
-from ssdlib.speculative.saguaro import saguaro_q
 
 
 class CacheBuilder:
@@ -107,9 +105,10 @@ class CacheBuilder:
                       kv_len) -> torch.Tensor:
         """K tree-decode steps, one depth at a time, sampling each branch -> tokens [b, B, K]."""
         K, B, dev = self.K, self.B, self.device
-        fan_t = torch.tensor(fan, device=dev)
         tok = first
         out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
+        params = sampling_tensors(rows, dev)
+        streams = reserve_streams(rows, K * B, dev)  # B draws per depth, in branch order
         for d in range(K):
             positions = kv_limit + d
             tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
@@ -117,20 +116,11 @@ class CacheBuilder:
                 tok, positions, slots, tree_index, kv_limit,
                 full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len))  # [b, B, V]
             self.branch_top[rows_t, :, d] = lg.topk(self.C, dim=-1).indices
-            tok = self._sample_branches(lg, rows, fan_t[d] if d < len(fan) else 0, rows_t, d)
+            u = streams.uniforms(B, start=d * B)  # [b, B]
+            tok, q = sample_branches(lg, params, u, fan[d] if d < len(fan) else 0, self.saguaro_c)
+            self.cache.q[rows_t, :, d] = q  # the q each branch token was drawn from
             out_tokens[:, :, d] = tok
         return out_tokens
-
-    def _sample_branches(self, logits, rows, f, rows_t, depth) -> torch.Tensor:
-        """logits [b, B, V] -> next token per branch; records q in the cache."""
-        out = logits.argmax(-1)
-        q_all = row_distributions(logits, rows)  # [b, B, V]; one-hot for greedy rows
-        for i, r in enumerate(rows):
-            if not r.params.greedy:
-                q_all[i] = saguaro_q(q_all[i], int(f), self.saguaro_c)
-                out[i] = sample_token(q_all[i], [r.generator] * q_all.shape[1])
-        self.cache.q[rows_t, :, depth] = q_all
-        return out
 
     def _candidates(self, live: list[int], rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
         """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C],

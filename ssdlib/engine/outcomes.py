@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.engine.protocol import Speculation
+from ssdlib.engine.sampler import reserve_streams
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
@@ -140,7 +141,7 @@ class Fallbacks:
             if ans.q is not None:
                 ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
             return
-        gens = [r.generator for r in rows]
+        gens = reserve_streams(rows, self.K, self.drafter.runner.device)  # K draws per row
         if kind == "ngram":
             toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ssdlib.sampling import SamplingTensors, target_distributions
-from ssdlib.speculative.rng import RowStream, RowStreams, sample_categorical, stream_key
+from ssdlib.speculative.rng import RowStreams, sample_categorical
 from ssdlib.speculative.saguaro import saguaro_q
 
 
@@ -21,18 +21,9 @@ def sampling_tensors(rows, device: torch.device | str) -> SamplingTensors:
     return SamplingTensors.from_params([r.params for r in rows], device)
 
 
-def _stream(row) -> RowStream:
-    stream = getattr(row, "stream", None)
-    if stream is None:
-        # a row that still holds only a torch.Generator seeded by ssdlib.sampling.row_generators:
-        # its stream is keyed by that seed, which is the key RowStream.from_seed would give it
-        stream = row.stream = RowStream(stream_key(row.generator.initial_seed()))
-    return stream
-
-
 def reserve_streams(rows, n: int, device: torch.device | str) -> RowStreams:
     """Reserve ``n`` draws of each row's stream for one call (the rng convention's fixed count)."""
-    return RowStreams.reserve([_stream(r) for r in rows], n, device)
+    return RowStreams.reserve([r.stream for r in rows], n, device)
 
 
 def row_distributions(logits: torch.Tensor, rows) -> torch.Tensor:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.protocol import AdmitRow
-from ssdlib.sampling import SamplingParams, row_generators
+from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
+from ssdlib.speculative.rng import RowStream
 
 # Salt that separates the speculator's random streams from the verifier's for the same seed.
 SPEC_STREAM = 7_777_777
@@ -20,7 +21,7 @@ class SpecRow:
         self.slot = slot
         self.tokens = tokens  # committed
         self.params = params
-        self.generator = row_generators(params.seed, 1, device, offset=SPEC_STREAM + index)[0]
+        self.stream = RowStream.from_seed(params.seed, SPEC_STREAM + index)  # device draws
         self.valid = 0  # leading committed tokens whose draft KV in the slot is correct
         self.sent: list[int] | None = None  # the speculation in flight
         self.fed = False  # the speculation's tokens are in the slot (cache was built)
