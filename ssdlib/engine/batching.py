@@ -35,3 +35,10 @@ def prefill(model, seqs) -> torch.Tensor:
 def last_index(lengths: list[int]) -> torch.Tensor:
     """logits_index [b, 1] selecting each row's last real token."""
     return torch.tensor([[n - 1] for n in lengths], dtype=torch.int64)
+
+
+def to_device(data, device) -> torch.Tensor:
+    """Host data (nested lists of ints) -> an int64 tensor on ``device`` without a host sync:
+    ``torch.tensor(data, device=cuda)`` waits for the stream to drain, an asynchronous copy from
+    pageable memory does not (the data is staged before the call returns)."""
+    return torch.tensor(data, dtype=torch.int64).to(device, non_blocking=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.batching import pack_rows
+from ssdlib.engine.batching import pack_rows, to_device
 from ssdlib.engine.sampler import reserve_streams, sample_branches, sampling_tensors
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
@@ -39,6 +39,7 @@ class CacheBuilder:
         self.C = min(self.B + 1, vocab_size)
         self.branch_top = torch.zeros(cache.ready.shape[0], self.B, self.K, self.C,
                                       dtype=torch.int64, device=self.device)
+        self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def build(self, rows: list[SpecRow], fan: list[int], sampling: bool) -> int:
@@ -47,19 +48,19 @@ class CacheBuilder:
         live = [r.slot for r in rows]  # cache rows are slots
         K, dev = self.K, self.device
         cand, reused = self._candidates(live, rows)  # [b, K+1, C]
-        slots = torch.tensor([r.slot for r in rows], device=dev)
+        slots = to_device([r.slot for r in rows], dev)
         for r in rows:
             r.fed = True
-        sent = torch.tensor([r.sent for r in rows], device=dev)  # [b, K]
+        sent = to_device([r.sent for r in rows], dev)  # [b, K]
         fork, first = self._outcomes(cand, sent, fan)  # [b, B] each
         lengths = [len(r.tokens) for r in rows]  # committed
-        n = torch.tensor(lengths, device=dev)
+        n = to_device(lengths, dev)
         kv_len = max(lengths) + K  # > every slot key a branch sees
         kv_limit = n.view(-1, 1) + fork  # [b, B]: branch (k, t) sees the prefix + s_1..s_k
         # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
         # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
         full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
-        rows_t = torch.tensor(live, device=dev)
+        rows_t = to_device(live, dev)
         if not sampling:
             out_tokens = self._greedy_tree(first, kv_limit, full, slots, rows_t, kv_len)
         else:
@@ -70,27 +71,31 @@ class CacheBuilder:
         return reused
 
     def _outcomes(self, cand: torch.Tensor, sent: torch.Tensor, fan: list[int]):
-        """The outcomes to cache, (fork k, bonus t) per branch: [b, B] each."""
+        """The outcomes to cache, (fork k, bonus t) per branch: [b, B] each. At position k < K
+        the first F_k candidates other than s_{k+1} (a bonus after a rejection at k+1 cannot be
+        s_{k+1}), at K the first F_K; all positions in a few batched ops."""
         K = self.K
-        forks, bonus = [], []
-        for k, f in enumerate(fan):
-            if f == 0:
-                continue
-            f_eff = min(f, self.V - (1 if k < K else 0))
-            top = cand[:, k, :min(f_eff + 1, self.C)]  # [b, f+1]
-            if k < K:
-                keep = top != sent[:, k:k + 1]
-                # drop s_{k+1} if present, else the last candidate: f tokens per row
-                order = torch.argsort((~keep).int(), dim=-1, stable=True)[:, :f_eff]
-                top = top.gather(1, order)
-            else:
-                top = top[:, :f_eff]
-            if f_eff < f:
-                # tiny vocabularies: repeat the last candidate (a duplicate never hits twice)
-                top = torch.cat([top, top[:, -1:].expand(-1, f - f_eff)], dim=1)
-            forks.append(torch.full_like(top, k))
-            bonus.append(top)
-        return torch.cat(forks, 1), torch.cat(bonus, 1)
+        excluded = torch.zeros(cand.shape, dtype=torch.int8, device=cand.device)
+        excluded[:, :K] = (cand[:, :K] == sent.unsqueeze(-1)).to(torch.int8)   # [b, K, C]
+        ranked = cand.gather(-1, torch.argsort(excluded, dim=-1, stable=True))  # kept first
+        pos, rank = self._branch_index(tuple(fan))  # [B] each
+        first = ranked[:, pos, rank]  # [b, B]
+        return pos.expand_as(first).contiguous(), first
+
+    def _branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Branch j of the fan-out -> (its position k, its rank among the kept candidates).
+        Tiny vocabularies (fewer kept candidates than F_k) repeat the last one (a duplicate
+        branch never hits twice)."""
+        cached = self._index_cache.get(fan)
+        if cached is None:
+            pos, rank = [], []
+            for k, f in enumerate(fan):
+                f_eff = min(f, self.V - (1 if k < self.K else 0))
+                pos += [k] * f
+                rank += [min(j, f_eff - 1) for j in range(f)]
+            cached = (to_device(pos, self.device), to_device(rank, self.device))
+            self._index_cache[fan] = cached
+        return cached
 
     def _greedy_tree(self, first, kv_limit, full, slots, rows_t, kv_len) -> torch.Tensor:
         """Greedy branches: all K depths in one captured chain -> tokens [b, B, K]."""
@@ -139,16 +144,19 @@ class CacheBuilder:
         take positions 1..K from the stored candidates, feed s_K for position K+1."""
         K, B, dev = self.K, self.B, self.device
         cache = self.runner.cache
-        for j in reuse:
-            r = rows[j]
-            start = len(r.tokens) - 1  # the branch's first token t* sits here
-            idx = torch.arange(K, device=dev) * B + r.reuse
-            cache.k[:, r.slot, :, start:start + K] = cache.tree_k[:, r.slot, :, idx]
-            cache.v[:, r.slot, :, start:start + K] = cache.tree_v[:, r.slot, :, idx]
+        # branch r.reuse's K tokens (tree keys d*B + branch) -> slot positions start.. (the
+        # branch's first token t* sits at start = committed - 1); one copy for all rows
+        hit_rows = [rows[j] for j in reuse]
+        slot_i = to_device([[r.slot] for r in hit_rows], dev)                         # [n, 1]
+        dest = to_device([[len(r.tokens) - 1 + d for d in range(K)] for r in hit_rows], dev)
+        src = to_device([[d * B + r.reuse for d in range(K)] for r in hit_rows], dev)  # [n, K]
+        cache.k[:, slot_i, :, dest] = cache.tree_k[:, slot_i, :, src]
+        cache.v[:, slot_i, :, dest] = cache.tree_v[:, slot_i, :, src]
+        for r in hit_rows:
             r.valid = len(r.tokens)
-        sel = torch.tensor([live[j] for j in reuse], device=dev)
-        br = torch.tensor([rows[j].reuse for j in reuse], device=dev)
-        jj = torch.tensor(reuse, device=dev)
+        sel = to_device([live[j] for j in reuse], dev)
+        br = to_device([rows[j].reuse for j in reuse], dev)
+        jj = to_device(reuse, dev)
         cand[jj, :K] = self.branch_top[sel, br]
         ids = torch.tensor([[rows[j].sent[-1]] for j in reuse])
         pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse])
@@ -168,4 +176,4 @@ class CacheBuilder:
         index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs])
         slots = torch.tensor([r.slot for r in sub])
         logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
-        cand[torch.tensor(fresh, device=self.device)] = logits.topk(self.C, dim=-1).indices
+        cand[to_device(fresh, self.device)] = logits.topk(self.C, dim=-1).indices
