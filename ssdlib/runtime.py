@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import queue
+
 from ssdlib.distributed.tp_channel import TargetExecutor, TPChannel
 from ssdlib.distributed.world import World, destroy_world, init_world
 from ssdlib.engine.leader import Leader
@@ -31,6 +33,11 @@ class LeaderRuntime:
 
     def generate(self, requests, on_event=None):
         return self.leader.generate(requests, on_event)
+
+    def serve(self, commands, on_event, on_output) -> None:
+        """Serve ``("submit", Request)`` / ``("cancel", index)`` messages from ``commands`` (a
+        queue) until ``("stop",)``; see :meth:`Leader.serve`."""
+        self.leader.serve(lambda idle: poll_commands(commands, idle), on_event, on_output)
 
     def close(self) -> None:
         self._shutdown()
@@ -83,8 +90,32 @@ def _build_loop(cfg, world, target, target_ck):
     raise ConfigError(f"unknown mode {cfg.mode!r}")
 
 
+def poll_commands(commands, idle: bool):
+    """Everything waiting in ``commands``: (new requests, indices to cancel), or None on "stop".
+    Waits for the first message only when ``idle`` (nothing runs: the ranks have nothing to do);
+    otherwise returns at once so the running batch goes on."""
+    new, cancel = [], []
+    while True:
+        try:
+            msg = commands.get() if idle and not new and not cancel else commands.get_nowait()
+        except queue.Empty:
+            return new, cancel
+        if msg[0] == "submit":
+            new.append(msg[1])
+        elif msg[0] == "cancel":
+            cancel.append(msg[1])
+        elif msg[0] == "stop":
+            return None
+        else:
+            raise ValueError(f"unknown serving command {msg[0]!r}")
+
+
 def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
-    """Body of a spawned rank: the leader serves requests from ``inbox`` until 'close'."""
+    """Body of a spawned rank: the leader serves requests from ``inbox`` until 'close'.
+
+    ``("generate", requests, stream)`` runs a fixed batch (answer: events, then "result");
+    ``("serve",)`` serves submit/cancel messages from the inbox until ``("stop",)`` (answer:
+    "event" and "output" messages as they come, then "served")."""
     setup_logging(log_level)
     runtime = build_rank(cfg)
     if runtime is None:
@@ -96,6 +127,11 @@ def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
             runtime.close()
             outbox.put(("closed", None))
             return
+        if msg[0] == "serve":
+            runtime.serve(inbox, lambda i, d, ids: outbox.put(("event", (i, d, ids))),
+                          lambda o: outbox.put(("output", o)))
+            outbox.put(("served", None))
+            continue
         _, requests, stream = msg
         on_event = (lambda i, d, ids: outbox.put(("event", (i, d, ids)))) if stream else None
         outputs = runtime.generate(requests, on_event)

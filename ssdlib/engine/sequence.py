@@ -17,6 +17,13 @@ class Request:
     index: int  # position in the caller's list; outputs keep this order
     prompt_ids: list[int]
     params: SamplingParams
+    # salts the request's random stream (default: its index); a server gives 0 so that a seeded
+    # request samples what Generator.generate samples for one prompt with that seed
+    salt: int | None = None
+
+    @property
+    def stream_salt(self) -> int:
+        return self.index if self.salt is None else self.salt
 
 
 @dataclass
@@ -24,7 +31,7 @@ class Output:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled"
     metrics: dict = field(default_factory=dict)
     prompt_tokens: int = 0
 
@@ -39,7 +46,7 @@ class Sequence:
         self.num_prompt = len(request.prompt_ids)
         self.eos_ids = set() if request.params.ignore_eos else set(eos_ids)
         self.finish_reason: str | None = None
-        self.stream = RowStream.from_seed(request.params.seed, request.index)  # random draws
+        self.stream = RowStream.from_seed(request.params.seed, request.stream_salt)  # random draws
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.text = ""
         self.stop_at: int | None = None  # text length where a stop string starts

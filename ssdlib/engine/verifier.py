@@ -42,9 +42,12 @@ class LinkVerifier:
         self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
+        # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
+        taken = {q.slot for q in seqs}
+        self._leaving = [s for s in self._leaving if s not in taken]
         # the speculator prefills the draft while the target prefills here
-        self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.index, q.params)
-                                    for q in seqs]))
+        self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
+                                             q.params) for q in seqs]))
         admit_with_first_token(self.target, seqs, self.device)
         self._exchange(seqs, [(0, q.tokens[-1]) for q in seqs], first=True)
 
@@ -121,6 +124,12 @@ class LinkVerifier:
     def release(self, seq) -> None:
         if self.spec.pop(seq.slot, None) is not None:
             self._leaving.append(seq.slot)  # tell the speculator with the next outcome
+
+    def settle(self) -> None:
+        """No row is running: tell the speculator about the rows that left (cancelled), so it
+        is idle too (it answers an outcome without active rows with STATS)."""
+        if self._leaving:
+            self._exchange([], [])
 
     def batch_metrics(self) -> dict:
         return dict(self._batch_metrics)
