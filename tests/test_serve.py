@@ -1,0 +1,302 @@
+"""The OpenAI-compatible server (ssdlib.serve) against live sockets, with the official ``openai``
+client: greedy answers equal Generator.generate (modes ar, sd, ssd), requests join a running
+batch, a client that disconnects frees its slot, every error status, /metrics parses.
+
+Servers run uvicorn on a thread of the test process (one per mode, tiny chat model); one test
+runs ``python -m ssdlib.serve`` as a process and kills a rank under it."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+prom_parser = pytest.importorskip("prometheus_client.parser")
+
+from ssdlib import Generator, SamplingParams  # noqa: E402
+from tests.tiny import make_noisy_draft, make_tiny_llama  # noqa: E402
+from tests.tiny_chat import write_char_tokenizer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "sk-test"
+MAX_LEN = 2048  # room for requests that outlive a client (a cancelled one never ends on its own)
+LONG = 2000
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+PROMPT = "The sea"
+N = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """create_app(generator) served by uvicorn on a thread, on a real socket."""
+
+    def __init__(self, gen, **kw):
+        import uvicorn
+
+        from ssdlib.serve.app import create_app
+
+        self.gen = gen
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(gen, "tiny", **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def client(self, key=KEY) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics").text
+        out = {}
+        for fam in prom_parser.text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + "".join(f"[{v}]" for v in s.labels.values())
+                out[key] = s.value
+        return out
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.gen.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    # tests.tiny_chat's model with a longer context
+    target = make_tiny_llama(str(root / "target"), "smol_heads", scale=2.0, vocab_size=90,
+                             max_position_embeddings=MAX_LEN)
+    write_char_tokenizer(target)
+    return target, make_noisy_draft(target, str(root / "draft"), 0.03)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Greedy answers of Generator.generate (mode ar) for the prompts the tests send."""
+    with Generator(target=models[0], max_len=MAX_LEN, max_batch=4) as g:
+        p = SamplingParams(max_new_tokens=N)
+        return {"chat": g.generate([{"messages": MESSAGES}], p)[0],
+                "text": g.generate([PROMPT], p)[0],
+                "long": g.generate([PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True))[0],
+                "seeded": g.generate([PROMPT], SamplingParams(max_new_tokens=N, temperature=0.9,
+                                                              seed=7, ignore_eos=True))[0]}
+
+
+def _engine(models, mode, **kw):
+    draft = None if mode == "ar" else models[1]
+    return Generator(target=models[0], draft=draft, mode=mode, max_len=MAX_LEN, k=3, **kw)
+
+
+@pytest.fixture(scope="module")
+def ar_server(models):
+    s = LiveServer(_engine(models, "ar", max_batch=2), max_queue=1, api_key=KEY)
+    yield s
+    s.close()
+
+
+def _check_greedy(server, reference):
+    c = server.client()
+    chat = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=N,
+                                     temperature=0)
+    assert chat.choices[0].message.content == reference["chat"].text
+    assert chat.choices[0].finish_reason == {"eos": "stop"}.get(reference["chat"].finish_reason,
+                                                                reference["chat"].finish_reason)
+    assert chat.usage.prompt_tokens == reference["chat"].prompt_tokens
+    assert chat.usage.completion_tokens == len(reference["chat"].token_ids)
+    pieces = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=N,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(pieces)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        reference["chat"].text
+    assert chunks[-1].usage.completion_tokens == len(reference["chat"].token_ids)
+    done = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert done.choices[0].text == reference["text"].text
+    assert done.usage.prompt_tokens == reference["text"].prompt_tokens
+    streamed = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == reference["text"].text
+
+
+def _check_cancel_mid_batch(server, reference):
+    """Two requests run; one client leaves after its first chunk; the other ends unchanged."""
+    c = server.client()
+    stay = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                stream=True, extra_body={"ignore_eos": True})
+    leave = c.completions.create(model="tiny", prompt="abc", max_tokens=LONG, temperature=0,
+                                 stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stay))
+    next(iter(leave))
+    leave.response.close()
+    text = first.choices[0].text + "".join(ch.choices[0].text for ch in stay)
+    assert text == reference["long"].text
+    _wait_for(lambda: server.metrics().get("ssdlib_requests_total[cancelled]", 0) >= 1)
+
+
+def test_ar_greedy_equals_generate(ar_server, reference):
+    _check_greedy(ar_server, reference)
+    seeded = ar_server.client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=N, temperature=0.9, seed=7,
+        extra_body={"ignore_eos": True})
+    assert seeded.choices[0].text == reference["seeded"].text
+    assert [m.id for m in ar_server.client().models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_speculative_greedy_equals_generate(models, reference, mode):
+    server = LiveServer(_engine(models, mode, max_batch=2))
+    try:
+        _check_greedy(server, reference)
+        _check_cancel_mid_batch(server, reference)
+        _check_greedy(server, reference)  # the engine (and the speculator) still agree
+        m = server.metrics()
+        assert 0 <= m["ssdlib_acceptance_rate"] <= 1
+        if mode == "ssd":
+            assert 0 <= m["ssdlib_ssd_cache_hit_rate"] <= 1
+    finally:
+        server.close()
+
+
+def _long_stream(client, out: dict, key, started: threading.Event, max_tokens=200):
+    s = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens,
+                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+    text, chunks = [], 0
+    for ch in s:
+        started.set()
+        text.append(ch.choices[0].text)
+        chunks += 1
+    out[key] = ("".join(text), time.perf_counter(), chunks)
+
+
+def test_a_late_request_joins_the_running_batch(models):
+    server = LiveServer(_engine(models, "ar", max_batch=4), max_queue=4)
+    try:
+        c = server.client()
+        out, threads, started = {}, [], []
+        for i in range(3):
+            started.append(threading.Event())
+            threads.append(threading.Thread(target=_long_stream,
+                                            args=(c, out, i, started[-1], 600 + 10 * i)))
+            threads[-1].start()
+        assert all(e.wait(30) for e in started)
+        short = c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        t_short = time.perf_counter()
+        for t in threads:
+            t.join(60)
+        assert short.usage.completion_tokens == 4
+        assert all(t_short < out[i][1] for i in range(3)), "the late request waited for the batch"
+        with Generator(target=models[0], max_len=MAX_LEN) as g:
+            ref = g.generate([PROMPT] * 3, [SamplingParams(max_new_tokens=600 + 10 * i,
+                                                           ignore_eos=True) for i in range(3)])
+        assert [out[i][0] for i in range(3)] == [o.text for o in ref]
+    finally:
+        server.close()
+
+
+def _wait_for(fn, timeout_s=20.0):
+    deadline = time.time() + timeout_s
+    while not fn():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_disconnect_frees_the_slot_and_full_queue_is_503(ar_server):
+    c = ar_server.client()
+    before = ar_server.metrics().get("ssdlib_requests_total[cancelled]", 0)
+    # three long requests fill both slots and the queue of one
+    streams = [c.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                    stream=True, extra_body={"ignore_eos": True})
+               for _ in range(3)]
+    next(iter(streams[0]))
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    assert ar_server.metrics()["ssdlib_requests_rejected_total"] >= 1
+    for s in streams:  # the clients go away mid-stream
+        s.response.close()
+    _wait_for(lambda: ar_server.metrics().get("ssdlib_requests_total[cancelled]", 0) >= before + 3)
+    m = ar_server.metrics()
+    assert m["ssdlib_requests_running"] == 0 and m["ssdlib_requests_waiting"] == 0
+    done = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert done.usage.completion_tokens >= 1
+
+
+def test_error_statuses(ar_server):
+    c = ar_server.client()
+    cases = [
+        (401, lambda: ar_server.client(key="wrong").models.list()),
+        (400, lambda: c.chat.completions.create(model="tiny", messages=MESSAGES, n=2)),
+        (400, lambda: c.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                temperature=-1)),
+        (400, lambda: c.completions.create(model="tiny", prompt=[1, 2, 10_000])),
+        (404, lambda: c.completions.create(model="gpt-4", prompt=PROMPT)),
+        (413, lambda: c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x" * (MAX_LEN + 10)}])),
+    ]
+    for status, call in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        assert e.value.status_code == status, (status, e.value)
+        assert e.value.body["message"], e.value.body  # an OpenAI error body
+    r = httpx.post(ar_server.url + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(ar_server.url + "/v1/nothing",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    assert httpx.get(ar_server.url + "/health").json() == {"status": "ok"}
+    m = ar_server.metrics()  # parsed by prometheus_client
+    assert m["ssdlib_generation_tokens_total"] > 0
+    assert "ssdlib_generation_tokens_per_second" in m and "ssdlib_requests_waiting" in m
+
+
+def test_cli_serves_and_exits_nonzero_when_a_rank_dies(models):
+    psutil = pytest.importorskip("psutil")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ssdlib.serve", "--target", models[0], "--draft", models[1],
+         "--mode", "ssd", "--k", "3", "--max-len", str(MAX_LEN), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            assert proc.poll() is None, proc.communicate()
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(up, 90)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert c.completions.create(model=os.path.basename(models[0]), prompt=PROMPT,
+                                    max_tokens=4, temperature=0).usage.completion_tokens >= 1
+        ranks = [p for p in psutil.Process(proc.pid).children()
+                 if "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        ranks[-1].send_signal(signal.SIGKILL)
+        assert proc.wait(60) != 0
+        assert "rank" in proc.communicate()[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
