@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.engine.protocol import Speculation
+from ssdlib.engine.batching import to_device
 from ssdlib.engine.sampler import reserve_streams
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
@@ -67,22 +68,27 @@ class Answer:
         if self.q is not None:
             q = torch.zeros(n, k, self.q.shape[-1], device=self.q.device)
             q[pos.to(self.q.device)] = self.q
-        return Speculation(tokens.to(device), kinds.to(device), hit.to(device), q)
+        return Speculation(tokens.to(device, non_blocking=True),
+                           kinds.to(device, non_blocking=True), hit.to(device, non_blocking=True), q)
 
 
 def lookup(cache: SpeculationCache, slots: list[int], ks: list[int], bonus: list[int],
            sampling: bool) -> Answer:
     """Look the outcomes (k, t*) of rows ``slots`` up; the answer holds the hits' cached
-    speculations (and q), zeros for the misses."""
-    slots_t = torch.tensor(slots, dtype=torch.int64)
-    hit, branch = cache.lookup(slots_t, torch.tensor(ks), torch.tensor(bonus))
-    ans = Answer.blank(len(slots), cache.K, cache.V, cache.device, sampling, hit.cpu(), branch)
-    if bool(ans.hit.any()):
-        idx = ans.hit.nonzero().squeeze(-1)
-        rows_h, br = slots_t[idx].to(cache.device), branch[idx.to(branch.device)]
-        ans.tokens[idx] = cache.tokens[rows_h, br].cpu()
-        if ans.q is not None:
-            ans.q[idx.to(cache.device)] = cache.q[rows_h, br]
+    speculations (and q), zeros for the misses. One read-back of (hit, branch, tokens)."""
+    dev = cache.device
+    slots_t = to_device(slots, dev)
+    hit, branch = cache.lookup(slots_t, to_device(ks, dev), to_device(bonus, dev))
+    if cache.B:
+        found = cache.tokens[slots_t, branch] * hit[:, None]                # [n, K], 0 on misses
+    else:  # no cache (the separate draft of plain SD): every lookup misses
+        found = torch.zeros(len(slots), cache.K, dtype=torch.int64, device=dev)
+    host = torch.cat([hit[:, None].long(), branch[:, None], found], dim=1).cpu()
+    ans = Answer.blank(len(slots), cache.K, cache.V, dev, sampling, host[:, 0].bool(),
+                       host[:, 1].clone())
+    ans.tokens[:] = host[:, 2:]
+    if ans.q is not None and bool(ans.hit.any()):
+        ans.q[:] = cache.q[slots_t, branch] * hit[:, None, None]
     return ans
 
 
