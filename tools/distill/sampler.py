@@ -85,7 +85,7 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
             # span the whole cache at every step (the mask hides the future): one attention
             # shape for the whole loop, so GPU attention backends plan once.
             meta = AttentionMetadata(positions=pos, slots=slots, kv_len=keys.shape[-1],
-                                     mask=keys <= pos.view(b, 1, 1, 1), slot_start=0)
+                                     kv_limit=pos + 1, slot_start=0)
             logits = model(tok.view(b, 1), cache, meta)[:, 0]
         out, n_new, done = out.cpu(), n_new.cpu(), done.cpu()
         for i, row in enumerate(rows):
