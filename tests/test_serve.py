@@ -176,39 +176,56 @@ def test_speculative_greedy_equals_generate(models, reference, mode):
         server.close()
 
 
-def _long_stream(client, out: dict, key, started: threading.Event, max_tokens=200):
-    s = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens,
-                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
-    text, chunks = [], 0
+def _long_stream(client, out: dict, key, started: threading.Event, stop: threading.Event):
+    """A LONG greedy stream that runs until ``stop``: out[key] = [text, chunks, finished]."""
+    s = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    out[key] = rec = ["", 0, False]
     for ch in s:
+        rec[0] += ch.choices[0].text
+        rec[1] += 1
+        rec[2] = rec[2] or ch.choices[0].finish_reason is not None
         started.set()
-        text.append(ch.choices[0].text)
-        chunks += 1
-    out[key] = ("".join(text), time.perf_counter(), chunks)
+        if stop.is_set():
+            break
+    s.response.close()  # the client leaves mid-stream (its slot is freed)
 
 
-def test_a_late_request_joins_the_running_batch(models):
+def test_a_late_request_joins_the_running_batch(models, reference):
+    """Three requests of LONG tokens run; a short one sent meanwhile finishes while all three
+    are still generating. No timing margin: the long ones cannot end before they are stopped
+    (LONG tokens take seconds even here), and each must stream more after the short answer."""
     server = LiveServer(_engine(models, "ar", max_batch=4), max_queue=4)
     try:
         c = server.client()
-        out, threads, started = {}, [], []
+        before = server.metrics().get("ssdlib_requests_total[cancelled]", 0)
+        out, threads, started, stop = {}, [], [], threading.Event()
         for i in range(3):
             started.append(threading.Event())
             threads.append(threading.Thread(target=_long_stream,
-                                            args=(c, out, i, started[-1], 600 + 10 * i)))
+                                            args=(c, out, i, started[-1], stop), daemon=True))
             threads[-1].start()
         assert all(e.wait(30) for e in started)
         short = c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
                                      extra_body={"ignore_eos": True})
-        t_short = time.perf_counter()
+        at_short = {i: out[i][1] for i in range(3)}
+        assert short.usage.completion_tokens == 4 and short.choices[0].finish_reason == "length"
+        assert not any(out[i][2] for i in range(3)), "a long request ended first"
+        # the long requests are still mid-generation: each streams on after the short answer
+        _wait_for(lambda: all(out[i][1] > at_short[i] for i in range(3)))
+        assert not any(out[i][2] for i in range(3))
+        stop.set()
         for t in threads:
-            t.join(60)
-        assert short.usage.completion_tokens == 4
-        assert all(t_short < out[i][1] for i in range(3)), "the late request waited for the batch"
-        with Generator(target=models[0], max_len=MAX_LEN) as g:
-            ref = g.generate([PROMPT] * 3, [SamplingParams(max_new_tokens=600 + 10 * i,
-                                                           ignore_eos=True) for i in range(3)])
-        assert [out[i][0] for i in range(3)] == [o.text for o in ref]
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        want = reference["long"].text  # the first 24 greedy tokens of PROMPT
+        for i in range(3):
+            text = out[i][0]
+            assert text.startswith(want) or want.startswith(text), (i, text, want)
+        _wait_for(lambda: server.metrics().get("ssdlib_requests_total[cancelled]", 0)
+                  >= before + 3)
+        m = server.metrics()
+        assert m["ssdlib_requests_running"] == 0 and m["ssdlib_requests_waiting"] == 0
     finally:
         server.close()
 
