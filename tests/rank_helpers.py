@@ -19,3 +19,25 @@ def scripted_rank(plan: dict) -> None:
         raise RuntimeError("Connection closed by peer (a consequence, not the cause)")
     if action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def child_pids(pid: int, spawned_ranks_only: bool = False) -> list[int]:
+    """Direct children of ``pid`` (from /proc); with ``spawned_ranks_only`` only the ranks that
+    multiprocessing spawned (not its resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != pid:
+                    continue
+            if spawned_ranks_only:
+                with open(f"/proc/{d}/cmdline") as c:
+                    cmd = c.read()
+                if "multiprocessing" not in cmd or "resource_tracker" in cmd:
+                    continue
+            out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return sorted(out)

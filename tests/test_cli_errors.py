@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from tests.rank_helpers import child_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,19 +96,6 @@ def test_draft_vocab_mismatch_api(tiny_dirs):
             g.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
 
-def _children(pid):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return sorted(out)
-
-
 def test_killing_the_speculator_stops_the_job(tiny_dirs, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7, i]}) + "\n" for i in range(8)))
@@ -120,9 +108,7 @@ def test_killing_the_speculator_stops_the_job(tiny_dirs, tmp_path):
         deadline = time.time() + 60
         kids = []
         while time.time() < deadline:
-            kids = [k for k in _children(proc.pid)
-                    if "multiprocessing" in open(f"/proc/{k}/cmdline").read()
-                    and "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
+            kids = child_pids(proc.pid, spawned_ranks_only=True)
             if len(kids) >= 2:
                 break
             time.sleep(0.5)

@@ -16,7 +16,7 @@ import pytest
 from ssdlib import Generator, SamplingParams
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.errors import CheckpointError, RankFailure
-from tests.rank_helpers import scripted_rank
+from tests.rank_helpers import child_pids, scripted_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ def test_ctrl_c_stops_a_spawned_job_at_once(long_job):
     try:
         time.sleep(1.0)
         deadline = time.time() + 60  # wait until the ranks are decoding (their CPU time grows)
-        while time.time() < deadline and len(_children(proc.pid)) < 2:
+        while time.time() < deadline and len(child_pids(proc.pid, True)) < 2:
             time.sleep(0.2)
         time.sleep(3.0)
         assert proc.poll() is None, proc.communicate()[1]
@@ -128,17 +128,3 @@ def test_a_checkpoint_error_found_by_a_spawned_rank_exits_2(tiny_dirs, tmp_path)
     assert "rank 1 (speculator) failed" in lines[0] and "down_proj" in lines[0], lines[0]
 
 
-def _children(pid):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        with open(f"/proc/{d}/cmdline") as c:
-                            cmd = c.read()
-                        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
-                            out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out

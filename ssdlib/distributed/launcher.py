@@ -85,11 +85,20 @@ class RankGroup:
         self.failure: RankFailure | None = None
         port = free_port()
         self.procs = []
-        for rank in range(world_size):
-            p = self.ctx.Process(target=_child, daemon=True,
-                                 args=(rank, world_size, port, fn, args, self.errors, os.getpid()))
-            p.start()
-            self.procs.append(p)
+        # the children start with SIGINT ignored (an ignored signal survives exec), so a Ctrl-C
+        # while they are still importing cannot kill them with a traceback
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for rank in range(world_size):
+                p = self.ctx.Process(target=_child, daemon=True,
+                                     args=(rank, world_size, port, fn, args, self.errors,
+                                           os.getpid()))
+                p.start()
+                self.procs.append(p)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
 
     def _name(self, rank: int) -> str:
         role = self.roles[rank] if self.roles and rank < len(self.roles) else None

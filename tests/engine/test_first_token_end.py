@@ -2,31 +2,17 @@
 leave before any round, next to rows that keep decoding (issue 14, item 1)."""
 
 import pytest
-import torch
 
 from ssdlib import Generator, SamplingParams
-
-EOS = 2  # tests.tiny's eos_token_id
+from tests.eos_first import find_eos_first_prompt
 
 
 @pytest.fixture(scope="module")
 def eos_first_prompt(tiny_dirs):
-    """A prompt whose greedy first token is EOS under the tiny target (found by search)."""
-    from ssdlib.loading import load_checkpoint
-    from ssdlib.models.llama import LlamaForCausalLM
-
-    ck = load_checkpoint(tiny_dirs["smol_heads"])
-    m = LlamaForCausalLM(ck.config, None, 64)
-    m.load_weights(ck.weights)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _ in range(20):
-            cand = torch.randint(3, ck.config.vocab_size, (512, 4), generator=g)
-            first = m.forward_full(cand)[:, -1].argmax(-1)
-            hit = (first == EOS).nonzero()
-            if len(hit):
-                return cand[int(hit[0, 0])].tolist()
-    pytest.skip("no EOS-first prompt found for the tiny target")
+    prompt = find_eos_first_prompt(tiny_dirs["smol_heads"])
+    if prompt is None:
+        pytest.skip("no EOS-first prompt found for the tiny target")
+    return prompt
 
 
 MODES = [dict(mode="ar"), dict(mode="sd"), dict(mode="sd", draft_placement="separate"),
