@@ -4,11 +4,9 @@ the answer Generator.generate gives for their prompt, with the right usage; Smol
 ``python -m ssdlib.serve`` (default target, mode sd with the shipped draft) answers a chat
 completion from the official ``openai`` client with Generator.generate's greedy text."""
 
-import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -113,15 +111,17 @@ SMOL_TOKENS = 16
 
 
 def test_smollm2_server_chat_equals_generate(smollm2_path):
-    """``python -m ssdlib.serve --mode sd`` with the default target and its shipped draft."""
-    with Generator(max_batch=1) as g:  # the default target, mode ar
-        want = g.generate([{"messages": SMOL_MESSAGES}],
-                          SamplingParams(max_new_tokens=SMOL_TOKENS))[0]
+    """``python -m ssdlib.serve --mode sd`` with the default target and its shipped draft; the
+    reference (mode ar, in this process) is computed while the server loads."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ssdlib.serve", "--mode", "sd",
                              "--max-batch", "2", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # the reference while the server loads: the default target, mode ar
+        with Generator(max_batch=1) as g:
+            want = g.generate([{"messages": SMOL_MESSAGES}],
+                              SamplingParams(max_new_tokens=SMOL_TOKENS))[0]
         url = f"http://127.0.0.1:{port}"
 
         def up():
