@@ -237,6 +237,18 @@ def _wait_for(fn, timeout_s=20.0):
         time.sleep(0.05)
 
 
+def _wait_healthy(proc, url: str, timeout_s: float = 90) -> None:
+    """Wait until a server subprocess answers /health with 200 (fails if it exits first)."""
+    def up():
+        assert proc.poll() is None, proc.communicate()
+        try:
+            return httpx.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    _wait_for(up, timeout_s)
+
+
 def test_disconnect_frees_the_slot_and_full_queue_is_503(ar_server):
     c = ar_server.client()
     before = ar_server.metrics().get("ssdlib_requests_total[cancelled]", 0)
@@ -295,15 +307,7 @@ def test_cli_serves_and_exits_nonzero_when_a_rank_dies(models):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-
-        def up():
-            assert proc.poll() is None, proc.communicate()
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait_for(up, 90)
+        _wait_healthy(proc, url)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert c.completions.create(model=os.path.basename(models[0]), prompt=PROMPT,
                                     max_tokens=4, temperature=0).usage.completion_tokens >= 1

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
 from tests.test_serve import (MAX_LEN, ROOT, LiveServer, _engine, _free_port,  # noqa: E402,F401
-                              _wait_for, models)
+                              _wait_healthy, models)
 
 FINISH = {"eos": "stop"}  # Output.finish_reason -> OpenAI's
 CLIENTS = 16
@@ -131,15 +131,7 @@ def test_smollm2_server_chat_equals_generate(smollm2_path):
             want = g.generate([{"messages": SMOL_MESSAGES}],
                               SamplingParams(max_new_tokens=SMOL_TOKENS))[0]
         url = f"http://127.0.0.1:{port}"
-
-        def up():
-            assert proc.poll() is None, proc.communicate()
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait_for(up, 90)
+        _wait_healthy(proc, url)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         [model] = [m.id for m in c.models.list().data]
         chat = c.chat.completions.create(model=model, messages=SMOL_MESSAGES,
