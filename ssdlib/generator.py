@@ -163,14 +163,20 @@ class Generator:
             self._drain_interrupted()
             self._inbox.put(("generate", reqs, on_text is not None))
             self._pending += 1
-            while True:
-                kind, payload = self._ranks.wait(self._outbox)
-                if kind == "event":
-                    on_event(*payload)
-                elif kind == "result":
-                    self._pending -= 1
-                    outputs = payload
-                    break
+            try:
+                while True:
+                    kind, payload = self._ranks.wait(self._outbox)
+                    if kind == "event":
+                        on_event(*payload)
+                    elif kind == "result":
+                        self._pending -= 1
+                        outputs = payload
+                        break
+            except KeyboardInterrupt:
+                # the leader cancels the call's sequences before its next round (their
+                # outputs are dropped by the next call)
+                self._inbox.put(("interrupt",))
+                raise
         self.last_run_metrics = run_metrics(outputs, time.perf_counter() - t0)
         return outputs
 

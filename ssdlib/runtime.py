@@ -31,8 +31,8 @@ class LeaderRuntime:
         self.leader = leader
         self._shutdown = shutdown
 
-    def generate(self, requests, on_event=None):
-        return self.leader.generate(requests, on_event)
+    def generate(self, requests, on_event=None, interrupted=None):
+        return self.leader.generate(requests, on_event, interrupted)
 
     def serve(self, commands, on_event, on_output) -> None:
         """Serve ``("submit", Request)`` / ``("cancel", index)`` messages from ``commands`` (a
@@ -127,6 +127,8 @@ def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
             runtime.close()
             outbox.put(("closed", None))
             return
+        if msg[0] == "interrupt":  # it came after its call had finished anyway
+            continue
         if msg[0] == "serve":
             runtime.serve(inbox, lambda i, d, ids: outbox.put(("event", (i, d, ids))),
                           lambda o: outbox.put(("output", o)))
@@ -134,6 +136,18 @@ def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
             continue
         _, requests, stream = msg
         on_event = (lambda i, d, ids: outbox.put(("event", (i, d, ids)))) if stream else None
-        outputs = runtime.generate(requests, on_event)
+        outputs = runtime.generate(requests, on_event, lambda: _interrupt_requested(inbox))
         outbox.put(("result", outputs))
+
+
+def _interrupt_requested(inbox) -> bool:
+    """Whether the caller interrupted the running generate call (Ctrl-C in the main process):
+    an ``("interrupt",)`` message; nothing else arrives while a call runs."""
+    try:
+        msg = inbox.get_nowait()
+    except queue.Empty:
+        return False
+    if msg[0] != "interrupt":
+        raise ValueError(f"unexpected message {msg[0]!r} while generating")
+    return True
 

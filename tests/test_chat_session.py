@@ -119,3 +119,34 @@ def test_generator_is_usable_after_an_interrupted_spawned_call(chat_model, tmp_p
         with pytest.raises(KeyboardInterrupt):
             g.generate(["Hello", "Tell me"], p, on_text=ctrl_c)
         assert g.generate(["Hi"], p)[0].token_ids == ref
+
+
+def test_an_interrupted_spawned_call_stops_on_the_ranks(chat_model, tmp_path):
+    """Ctrl-C during a long spawned SSD call cancels its sequences on the leader: the next call
+    does not wait for the interrupted one to run to its end."""
+    import time
+
+    from tests.tiny import make_noisy_draft
+
+    draft = make_noisy_draft(chat_model, str(tmp_path / "draft"), 0.03)
+    long = SamplingParams(max_new_tokens=1900, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    seen = []
+
+    def ctrl_c(_i, delta):
+        seen.append(delta)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=2048, max_batch=2) as g:
+        t0 = time.perf_counter()
+        g.generate(["Hi"], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        per_token = (time.perf_counter() - t0) / 200
+        with pytest.raises(KeyboardInterrupt):
+            g.generate(["Hello", "Tell me"], long, on_text=ctrl_c)
+        t0 = time.perf_counter()
+        out = g.generate(["Hi"], short)[0]
+        waited = time.perf_counter() - t0
+    assert len(out.token_ids) == 4
+    # running the interrupted call to its end would take ~1900 tokens' time
+    assert waited < 300 * per_token + 2.0, (waited, per_token)

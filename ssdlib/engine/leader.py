@@ -39,15 +39,19 @@ class Leader:
             loop.limit = self.limit
         self.device = device
 
-    def generate(self, requests: list[Request], on_event: EventFn | None = None) -> list[Output]:
-        """Run a fixed list of requests to completion; outputs in the list's order."""
+    def generate(self, requests: list[Request], on_event: EventFn | None = None,
+                 interrupted: Callable[[], bool] | None = None) -> list[Output]:
+        """Run a fixed list of requests to completion; outputs in the list's order. When
+        ``interrupted()`` (asked before every round) says so, what still runs is cancelled."""
         outputs: dict[int, Output] = {}
         todo = [list(requests)]
 
         def poll(idle: bool):
             if todo:
                 return todo.pop(), []
-            return None if idle else ([], [])
+            if idle or (interrupted is not None and interrupted()):
+                return None
+            return [], []
 
         self.serve(poll, on_event, lambda o: outputs.__setitem__(o.index, o))
         if hasattr(self.loop, "batch_metrics"):  # e.g. the speculator's idle fraction
