@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model inside the captured steps (CUDA; experimental)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (default on CUDA: decode / verify / draft / tree "
                         "steps replay captured CUDA graphs)")
@@ -53,7 +55,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
                 dtype=a.dtype, k=a.k, fan_out=a.fan_out, fan_out_budget=a.fan_out_budget,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
-                max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs)
+                max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,
+                compile=a.compile)
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:

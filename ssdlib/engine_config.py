@@ -33,6 +33,7 @@ class EngineConfig:
     max_len: int = 2048  # tokens per sequence, prompt + generated
     backend: str | None = None  # default: gloo on CPU, nccl on CUDA
     cuda_graphs: bool = True  # capture the small-query steps on CUDA (no effect on CPU)
+    compile: bool = False  # torch.compile the model inside the captured steps (CUDA only)
     timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
 

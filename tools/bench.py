@@ -120,7 +120,7 @@ def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
     kw = dict(target=args.target, mode=mode, tp=args.tp, device=args.device, dtype=args.dtype,
               k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
-              fallback=args.fallback, cuda_graphs=args.cuda_graphs)
+              fallback=args.fallback, cuda_graphs=args.cuda_graphs, compile=args.compile)
     if mode != "ar":
         kw["draft"] = args.draft
     with Generator(**kw) as gen:
@@ -310,6 +310,8 @@ def parse_args(argv):
     p.add_argument("--fallback", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model inside the captured steps (CUDA)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the engine's steps eagerly")
     p.add_argument("--prompts", default="humaneval", choices=("humaneval",))

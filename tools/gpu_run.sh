@@ -43,4 +43,4 @@ echo "== b8 greedy K=3"; timeout 200 $B --n-prompts $((4 * N)) --batch 8 --k 3 -
 echo "== b1 T=0.7 K=3"; timeout 300 $B --n-prompts $N --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -9
 echo "== fp32 greedy equality"; timeout 150 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -9
 echo "== TP 2 fp32 (ar, sd)"; timeout 150 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --tp 2 --k 3 --modes ar,sd --json "$OUT/tp2_fp32.json" 2>&1 | $F | tail -8
-echo "== torch.compile inside the graphs"; SSDLIB_COMPILE=1 timeout 300 $B --n-prompts $N --k 3 --modes ar,sd --json "$OUT/b1_compile.json" 2>&1 | $F | tail -8
+echo "== torch.compile inside the graphs"; timeout 300 $B --compile --n-prompts $N --k 3 --modes ar,sd --json "$OUT/b1_compile.json" 2>&1 | $F | tail -8

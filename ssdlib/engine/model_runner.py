@@ -42,7 +42,8 @@ def use_slot_kernel(device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
                  dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
-                 cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES):
+                 cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES,
+                 compile: bool = False):
         config = checkpoint.config
         self.config = config
         self.device = torch.device(device)
@@ -60,9 +61,9 @@ class ModelRunner:
         self.scratch_slot = n_slots
         self.use_kernel = use_slot_kernel(self.device)
         # the model as the captured steps run it: torch.compile'd (fusing the small kernels
-        # inside each graph) when SSDLIB_COMPILE=1 on CUDA
+        # inside each graph) with compile=True on CUDA
         self.step_model = self.model
-        if self.device.type == "cuda" and os.environ.get("SSDLIB_COMPILE", "") == "1":
+        if compile and self.device.type == "cuda":
             self.step_model = torch.compile(self.model, dynamic=False)
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":

@@ -56,6 +56,6 @@ def build_sd_loop(cfg, world, target, target_ck):
     draft_ck = load_checkpoint(cfg.draft)
     check_draft_compatible(target_ck, draft_ck)
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
-                         cuda_graphs=cfg.cuda_graphs)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
     loop = SDLoop(target, Drafter(runner, target_ck.config.vocab_size), cfg.k, world.device)
     return loop, lambda: None

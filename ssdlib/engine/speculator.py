@@ -215,7 +215,7 @@ def serve_speculator(cfg, world, target_ck) -> None:
     role = Speculator if cfg.mode == "ssd" else JitSpeculator
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=role.tree_len(cfg),
-                         cuda_graphs=cfg.cuda_graphs)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged)
     role(cfg, runner, link, target_ck.config.vocab_size).run()
