@@ -102,6 +102,16 @@ def draft_jit(drafter, rows: list[SpecRow], k: int, want_q: bool):
     return toks, qs
 
 
+def answer_jit(drafter, rows: list[SpecRow], k: int, ans: Answer, loc: torch.Tensor) -> None:
+    """Draft the rows' next speculations now into positions ``loc`` of ``ans`` (their dense q
+    too when the exchange samples); returns once the tokens are on the host."""
+    toks, qs = draft_jit(drafter, rows, k, want_q=ans.q is not None)
+    ans.tokens[loc] = toks.cpu()
+    ans.kinds[loc] = int(QKind.DENSE)
+    if ans.q is not None:
+        ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
+
+
 class Fallbacks:
     """The backups for rows whose outcome missed the cache, and the choice among them."""
 
@@ -140,12 +150,9 @@ class Fallbacks:
         loc = torch.tensor(local)
         if kind == "jit":
             t0 = time.perf_counter()
-            toks, qs = draft_jit(self.drafter, rows, self.K, want_q=ans.q is not None)
+            answer_jit(self.drafter, rows, self.K, ans, loc)
+            # after the read-back, so the cost includes the drafting on the device
             self.t_jit = time.perf_counter() - t0
-            ans.tokens[loc] = toks.cpu()
-            ans.kinds[loc] = int(QKind.DENSE)
-            if ans.q is not None:
-                ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
             return
         gens = reserve_streams(rows, self.K, self.drafter.runner.device)  # K draws per row
         if kind == "ngram":

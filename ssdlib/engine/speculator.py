@@ -18,7 +18,7 @@ import torch
 from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.outcomes import Answer, Fallbacks, draft_jit, lookup
+from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, lookup
 from ssdlib.engine.protocol import Admit, Op, Outcome, SpecLink, SpeculatorStats
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
@@ -198,11 +198,8 @@ class JitSpeculator(SpeculatorLoop):
 
     def answer(self, live: list[int], ks: list[int], bonus: list[int]) -> Answer:
         ans = Answer.blank(len(live), self.K, self.V, self.device, self.sampling)
-        toks, qs = draft_jit(self.drafter, [self.rows[s_] for s_ in live], self.K,
-                             want_q=ans.q is not None)
-        ans.tokens[:] = toks.cpu()
-        if ans.q is not None:
-            ans.q[:] = qs.to(ans.q.dtype)
+        answer_jit(self.drafter, [self.rows[s_] for s_ in live], self.K, ans,
+                   torch.arange(len(live)))
         return ans
 
 
