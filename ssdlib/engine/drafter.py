@@ -53,20 +53,31 @@ class Drafter:
                                                   last_index([len(r) for r in rows]))[:, 0])
         greedy = all(s.params.greedy for s in seqs)
         next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)  # [b, 1]
-        if greedy:  # the other k-1 steps as one chain (one graph replay on GPU)
-            first = logits.argmax(-1)
-            tokens = first.view(-1, 1)
-            if k > 1:
-                v = min(self.vocab_size, self.runner.config.vocab_size)
-                rest = self.runner.greedy_chain(first, next_pos[:, 0], slots, k - 1, v)
-                tokens = torch.cat([tokens, rest], dim=1)
-            for s in seqs:
-                self.valid[s.slot] = len(s.tokens) + k - 1
-            q = None
-            if want_q:  # argmax tokens were drawn from one-hot q
-                q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
-                q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
-            return tokens, q
+        if greedy:
+            tokens, q = self._greedy(logits, next_pos[:, 0], slots, k, want_q)
+        else:
+            tokens, q = self._sampled(logits, seqs, next_pos, slots, k)
+        for s in seqs:
+            # KV now holds the committed tokens plus the first k-1 drafted ones
+            self.valid[s.slot] = len(s.tokens) + k - 1
+        return tokens, q
+
+    def _greedy(self, logits, positions, slots, k: int, want_q: bool):
+        """Argmax drafting: the other k-1 steps as one chain (one graph replay on GPU)."""
+        first = logits.argmax(-1)
+        tokens = first.view(-1, 1)
+        if k > 1:
+            v = min(self.vocab_size, self.runner.config.vocab_size)
+            rest = self.runner.greedy_chain(first, positions, slots, k - 1, v)
+            tokens = torch.cat([tokens, rest], dim=1)
+        q = None
+        if want_q:  # argmax tokens were drawn from one-hot q
+            q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+            q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return tokens, q
+
+    def _sampled(self, logits, seqs, next_pos, slots, k: int):
+        """Step by step, each token drawn from the row's target distribution and stream."""
         params = sampling_tensors(seqs, logits.device)
         u = reserve_streams(seqs, k, logits.device).uniforms(k)  # [b, k]: draw j for token j
         tokens, qs = [], []
@@ -78,9 +89,6 @@ class Drafter:
             if j + 1 < k:
                 logits = self._logits(self.runner.forward(tok.view(-1, 1), next_pos + j, slots,
                                                           kv_len=int(next_pos.max()) + j + 1)[:, 0])
-        for s in seqs:
-            # KV now holds the committed tokens plus the first k-1 drafted ones
-            self.valid[s.slot] = len(s.tokens) + k - 1
         return torch.stack(tokens, 1), torch.stack(qs, 1)
 
     def after_commit(self, seqs, accepted: list[int], k: int) -> None:

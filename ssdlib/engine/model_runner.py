@@ -106,7 +106,7 @@ class ModelRunner:
             kv_len = int(positions.max()) + 1
         kv_len = self.kv_bucket(kv_len)
         b, s = input_ids.shape
-        if self.graphs is not None and s <= MAX_GRAPH_QUERIES and self.graphs.fits(b, s):
+        if self.graphs is not None and self.graphs.fits(b, s):
             return self.graphs.forward(input_ids, positions, slots, positions + 1, logits_index,
                                        kv_len)
         dev = self.device

@@ -76,10 +76,7 @@ class StepGraphs:
         key = ("tree" if tree else "fwd", rows, s, n, kv_len, tree_len)
         self._fill(rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
                    tree_mask, tree_len)
-        if not self.pool.has(key):
-            self.pool.capture(key, lambda: self._run(key, rows, s, n, kv_len, tree, tree_len))
-        self.pool.replay(key)
-        return self.outputs[key][:b]
+        return self._replay(key, lambda: self._run(key, rows, s, n, kv_len, tree, tree_len))[:b]
 
     def chain(self, first, positions, slots, steps: int, vocab: int, kv_len: int) -> torch.Tensor:
         """Greedy chain of ``steps`` single-token steps in one graph (see
@@ -89,15 +86,13 @@ class StepGraphs:
         key = ("chain", rows, steps, vocab, kv_len)
         self._fill(rows, b, 1, 0, first.view(-1, 1), positions.view(-1, 1), slots,
                    positions.view(-1, 1) + 1, None, None, None, 0)
-        if not self.pool.has(key):
-            def run():
-                r = self.runner
-                self.outputs[key] = r.chain_body(
-                    self._view("ids", rows, 1)[:, 0], self._view("pos", rows, 1)[:, 0],
-                    self._view("slots", rows, None), steps, vocab, kv_len, r.use_kernel)
-            self.pool.capture(key, run)
-        self.pool.replay(key)
-        return self.outputs[key][:b]
+        def run():
+            r = self.runner
+            self.outputs[key] = r.chain_body(
+                self._view("ids", rows, 1)[:, 0], self._view("pos", rows, 1)[:, 0],
+                self._view("slots", rows, None), steps, vocab, kv_len, r.use_kernel)
+
+        return self._replay(key, run)[:b]
 
     def tree_chain(self, first, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
                    kv_len: int):
@@ -109,17 +104,22 @@ class StepGraphs:
         self._fill(rows, b, B, 0, first, kv_limit, slots, kv_limit, None, None, None, 0)
         self.full_mask[:b, :n, :n].copy_(full_mask)
         self.full_mask[b:rows].zero_()
+        def run():
+            r = self.runner
+            self.outputs[key] = r.tree_body(
+                self._view("ids", rows, B), self._view("limit", rows, B),
+                self.full_mask[:rows, :n, :n], self._view("slots", rows, None), depth, top,
+                vocab, kv_len, r.use_kernel)
+
+        tokens, tops = self._replay(key, run)
+        return tokens[:b], tops[:b]
+
+    def _replay(self, key: tuple, run):
+        """Capture ``run`` under ``key`` the first time, replay it, return its output."""
         if not self.pool.has(key):
-            def run():
-                r = self.runner
-                self.outputs[key] = r.tree_body(
-                    self._view("ids", rows, B), self._view("limit", rows, B),
-                    self.full_mask[:rows, :n, :n], self._view("slots", rows, None), depth, top,
-                    vocab, kv_len, r.use_kernel)
             self.pool.capture(key, run)
         self.pool.replay(key)
-        tokens, tops = self.outputs[key]
-        return tokens[:b], tops[:b]
+        return self.outputs[key]
 
     def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
               tree_mask, tree_len) -> None:

@@ -118,4 +118,5 @@ class CachedAttention(nn.Module):
 def _slot_kernel(*args):
     from ssdlib.ops.slot_attention import slot_attention
 
-    return slot_attention(*args)
+    # the model runner chose the kernel once (use_slot_kernel): no per-layer re-dispatch
+    return slot_attention(*args, backend="triton")
