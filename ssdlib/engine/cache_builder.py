@@ -48,7 +48,7 @@ class CacheBuilder:
         live = [r.slot for r in rows]  # cache rows are slots
         K, dev = self.K, self.device
         cand, reused = self._candidates(live, rows)  # [b, K+1, C]
-        slots = to_device([r.slot for r in rows], dev)
+        slots = to_device(live, dev)  # [b]: also the rows of the cache (keyed by slot)
         for r in rows:
             r.fed = True
         sent = to_device([r.sent for r in rows], dev)  # [b, K]
@@ -60,14 +60,12 @@ class CacheBuilder:
         # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
         # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
         full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
-        rows_t = to_device(live, dev)
         if not sampling:
-            out_tokens = self._greedy_tree(first, kv_limit, full, slots, rows_t, kv_len)
+            out_tokens = self._greedy_tree(first, kv_limit, full, slots, kv_len)
         else:
-            out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, rows_t, fan,
-                                            kv_len)
-        self.cache.tokens[rows_t] = out_tokens
-        self.cache.store_keys(rows_t, fork, first)
+            out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, fan, kv_len)
+        self.cache.tokens[slots] = out_tokens
+        self.cache.store_keys(slots, fork, first)
         return reused
 
     def _outcomes(self, cand: torch.Tensor, sent: torch.Tensor, fan: list[int]):
@@ -97,16 +95,16 @@ class CacheBuilder:
             self._index_cache[fan] = cached
         return cached
 
-    def _greedy_tree(self, first, kv_limit, full, slots, rows_t, kv_len) -> torch.Tensor:
+    def _greedy_tree(self, first, kv_limit, full, slots, kv_len) -> torch.Tensor:
         """Greedy branches: all K depths in one captured chain -> tokens [b, B, K]."""
         K = self.K
         v = min(self.V, self.runner.config.vocab_size)
         out_tokens, tops = self.runner.greedy_tree(first, kv_limit, full, slots, K,
                                                    min(self.C, v), v, kv_len)
-        self.branch_top[rows_t, :, :, :tops.shape[-1]] = tops
+        self.branch_top[slots, :, :, :tops.shape[-1]] = tops
         return out_tokens
 
-    def _sampled_tree(self, first, kv_limit, full, slots, rows, rows_t, fan,
+    def _sampled_tree(self, first, kv_limit, full, slots, rows, fan,
                       kv_len) -> torch.Tensor:
         """K tree-decode steps, one depth at a time, sampling each branch -> tokens [b, B, K]."""
         K, B, dev = self.K, self.B, self.device
@@ -120,10 +118,10 @@ class CacheBuilder:
             lg = self.drafter._logits(self.runner.tree_forward(
                 tok, positions, slots, tree_index, kv_limit,
                 full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len))  # [b, B, V]
-            self.branch_top[rows_t, :, d] = lg.topk(self.C, dim=-1).indices
+            self.branch_top[slots, :, d] = lg.topk(self.C, dim=-1).indices
             u = streams.uniforms(B, start=d * B)  # [b, B]
             tok, q = sample_branches(lg, params, u, fan[d] if d < len(fan) else 0, self.saguaro_c)
-            self.cache.q[rows_t, :, d] = q  # the q each branch token was drawn from
+            self.cache.q[slots, :, d] = q  # the q each branch token was drawn from
             out_tokens[:, :, d] = tok
         return out_tokens
 
