@@ -49,9 +49,9 @@ def draw_tokens(probs: torch.Tensor, logits: torch.Tensor, params: SamplingTenso
 def sample_tokens(logits: torch.Tensor, rows) -> torch.Tensor:
     """logits [b, V] (row i belongs to rows[i]) -> one token per row [b] on the device; one draw
     of each row's stream."""
-    params = sampling_tensors(rows, logits.device)
-    if not params.any_sampled:
+    if all(r.params.greedy for r in rows):  # the decode hot path: no parameter tensors to build
         return logits.argmax(-1)
+    params = sampling_tensors(rows, logits.device)
     u = reserve_streams(rows, 1, logits.device).uniforms(1)[:, 0]       # [b]
     return draw_tokens(target_distributions(logits, params), logits, params, u)
 
