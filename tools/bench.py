@@ -49,6 +49,7 @@ from ssdlib import Generator, SamplingParams  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
+from ssdlib.prompts import PromptEncoder  # noqa: E402
 
 ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
             "hit_rate", "fallbacks", "verifier_idle_frac", "speculator_idle_frac")
@@ -85,7 +86,7 @@ def file_prompts(path: str, n: int) -> list:
 def encode_prompts(target: str, prompts: list, chat: bool) -> list[list[int]]:
     """Token ids of every prompt, as ``Generator.encode`` makes them (text via the target's
     tokenizer; with ``chat``, a text prompt becomes one user message)."""
-    tokenizer = None
+    encoder = None
     out = []
     for p in prompts:
         if isinstance(p, dict) and "prompt_ids" in p:
@@ -93,19 +94,17 @@ def encode_prompts(target: str, prompts: list, chat: bool) -> list[list[int]]:
         if isinstance(p, list):
             out.append([int(t) for t in p])
             continue
-        if tokenizer is None:
-            tokenizer = load_checkpoint(target).tokenizer
-            if tokenizer is None:
+        if encoder is None:
+            ck = load_checkpoint(target)
+            if ck.tokenizer is None:
                 raise SystemExit(f"{target} has no tokenizer: give prompts as token-id lists")
+            encoder = PromptEncoder(ck.tokenizer, ck.config.vocab_size,
+                                    ck.config.max_position_embeddings)
         if isinstance(p, dict) and "prompt" in p:
             p = p["prompt"]
-        messages = p["messages"] if isinstance(p, dict) else (
-            [{"role": "user", "content": p}] if chat else None)
-        if messages is not None:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            out.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            out.append(tokenizer.encode(p))
+        # the engine's own encoding (chat template, special tokens)
+        out.append(encoder.encode({"messages": p["messages"]} if isinstance(p, dict) else p,
+                                  chat=chat))
     return out
 
 
