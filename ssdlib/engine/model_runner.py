@@ -27,6 +27,8 @@ POSITION_SLACK = 64
 KV_BUCKET = 256
 # Forwards with at most this many queries per row are captured (decode, verify, tree steps).
 MAX_GRAPH_QUERIES = 64
+# torch.compile specialisations kept per model (step shapes; dynamo's default is 8)
+COMPILE_RECOMPILE_LIMIT = 256
 
 
 def use_slot_kernel(device: torch.device) -> bool:
@@ -37,6 +39,20 @@ def use_slot_kernel(device: torch.device) -> bool:
     from ssdlib.ops.slot_attention import triton_available
 
     return triton_available()
+
+
+def compile_step_model(model, backend: str = "inductor"):
+    """``model`` under torch.compile for the captured steps: one graph per step shape (the
+    attention kernel is an opaque op, ``ssdlib::slot_attention``), compiled in the graph pool's
+    warm-up, before capture. Every step shape (batch bucket, queries, key bucket, tree length)
+    is its own specialisation, so the recompile limit is raised above the engine's count."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), COMPILE_RECOMPILE_LIMIT))
+    return torch.compile(model, dynamic=False, backend=backend)
 
 
 class ModelRunner:
@@ -64,7 +80,7 @@ class ModelRunner:
         # inside each graph) with compile=True on CUDA
         self.step_model = self.model
         if compile and self.device.type == "cuda":
-            self.step_model = torch.compile(self.model, dynamic=False)
+            self.step_model = compile_step_model(self.model)
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             from ssdlib.ops.graph_pool import make_graph_pool

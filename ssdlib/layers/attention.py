@@ -38,6 +38,7 @@ class AttentionMetadata:
     tree_mask: torch.Tensor | None = None
     tree_len: int = 0
     use_kernel: bool = False  # slot_attention reads the cache in place (else SDPA over kv_len)
+    kernel_backend: str = "triton"  # slot_attention's backend when use_kernel ("torch": reference)
     slot_start: int | None = None  # host-known: rows use slots slot_start.. in order (no gather)
     rope: tuple | None = None  # (cos, sin) for ``positions``, set by the model once per forward
     mask: torch.Tensor | None = None  # SDPA mask [b, 1, s, kv_len (+ tree_len)], set once per forward
@@ -96,7 +97,8 @@ class CachedAttention(nn.Module):
             n = meta.tree_len  # the mask covers the first tree_len branch keys
             out = _slot_kernel(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
                                tree_k[:, :, :n] if tree else None,
-                               tree_v[:, :, :n] if tree else None, meta.tree_mask)
+                               tree_v[:, :, :n] if tree else None, meta.tree_mask,
+                               meta.kernel_backend)
             return out.reshape(b, s, -1)
         if meta.slot_start is not None:  # a view, no copy
             rows = slice(meta.slot_start, meta.slot_start + b)
@@ -114,9 +116,20 @@ class CachedAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-@torch.compiler.disable  # torch.compile fuses around the kernel (launched as it is)
-def _slot_kernel(*args):
+@torch.library.custom_op("ssdlib::slot_attention", mutates_args=())
+def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
+                 tree_k: torch.Tensor | None, tree_v: torch.Tensor | None,
+                 tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """``slot_attention`` as an opaque op: torch.compile traces the step around it in one graph
+    (fusing the small kernels before and after it) and launches the kernel as it is."""
     from ssdlib.ops.slot_attention import slot_attention
 
-    # the model runner chose the kernel once (use_slot_kernel): no per-layer re-dispatch
-    return slot_attention(*args, backend="triton")
+    # the model runner chose the backend once (use_slot_kernel): no per-layer re-dispatch
+    return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
+                          tree_mask, backend=backend).contiguous()
+
+
+@_slot_kernel.register_fake
+def _(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask, backend):
+    return q.new_empty(q.shape)

@@ -55,7 +55,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     When q and k are adjacent views of one projection (the merged qkv output) both are rotated
     in one pass, in their own dtype (as HF Llama does)."""
     hq = q.shape[2]
-    qk = _adjacent(q, k)
+    # under torch.compile the fuser does this (and storage offsets are not traceable)
+    qk = None if torch.compiler.is_compiling() else _adjacent(q, k)
     if qk is not None:
         out = _rotate(qk, cos, sin)
         return out[:, :, :hq], out[:, :, hq:]

@@ -139,3 +139,41 @@ def test_greedy_tree_equals_stepwise(tiny_dirs, device, pool_kind):
         tok = lg.argmax(-1)
         assert tokens[:, :, d].cpu().tolist() == tok.cpu().tolist()
         assert tops[:, :, d].cpu().tolist() == lg.topk(5, dim=-1).indices.cpu().tolist()
+
+
+def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
+    """torch.compile sees the slot-attention kernel as one opaque op (``ssdlib::slot_attention``):
+    a decode step and a tree step trace with no graph break (fullgraph) and give the eager
+    logits. CPU: aot_eager backend, the kernel's torch reference behind the op."""
+    from ssdlib.engine.model_runner import compile_step_model
+    from ssdlib.layers.attention import AttentionMetadata
+
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    runner = ModelRunner(ck, None, "cpu", torch.float32, n_slots=4, max_len=64, tree_len=8)
+    model = runner.model
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    assert compile_step_model(model, backend="aot_eager") is not None  # the engine's entry
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    cache = runner.cache
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    slots = torch.tensor([2, 0])
+    ids = torch.randint(0, V, (2, 1), generator=g)
+    pos = torch.tensor([[17], [9]])
+
+    def meta(**kw):
+        return AttentionMetadata(pos, slots, cache.max_len, kv_limit=pos + 1, use_kernel=True,
+                                 kernel_backend="torch", **kw)
+
+    with torch.inference_mode():
+        want = model(ids, cache, meta())
+        got = compiled(ids, cache, meta())
+    assert (want - got).abs().max().item() <= 1e-5
+    # a tree step: branches see their prefix and, through the mask, earlier branch keys
+    tree_index = torch.tensor([[1], [0]])
+    tree_mask = torch.tensor([[[True, True, False]], [[True, False, False]]])
+    with torch.inference_mode():
+        want = model(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
+        got = compiled(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
+    assert (want - got).abs().max().item() <= 1e-5
