@@ -13,6 +13,8 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; STEP=${STEP:-make}; N=${N_PROMPTS:-4}; K=${K:-3}
 ROOT=$(pwd); W=/tmp/inflated
 mkdir -p "$OUT" "$W"
+cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm2-135m-draft/
+cp ssdlib/_C*.so .snap/ssdlib/
 export PYTHONUNBUFFERED=1 SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$ROOT/.snap:/tmp/site
 cd .snap
 F="grep -v ^\[rank\|WARN"

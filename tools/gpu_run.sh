@@ -8,7 +8,9 @@
 #               --exclude='ssdlib/assets/smollm2-135m-draft/model.safetensors'
 #   call 1: PART=1 bash tools/gpu_run.sh   carry .stage/smol.part.00 .stage/smol.sha256
 #           .stage/HumanEval.jsonl.gz .stage/floor_probe.py .whl .snap   (install, GPU tests, floor)
-#   call 2: PART=2 bash tools/gpu_run.sh   carry .stage/smol.part.01 .snap   (the benchmarks)
+#   call 2: PART=2 bash tools/gpu_run.sh   carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .snap
+#           (the benchmarks; the GGUF stays in /tmp while the machine is warm)
+#   call 3: PART=3 bash tools/gpu_run.sh   carry .stage/HumanEval.jsonl.gz .snap (--compile runs)
 #
 # The benchmarks run from .snap (a clean `git archive` of HEAD): other work in progress in the
 # checkout cannot leak into the numbers. Results land in $OUT as JSON + logs.
@@ -26,21 +28,29 @@ if [ "$PART" = 1 ]; then
   cp ssdlib/_C*.so .snap/ssdlib/
   (cd .snap && PYTHONPATH=$ROOT/.snap:/tmp/site python3 -m pytest tests/ops tests/engine/test_step_graphs.py \
       tests/engine/test_tree_decode_reference.py -q 2>&1 | tail -5 | tee "$OUT/pytest.log")
-  python3 "$STAGE/floor_probe.py" 2>&1 | tee "$OUT/floor.log"
+  [ -n "${FLOOR:-}" ] && python3 "$STAGE/floor_probe.py" 2>&1 | tee "$OUT/floor.log"
   exit 0
 fi
-cat /tmp/smol.part.00 "$STAGE/smol.part.01" > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cat "$STAGE/smol.sha256")  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+if [ "$PART" = 2 ]; then
+  cat /tmp/smol.part.00 "$STAGE/smol.part.01" > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat "$STAGE/smol.sha256")  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+fi
+# .snap travels anew with every call: the draft's weights (left out of the archive) and the
+# extension built in call 1 (an ignored build output stays between calls) go into it again
 cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm2-135m-draft/
-cp ssdlib/_C*.so .snap/ssdlib/  # built in call 1 (an ignored build output stays between calls)
+cp ssdlib/_C*.so .snap/ssdlib/
 cd .snap
 export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$ROOT/.snap:/tmp/site
 B="python3 tools/bench.py --device cuda --humaneval $ROOT/$STAGE/HumanEval.jsonl.gz --max-new-tokens 256"
 F="grep -v ^\[rank\|WARN"
-echo "== b1 greedy K=5 + HF peers"; timeout 280 $B --n-prompts $N --peers hf --json "$OUT/b1_k5.json" 2>&1 | $F | tail -12
-echo "== b1 greedy K=3"; timeout 150 $B --n-prompts $N --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -9
-echo "== b8 greedy K=3"; timeout 200 $B --n-prompts $((4 * N)) --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -9
-echo "== b1 T=0.7 K=3"; timeout 300 $B --n-prompts $N --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -9
-echo "== fp32 greedy equality"; timeout 150 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -9
-echo "== TP 2 fp32 (ar, sd)"; timeout 150 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --tp 2 --k 3 --modes ar,sd --json "$OUT/tp2_fp32.json" 2>&1 | $F | tail -8
-echo "== torch.compile inside the graphs"; timeout 300 $B --compile --n-prompts $N --k 3 --modes ar,sd --json "$OUT/b1_compile.json" 2>&1 | $F | tail -8
+if [ "$PART" = 2 ]; then
+  echo "== b1 greedy K=3"; timeout 120 $B --n-prompts $N --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -12
+  echo "== b1 greedy K=5"; timeout 100 $B --n-prompts $N --k 5 --json "$OUT/b1_k5.json" 2>&1 | $F | tail -12
+  echo "== b8 greedy K=3"; timeout 120 $B --n-prompts $((4 * N)) --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -12
+  echo "== b1 T=0.7 K=3"; timeout 120 $B --n-prompts $N --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -12
+  echo "== fp32 greedy equality"; timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -5
+  exit 0
+fi
+# PART=3: torch.compile inside the graphs (compiles every step shape first: slow to start)
+echo "== b1 greedy K=3 --compile"; timeout 400 $B --compile --n-prompts $N --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -12
+echo "== fp32 --compile greedy equality"; timeout 150 $B --compile --n-prompts 2 --max-new-tokens 64 --dtype float32 --k 3 --modes ar,sd --json "$OUT/fp32_compile.json" 2>&1 | $F | tail -5
