@@ -48,6 +48,7 @@ if [ "$PART" = 2 ]; then
   echo "== b1 greedy K=5"; timeout 100 $B --n-prompts $N --k 5 --json "$OUT/b1_k5.json" 2>&1 | $F | tail -12
   echo "== b8 greedy K=3"; timeout 120 $B --n-prompts $((4 * N)) --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -12
   echo "== b1 T=0.7 K=3"; timeout 120 $B --n-prompts $N --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -12
+  echo "== host profile of AR"; timeout 60 python3 tools/profile_ar.py --top 45 > "$OUT/profile_ar.log" 2>&1; head -3 "$OUT/profile_ar.log"
   echo "== fp32 greedy equality"; timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -5
   exit 0
 fi
