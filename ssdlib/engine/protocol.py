@@ -14,7 +14,7 @@ do not (the leader knows what it asked for).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar
 
@@ -166,28 +166,52 @@ class Speculation:
                    None if q is None else q.clone())
 
 
+# the speculator's phases of an OUTCOME round, in round order: from the header to the lookup
+# (the outcomes' commit), the cache lookup and its read-back, the missed rows' fallback (a
+# JitSpeculator's whole drafting), the answer's bookkeeping and send, the cache build
+SPEC_PHASES = ("commit", "lookup", "fallback", "send", "build")
+
+
 @dataclass
 class SpeculatorStats:
     """STATS (S -> L), the answer to an OUTCOME with no active row; counters since the last
-    STATS. float64 [5] = (idle s, busy s, cache hits, cache lookups, hits whose branch KV was
-    reused)."""
+    STATS. float64 [6 + len(SPEC_PHASES)] = (idle s, busy s, cache hits, cache lookups, hits
+    whose branch KV was reused, OUTCOME rounds answered with SPEC, then seconds per phase of
+    those rounds in ``SPEC_PHASES`` order)."""
 
     idle_s: float
     busy_s: float
     hits: int
     lookups: int
     reused: int
+    rounds: int = 0
+    phase_s: dict[str, float] = field(default_factory=dict)  # missing phases: 0
 
-    SIZE: ClassVar[int] = 5
+    SIZE: ClassVar[int] = 6 + len(SPEC_PHASES)
+
+    def __post_init__(self):
+        unknown = set(self.phase_s) - set(SPEC_PHASES)
+        if unknown:
+            raise ValueError(f"SpeculatorStats: unknown phases {sorted(unknown)}")
+        self.phase_s = {p: float(self.phase_s.get(p, 0.0)) for p in SPEC_PHASES}
+
+    def plus(self, other: "SpeculatorStats") -> "SpeculatorStats":
+        """The counters over both spans."""
+        return SpeculatorStats(self.idle_s + other.idle_s, self.busy_s + other.busy_s,
+                               self.hits + other.hits, self.lookups + other.lookups,
+                               self.reused + other.reused, self.rounds + other.rounds,
+                               {p: self.phase_s[p] + other.phase_s[p] for p in SPEC_PHASES})
 
     def pack(self) -> torch.Tensor:
         return torch.tensor([self.idle_s, self.busy_s, float(self.hits), float(self.lookups),
-                             float(self.reused)], dtype=torch.float64)
+                             float(self.reused), float(self.rounds),
+                             *(self.phase_s[p] for p in SPEC_PHASES)], dtype=torch.float64)
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "SpeculatorStats":
-        idle, busy, hits, lookups, reused = buf.tolist()
-        return cls(idle, busy, int(hits), int(lookups), int(reused))
+        idle, busy, hits, lookups, reused, rounds, *phases = buf.tolist()
+        return cls(idle, busy, int(hits), int(lookups), int(reused), int(rounds),
+                   dict(zip(SPEC_PHASES, phases)))
 
 
 class SpecLink:

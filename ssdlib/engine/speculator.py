@@ -19,9 +19,10 @@ from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, lookup
-from ssdlib.engine.protocol import Admit, Op, Outcome, SpecLink, SpeculatorStats
+from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpecLink, SpeculatorStats
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
+from ssdlib.engine.timing import RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
@@ -46,6 +47,11 @@ class SpeculatorLoop:
         # cache counters since the last STATS (zero without a cache)
         self.hits = self.lookups = self.reused = 0
         self.t_round: float | None = None  # a verify round as seen from here, seconds
+        # each OUTCOME round's phases (SPEC_PHASES), marked on this rank's device; seconds
+        # and rounds since the last STATS
+        self.timer = RoundTimer(self.device)
+        self.rounds = 0
+        self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
 
     @staticmethod
     def tree_len(cfg) -> int:
@@ -67,11 +73,14 @@ class SpeculatorLoop:
                 self.admit(self.link.recv_admit(header))
                 t_sent = None
             elif header.op == Op.OUTCOME:
+                self.timer.start()
                 outcome = self.link.recv_outcome(header)
                 self.sampling = outcome.sampling
                 if self.respond(outcome):
                     t_sent = time.perf_counter()
                     self.after_answer()
+                    self.timer.mark("build")
+                    self.end_round()
                 else:
                     self.send_stats()
                     t_sent = None
@@ -108,21 +117,33 @@ class SpeculatorLoop:
             bonus.append(t)
         if not live:
             return False
-        answer = self.answer(live, ks, bonus)
+        self.timer.mark("commit")
+        answer = self.answer(live, ks, bonus)  # marks "lookup" (with a cache), "fallback"
         answer.record([self.rows[s_] for s_ in live])
         self.link.send_spec(answer.in_order(live, outcome.slots, self.device))
+        self.timer.mark("send")
         return True
+
+    def end_round(self) -> None:
+        """Add the round's phases. Read back here, after the cache build, not before the answer
+        is sent: the wait on the last mark costs nothing, the next step blocks on a receive."""
+        for name, dt in self.timer.phases().items():
+            self.phase_s[name] += dt
+        self.rounds += 1
 
     def send_stats(self) -> None:
         """Answer to an outcome without active rows: the counters since the last STATS."""
         self.link.send_stats(SpeculatorStats(self.stats["idle_s"], self.stats["busy_s"],
-                                             self.hits, self.lookups, self.reused))
+                                             self.hits, self.lookups, self.reused, self.rounds,
+                                             self.phase_s))
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
-        self.hits = self.lookups = self.reused = 0
+        self.hits = self.lookups = self.reused = self.rounds = 0
+        self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
 
     # -- what a role adds -----------------------------------------------------------------
     def answer(self, live: list[int], ks: list[int], bonus: list[int]) -> Answer:
-        """The next speculation of rows ``live`` (slots) after their outcomes (k, t*)."""
+        """The next speculation of rows ``live`` (slots) after their outcomes (k, t*); marks the
+        timer's ``fallback`` phase at its end (and ``lookup`` before it, with a cache)."""
         raise NotImplementedError
 
     def on_admit(self, new: list[SpecRow]) -> None:
@@ -178,10 +199,12 @@ class Speculator(SpeculatorLoop):
             fan = self._fanout_used
             self.estimator.observe_lookups([fan[k] for k, f in zip(ks, built) if f], hs)
         missed = [j for j in range(len(live)) if not ans.hit[j]]
+        self.timer.mark("lookup")
         if missed:
             kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_round,
                                          self.estimator)
             self.fallbacks.fill(kind, [self.rows[live[j]] for j in missed], missed, ans)
+        self.timer.mark("fallback")
         return ans
 
     def after_answer(self) -> None:
@@ -200,6 +223,7 @@ class JitSpeculator(SpeculatorLoop):
         ans = Answer.blank(len(live), self.K, self.V, self.device, self.sampling)
         answer_jit(self.drafter, [self.rows[s_] for s_ in live], self.K, ans,
                    torch.arange(len(live)))
+        self.timer.mark("fallback")  # no cache: the whole drafting is the fallback's
         return ans
 
 

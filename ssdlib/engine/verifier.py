@@ -17,7 +17,7 @@ import torch
 
 from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.metrics import record_acceptance, record_lookup
-from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpecLink
+from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpecLink, SpeculatorStats
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
@@ -39,6 +39,9 @@ class LinkVerifier:
         self.spec: dict[int, tuple] = {}
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         self._batch_metrics: dict = {}
+        # the STATS received since the batch metrics were last read, summed
+        self._stats: SpeculatorStats | None = None
+        self._stats_read = False
         self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
@@ -70,11 +73,7 @@ class LinkVerifier:
             if not a:
                 self.spec.pop(q.slot, None)
         if not any(alive):
-            stats = self.link.recv_stats()
-            idle, busy, hits = stats.idle_s, stats.busy_s, stats.hits
-            self._batch_metrics = {
-                "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
-                "branch_kv_reused_frac": stats.reused / hits if hits else 0.0}
+            self._take_stats(self.link.recv_stats())
             return
         t0 = time.perf_counter()
         spec = self.link.recv_spec(len(msg.slots), msg.sampling)
@@ -89,6 +88,21 @@ class LinkVerifier:
             self.spec[q.slot] = (spec.tokens[i], kinds[i], None if spec.q is None else spec.q[i])
             if not first:  # a first speculation cannot come from the cache
                 self._record_lookup(q, k, bool(hits[i]), kinds[i])
+
+    def _take_stats(self, stats: SpeculatorStats) -> None:
+        """The batch metrics from the STATS since they were last read (a call that empties the
+        batch several times, e.g. one row at a time, gets STATS each time)."""
+        if self._stats is not None and not self._stats_read:
+            stats = self._stats.plus(stats)
+        self._stats, self._stats_read = stats, False
+        idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
+        self._batch_metrics = {
+            "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
+            "branch_kv_reused_frac": stats.reused / hits if hits else 0.0,
+            # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
+            "speculator_rounds": rounds,
+            "speculator_ms_per_round": {p: 1e3 * t / rounds if rounds else 0.0
+                                        for p, t in stats.phase_s.items()}}
 
     def _draft_q(self, active) -> DraftQ | None:
         """The q of the speculations in hand (None when every row is greedy)."""
@@ -132,7 +146,10 @@ class LinkVerifier:
             self._exchange([], [])
 
     def batch_metrics(self) -> dict:
-        return dict(self._batch_metrics)
+        """The speculator's metrics over the STATS since the last read (the next STATS starts
+        afresh); a copy per call, its dicts too."""
+        self._stats_read = True
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self._batch_metrics.items()}
 
     def close(self) -> None:
         self.link.send_shutdown()

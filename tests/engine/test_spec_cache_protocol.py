@@ -2,12 +2,13 @@
 through its pack/unpack (in process), then through SpecLink between two spawned ranks (gloo,
 direct and ``staged``)."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
-from ssdlib.engine.protocol import (Admit, AdmitRow, Header, Op, Outcome, Speculation,
-                                    SpeculatorStats)
+from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, Header, Op, Outcome,
+                                    Speculation, SpeculatorStats)
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.sampling import SamplingParams
 
@@ -120,10 +121,29 @@ def test_speculation_pack_unpack():
 
 
 def test_stats_pack_unpack():
-    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6)
+    phases = {"commit": 0.01, "lookup": 0.02, "fallback": 0.5, "send": 0.03, "build": 1.25}
+    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases)
     t = msg.pack()
-    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,)
-    assert SpeculatorStats.unpack(t) == msg
+    assert SPEC_PHASES == ("commit", "lookup", "fallback", "send", "build")
+    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (11,)
+    # the layout of docs/PROTOCOL.md: counters, rounds, then seconds in SPEC_PHASES order
+    assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.02, 0.5, 0.03, 1.25]
+    back = SpeculatorStats.unpack(t)
+    assert back == msg and back.rounds == 40 and back.phase_s == phases
+    # a STATS without rounds (no OUTCOME answered since the last) has every phase at 0
+    empty = SpeculatorStats(0.5, 0.0, 0, 0, 0)
+    assert empty.phase_s == dict.fromkeys(SPEC_PHASES, 0.0)
+    assert SpeculatorStats.unpack(empty.pack()) == empty
+    with pytest.raises(ValueError, match="unknown phases"):
+        SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {"verify": 1.0})
+
+
+def test_stats_plus_sums_every_field():
+    a = SpeculatorStats(1.0, 2.0, 3, 4, 1, 5, {"lookup": 0.5, "build": 1.0})
+    b = SpeculatorStats(0.5, 1.0, 1, 2, 0, 3, {"build": 0.25, "send": 0.125})
+    total = a.plus(b)
+    assert total == SpeculatorStats(1.5, 3.0, 4, 6, 1, 8,
+                                    {"lookup": 0.5, "build": 1.25, "send": 0.125})
 
 
 def _protocol_rank(results) -> None:
@@ -134,7 +154,8 @@ def _protocol_rank(results) -> None:
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))
     for staged in (False, True):
         link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged)
-        spec, stats = _spec(), SpeculatorStats(0.5, 2.0, 3, 4, 1)
+        spec = _spec()
+        stats = SpeculatorStats(0.5, 2.0, 3, 4, 1, 7, {"lookup": 0.25, "build": 1.5})
         if world.rank == 0:  # the leader
             link.send_admit(_admit())
             link.send_outcome(_outcome())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tools.bench import breakdown, encode_prompts, main
+from tools.bench import breakdown, encode_prompts, main, print_tables
 
 PROMPTS = [[5, 6, 7, 8, 9], {"prompt_ids": [10, 11, 12]}]
 
@@ -63,6 +63,27 @@ def test_breakdown_is_generic_over_phase_keys():
     assert b["ms_per_round"]["verify"] == pytest.approx(50.0)
     assert b["ms_per_round"]["some_new_phase"] == pytest.approx(1.0)
     assert b["tokens_per_round"] == 2.0 and b["rounds"] == 10
+
+
+def test_breakdown_and_table_carry_the_speculators_phases(capsys):
+    spec = {"commit": 0.1, "lookup": 0.2, "fallback": 0.5, "send": 0.2, "build": 2.0}
+    run = {"tokens": 22, "requests": 2, "rounds": 10, "verify_s": 0.02, "wait_s": 0.03,
+           "tokens_per_round": 2.0, "speculator_rounds": 12, "speculator_ms_per_round": spec}
+    b = breakdown("ssd", run)
+    assert b["speculator_rounds"] == 12 and b["speculator_ms_per_round"] == spec
+    assert list(b["ms_per_round"]) == ["verify", "wait"]  # not mixed into the verifier's
+    ar = breakdown("ar", {"tokens": 11, "requests": 1, "rounds": 10, "verify_s": 0.01})
+    assert "speculator_ms_per_round" not in ar
+    print_tables([], [ar, b])
+    out = capsys.readouterr().out
+    lines = out[out.index("per-round time"):].splitlines()
+    head = next(line for line in lines if line.startswith("mode"))
+    cols = [c for c in head.split() if c != "ms"]
+    assert cols[-6:] == ["spec.commit", "spec.lookup", "spec.fallback", "spec.send",
+                         "spec.build", "spec.total"]
+    ssd = next(line for line in lines if line.startswith("ssd")).split()
+    assert [float(v) for v in ssd[-6:]] == pytest.approx([0.1, 0.2, 0.5, 0.2, 2.0, 3.0])
+    assert next(line for line in lines if line.startswith("ar")).split()[-6:] == ["-"] * 6
 
 
 def test_token_id_prompts_need_no_tokenizer(tiny_dirs):
