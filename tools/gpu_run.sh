@@ -4,10 +4,10 @@
 #
 #   here:   split -b 49181216 -d SmolLM2-135M-Instruct.Q4_1.gguf .stage/smol.part.
 #           sha256sum ... | cut -d' ' -f1 > .stage/smol.sha256; cp HumanEval.jsonl.gz floor_probe.py .stage/
-#           rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap \
+#           rm -rf .snap && mkdir .snap && git archive HEAD ssdlib tools | tar -x -C .snap \
 #               --exclude='ssdlib/assets/smollm2-135m-draft/model.safetensors'
-#   call 1: PART=1 bash tools/gpu_run.sh   carry .stage/smol.part.00 .stage/smol.sha256
-#           .stage/HumanEval.jsonl.gz .stage/floor_probe.py .whl .snap   (install, GPU tests, floor)
+#   call 1: PART=1 bash tools/gpu_run.sh   carry .stage/smol.part.00 .stage/smol.sha256 .whl
+#           (from a clean checkout: install, GPU tests; FLOOR=1 adds the floor probe)
 #   call 2: PART=2 bash tools/gpu_run.sh   carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .snap
 #           (the benchmarks; the GGUF stays in /tmp while the machine is warm)
 #   call 3: PART=3 bash tools/gpu_run.sh   carry .stage/HumanEval.jsonl.gz .snap (--compile runs)
@@ -25,9 +25,9 @@ if [ "$PART" = 1 ]; then
   # `python3 -m pip`: the image's bare `pip` belongs to another Python than the one with torch
   python3 -m pip install -v --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
   python3 -m ssdlib.ops.check_ext 2>&1 | tee "$OUT/ext.log"
-  cp ssdlib/_C*.so .snap/ssdlib/
-  (cd .snap && PYTHONPATH=$ROOT/.snap:/tmp/site python3 -m pytest tests/ops tests/engine/test_step_graphs.py \
-      tests/engine/test_tree_decode_reference.py -q 2>&1 | tail -5 | tee "$OUT/pytest.log")
+  # the checkout itself (call 1 goes out from a clean tree: it is HEAD)
+  PYTHONPATH=/tmp/site python3 -m pytest tests/ops tests/engine/test_step_graphs.py \
+      tests/engine/test_tree_decode_reference.py -q 2>&1 | tail -5 | tee "$OUT/pytest.log"
   [ -n "${FLOOR:-}" ] && python3 "$STAGE/floor_probe.py" 2>&1 | tee "$OUT/floor.log"
   exit 0
 fi
