@@ -22,6 +22,7 @@ from ssdlib.engine.batching import pack_rows, to_device
 from ssdlib.engine.sampler import reserve_streams, sample_branches, sampling_tensors
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
+from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
 from ssdlib.ops.tree_mask import tree_mask_full
 
 
@@ -40,6 +41,8 @@ class CacheBuilder:
         self.branch_top = torch.zeros(cache.ready.shape[0], self.B, self.K, self.C,
                                       dtype=torch.int64, device=self.device)
         self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        v = min(vocab_size, runner.config.vocab_size)
+        self.tree_step = TreeBuildStep(runner, cache, self.branch_top, min(self.C, v), v)
 
     @torch.inference_mode()
     def build(self, rows: list[SpecRow], fan: list[int], sampling: bool) -> int:
@@ -48,37 +51,25 @@ class CacheBuilder:
         live = [r.slot for r in rows]  # cache rows are slots
         K, dev = self.K, self.device
         cand, reused = self._candidates(live, rows)  # [b, K+1, C]
-        slots = to_device(live, dev)  # [b]: also the rows of the cache (keyed by slot)
         for r in rows:
             r.fed = True
-        sent = to_device([r.sent for r in rows], dev)  # [b, K]
-        fork, first = self._outcomes(cand, sent, fan)  # [b, B] each
         lengths = [len(r.tokens) for r in rows]  # committed
-        n = to_device(lengths, dev)
         kv_len = max(lengths) + K  # > every slot key a branch sees
-        kv_limit = n.view(-1, 1) + fork  # [b, B]: branch (k, t) sees the prefix + s_1..s_k
+        pos, rank = self._branch_index(tuple(fan))  # [B] each
+        if not sampling:  # one captured step on GPU (tree_build.py)
+            self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len)
+            return reused
+        slots = to_device(live, dev)  # [b]: also the rows of the cache (keyed by slot)
+        sent = to_device([r.sent for r in rows], dev)  # [b, K]
+        fork, first = branch_outcomes(cand, sent, pos, rank)  # [b, B] each
+        kv_limit = to_device(lengths, dev).view(-1, 1) + fork  # [b, B]: prefix + s_1..s_k
         # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
         # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
         full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
-        if not sampling:
-            out_tokens = self._greedy_tree(first, kv_limit, full, slots, kv_len)
-        else:
-            out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, fan, kv_len)
+        out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, fan, kv_len)
         self.cache.tokens[slots] = out_tokens
         self.cache.store_keys(slots, fork, first)
         return reused
-
-    def _outcomes(self, cand: torch.Tensor, sent: torch.Tensor, fan: list[int]):
-        """The outcomes to cache, (fork k, bonus t) per branch: [b, B] each. At position k < K
-        the first F_k candidates other than s_{k+1} (a bonus after a rejection at k+1 cannot be
-        s_{k+1}), at K the first F_K; all positions in a few batched ops."""
-        K = self.K
-        excluded = torch.zeros(cand.shape, dtype=torch.int8, device=cand.device)
-        excluded[:, :K] = (cand[:, :K] == sent.unsqueeze(-1)).to(torch.int8)   # [b, K, C]
-        ranked = cand.gather(-1, torch.argsort(excluded, dim=-1, stable=True))  # kept first
-        pos, rank = self._branch_index(tuple(fan))  # [B] each
-        first = ranked[:, pos, rank]  # [b, B]
-        return pos.expand_as(first).contiguous(), first
 
     def _branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Branch j of the fan-out -> (its position k, its rank among the kept candidates).
@@ -94,15 +85,6 @@ class CacheBuilder:
             cached = (to_device(pos, self.device), to_device(rank, self.device))
             self._index_cache[fan] = cached
         return cached
-
-    def _greedy_tree(self, first, kv_limit, full, slots, kv_len) -> torch.Tensor:
-        """Greedy branches: all K depths in one captured chain -> tokens [b, B, K]."""
-        K = self.K
-        v = min(self.V, self.runner.config.vocab_size)
-        out_tokens, tops = self.runner.greedy_tree(first, kv_limit, full, slots, K,
-                                                   min(self.C, v), v, kv_len)
-        self.branch_top[slots, :, :, :tops.shape[-1]] = tops
-        return out_tokens
 
     def _sampled_tree(self, first, kv_limit, full, slots, rows, fan,
                       kv_len) -> torch.Tensor:

@@ -156,26 +156,13 @@ class ModelRunner:
             out.append(tok)
         return torch.stack(out, dim=1)
 
-    @torch.inference_mode()
-    def greedy_tree(self, first: torch.Tensor, kv_limit: torch.Tensor, full_mask: torch.Tensor,
-                    slots: torch.Tensor, depth: int, top: int, vocab: int, kv_len: int):
-        """All ``depth`` tree-decode steps of greedy branches with no host in between (one
-        captured graph on GPU). first [b, B]: each branch's first token; kv_limit [b, B]: its
-        slot prefix; full_mask [b, B*depth, B*depth] (``tree_mask_full`` without speculation
-        keys). Returns (tokens [b, B, depth], top-``top`` candidates after each token
-        [b, B, depth, top])."""
-        b, B = first.shape
-        kv_len = self.kv_bucket(kv_len)
-        if self.graphs is not None and self.graphs.fits(b, B, B * depth):
-            return self.graphs.tree_chain(first, kv_limit, full_mask, slots, depth, top, vocab,
-                                          kv_len)
-        dev = self.device
-        return self.tree_body(first.to(dev), kv_limit.to(dev), full_mask.to(dev), slots.to(dev),
-                              depth, top, vocab, kv_len, False)
-
     def tree_body(self, tok, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
                   kv_len: int, use_kernel: bool):
-        """The captured body of :meth:`greedy_tree` (all tensors on the device)."""
+        """All ``depth`` tree-decode steps of greedy branches (the body of the speculator's
+        captured build, ``tree_build.py``), on device tensors. tok [b, B]: each branch's first
+        token; kv_limit [b, B]: its slot prefix; full_mask [b, B*depth, B*depth]
+        (``tree_mask_full`` without speculation keys). Returns (tokens [b, B, depth], top-``top``
+        candidates after each token [b, B, depth, top])."""
         b, B = tok.shape
         lane = torch.arange(B, device=tok.device).expand(b, B)
         tokens, tops = [], []

@@ -38,7 +38,7 @@ class SpeculationCache:
         """rows [n] batch rows; fork, bonus [n, B]: the outcome each branch assumes."""
         self.fork[rows] = fork
         self.bonus[rows] = bonus
-        self.ready[rows] = True
+        self.ready.index_fill_(0, rows, True)  # no host scalar: capturable
 
     def lookup(self, rows: torch.Tensor, k: torch.Tensor, bonus: torch.Tensor):
         """rows [n], outcome k [n], t* [n] -> (hit [n] bool, branch [n] int64)."""

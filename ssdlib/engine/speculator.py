@@ -165,7 +165,8 @@ class Speculator(SpeculatorLoop):
         self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
         self.fixed_fanout = None if fan == "auto" else fan
         self.B = sum(self.fanout())
-        self.cache = SpeculationCache(cfg.max_batch, self.B, self.K, vocab_size, self.device)
+        # one row per KV slot, plus the scratch slot's (ghost rows of a captured build)
+        self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size, self.device)
         self.builder = CacheBuilder(runner, self.drafter, self.cache, vocab_size, cfg.saguaro_c)
         self.fallbacks = Fallbacks(self.drafter, cfg.fallback, self.K, vocab_size)
         self._fanout_used = self.fanout()

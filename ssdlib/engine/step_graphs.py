@@ -51,9 +51,6 @@ class StepGraphs:
         self.arena = torch.zeros(self.arena_size, dtype=torch.int64, device=dev)
         self.tree_mask = torch.zeros(self.max_rows, max_queries, max(max_tree, 1),
                                      dtype=torch.bool, device=dev)
-        # all depths' branch-to-branch mask of a captured tree chain
-        self.full_mask = torch.zeros(self.max_rows, max(max_tree, 1), max(max_tree, 1),
-                                     dtype=torch.bool, device=dev)
         self.outputs: dict[tuple, torch.Tensor] = {}
 
     def fits(self, b: int, s: int, tree_len: int = 0) -> bool:
@@ -93,26 +90,6 @@ class StepGraphs:
                 self._view("slots", rows, None), steps, vocab, kv_len, r.use_kernel)
 
         return self._replay(key, run)[:b]
-
-    def tree_chain(self, first, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
-                   kv_len: int):
-        """All greedy tree-decode depths in one graph (see ``ModelRunner.greedy_tree``)."""
-        b, B = first.shape
-        rows = batch_bucket(b)
-        n = B * depth
-        key = ("tree_chain", rows, B, depth, top, vocab, kv_len)
-        self._fill(rows, b, B, 0, first, kv_limit, slots, kv_limit, None, None, None, 0)
-        self.full_mask[:b, :n, :n].copy_(full_mask)
-        self.full_mask[b:rows].zero_()
-        def run():
-            r = self.runner
-            self.outputs[key] = r.tree_body(
-                self._view("ids", rows, B), self._view("limit", rows, B),
-                self.full_mask[:rows, :n, :n], self._view("slots", rows, None), depth, top,
-                vocab, kv_len, r.use_kernel)
-
-        tokens, tops = self._replay(key, run)
-        return tokens[:b], tops[:b]
 
     def _replay(self, key: tuple, run):
         """Capture ``run`` under ``key`` the first time, replay it, return its output."""

@@ -113,32 +113,59 @@ def test_greedy_chain_equals_step_by_step(tiny_dirs, device, pool_kind):
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
-def test_greedy_tree_equals_stepwise(tiny_dirs, device, pool_kind):
-    """All tree depths as one captured chain == one tree_forward + argmax/top-k per depth."""
+def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind):
+    """The speculator's greedy build as one captured step (static inputs, batch bucket 4 for 3
+    rows, a ghost row on the scratch slot) == the same body on plain tensors == one
+    tree_forward + argmax per depth; two rounds with new inputs (replay reads them afresh)."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.spec_cache import SpeculationCache
+    from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
     from ssdlib.ops.tree_mask import tree_mask_full
 
     ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
-    V, K, B = ck.config.vocab_size, 3, 4
+    V, K, C = ck.config.vocab_size, 3, 5
+    fan = [2, 1, 1, 0]  # B = 4 branches: 2 fork at 0, 1 at 1, 1 at 2
+    B = sum(fan)
+    pos = torch.tensor([0, 0, 1, 2], device=device)
+    rank = torch.tensor([0, 1, 0, 0], device=device)
     g = torch.Generator().manual_seed(4)
     lens = [12, 8, 10]
-    slots = torch.tensor([0, 4, 2])
-    from ssdlib.engine.batching import last_index, pack_rows
-
-    ids, pos = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
+    slots = [0, 4, 2]
+    ids, p = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
     for r in (eager, stepped):
-        r.forward(ids, pos, slots, last_index(lens))
-    fork = torch.tensor([[0, 1, 1, 3], [0, 0, 2, 3], [1, 2, 3, 3]])
-    kv_limit = torch.tensor(lens).view(-1, 1) - K + fork
-    full = tree_mask_full(fork, K, K)[..., K:]
-    first = torch.randint(0, V, (3, B), generator=g)
-    tokens, tops = stepped.greedy_tree(first, kv_limit, full, slots, K, 5, V, max(lens))
-    tok = first
-    for d in range(K):
-        lg = eager.tree_forward(tok, kv_limit + d, slots, (d * B + torch.arange(B)).expand(3, B),
-                                kv_limit, full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens))
-        tok = lg.argmax(-1)
-        assert tokens[:, :, d].cpu().tolist() == tok.cpu().tolist()
-        assert tops[:, :, d].cpu().tolist() == lg.topk(5, dim=-1).indices.cpu().tolist()
+        r.forward(ids, p, torch.tensor(slots), last_index(lens))
+    steps, caches = [], []
+    for r in (eager, stepped):
+        cache = SpeculationCache(7, B, K, V, r.device)  # 6 slots + the scratch slot
+        top = torch.zeros(7, B, K, C, dtype=torch.int64, device=r.device)
+        steps.append(TreeBuildStep(r, cache, top, C, V))
+        caches.append((cache, top))
+    assert steps[0].pool is None and steps[1].pool is not None
+    for round_ in range(2):
+        cand = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)
+        sent = torch.randint(0, V, (3, K), generator=g)
+        sent[0, 0] = cand[0, 0, 0]  # an excluded candidate (a bonus cannot be s_1)
+        n = [x - K + round_ for x in lens]  # committed: the speculation's KV follows
+        for step in steps:
+            step.run(cand, sent.tolist(), n, slots, pos, rank, max(lens) + K)
+        (ca, ta), (cb, tb) = caches
+        idx = torch.tensor(slots, device=device)
+        for x, y in ((ca.tokens, cb.tokens), (ca.fork, cb.fork), (ca.bonus, cb.bonus), (ta, tb)):
+            assert x[idx].cpu().tolist() == y[idx].cpu().tolist(), round_
+        assert ca.ready[:6].cpu().tolist() == cb.ready[:6].cpu().tolist()  # 6: scratch
+        assert cb.ready[[1, 3, 5]].sum().item() == 0  # the ghost row touched the scratch row only
+        # stepwise reference on the eager runner
+        fork, first = branch_outcomes(cand, sent.to(device), pos, rank)
+        assert (fork[0] == pos).all() and (first[0, 0] != sent[0, 0].to(device))
+        kv_limit = torch.tensor(n, device=device).view(-1, 1) + fork
+        full = tree_mask_full(fork, K, K)[..., K:]
+        tok = first
+        for d in range(K):
+            lg = eager.tree_forward(tok, kv_limit + d, torch.tensor(slots),
+                                    (d * B + torch.arange(B)).expand(3, B), kv_limit,
+                                    full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens) + K)
+            tok = lg.argmax(-1)
+            assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
 
 
 def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
