@@ -53,5 +53,5 @@ if [ "$PART" = 2 ]; then
   exit 0
 fi
 # PART=3: torch.compile inside the graphs (compiles every step shape first: slow to start)
-echo "== b1 greedy K=3 --compile"; timeout 400 $B --compile --n-prompts $N --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -12
-echo "== fp32 --compile greedy equality"; timeout 150 $B --compile --n-prompts 2 --max-new-tokens 64 --dtype float32 --k 3 --modes ar,sd --json "$OUT/fp32_compile.json" 2>&1 | $F | tail -5
+echo "== b1 greedy K=3 --compile"; timeout 290 $B --compile --n-prompts $N --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -12
+echo "== fp32 --compile greedy equality"; timeout 100 $B --compile --n-prompts 2 --max-new-tokens 64 --dtype float32 --k 3 --modes ar,sd --json "$OUT/fp32_compile.json" 2>&1 | $F | tail -5
