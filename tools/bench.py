@@ -255,13 +255,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info() -> dict:
+def _git_commit() -> str | None:
+    """HEAD of the checkout this tool lives in; None when it is not a checkout's root (e.g. an
+    exported copy inside another repository, whose HEAD would be the wrong answer)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
+        out = subprocess.run(["git", "-C", repo, "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        return None
+    if len(out) != 2 or os.path.realpath(out[0]) != os.path.realpath(repo):
+        return None
+    return out[1]
+
+
+def machine_info() -> dict:
+    commit = os.environ.get("SSDLIB_COMMIT") or _git_commit()
     cuda = torch.cuda.is_available()
     return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if cuda else [],

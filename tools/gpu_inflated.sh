@@ -17,6 +17,7 @@ cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm
 cp ssdlib/_C*.so .snap/ssdlib/
 export PYTHONUNBUFFERED=1 SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$ROOT/.snap:/tmp/site
 cd .snap
+[ -f COMMIT ] && export SSDLIB_COMMIT=$(cat COMMIT)
 F="grep -v ^\[rank\|WARN"
 if [ "$STEP" = make ]; then
   df -h /tmp | tail -1

@@ -6,6 +6,7 @@
 #           sha256sum ... | cut -d' ' -f1 > .stage/smol.sha256; cp HumanEval.jsonl.gz floor_probe.py .stage/
 #           rm -rf .snap && mkdir .snap && git archive HEAD ssdlib tools | tar -x -C .snap \
 #               --exclude='ssdlib/assets/smollm2-135m-draft/model.safetensors'
+#           git rev-parse HEAD > .snap/COMMIT   (the benches' JSON names it: SSDLIB_COMMIT)
 #   call 1: PART=1 bash tools/gpu_run.sh   carry .stage/smol.part.00 .stage/smol.sha256 .whl
 #           (from a clean checkout: install, GPU tests; FLOOR=1 adds the floor probe)
 #   call 2: PART=2 bash tools/gpu_run.sh   carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .snap
@@ -41,6 +42,7 @@ cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm
 cp ssdlib/_C*.so .snap/ssdlib/
 cd .snap
 export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$ROOT/.snap:/tmp/site
+[ -f COMMIT ] && export SSDLIB_COMMIT=$(cat COMMIT)
 B="python3 tools/bench.py --device cuda --humaneval $ROOT/$STAGE/HumanEval.jsonl.gz --max-new-tokens 256"
 F="grep -v ^\[rank\|WARN"
 if [ "$PART" = 2 ]; then
