@@ -22,8 +22,7 @@ from ssdlib.engine.batching import pack_rows, to_device
 from ssdlib.engine.sampler import reserve_streams, sample_branches, sampling_tensors
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
-from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
-from ssdlib.ops.tree_mask import tree_mask_full
+from ssdlib.engine.tree_build import TreeBuildStep, branch_setup
 
 
 class CacheBuilder:
@@ -61,11 +60,8 @@ class CacheBuilder:
             return reused
         slots = to_device(live, dev)  # [b]: also the rows of the cache (keyed by slot)
         sent = to_device([r.sent for r in rows], dev)  # [b, K]
-        fork, first = branch_outcomes(cand, sent, pos, rank)  # [b, B] each
-        kv_limit = to_device(lengths, dev).view(-1, 1) + fork  # [b, B]: prefix + s_1..s_k
-        # branch-to-branch visibility of all depths at once (tree-mask kernel on GPU); depth
-        # d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
-        full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
+        fork, first, kv_limit, full = branch_setup(cand, sent, to_device(lengths, dev), pos,
+                                                   rank)
         out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, fan, kv_len)
         self.cache.tokens[slots] = out_tokens
         self.cache.store_keys(slots, fork, first)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.engine.batching import to_device
 from ssdlib.engine.step_graphs import batch_bucket
 from ssdlib.ops.tree_mask import tree_mask_full
 
@@ -33,6 +34,20 @@ def branch_outcomes(cand: torch.Tensor, sent: torch.Tensor, pos: torch.Tensor,
     ranked = cand.gather(-1, torch.argsort(excluded, dim=-1, stable=True))  # kept first
     first = ranked[:, pos, rank]  # [b, B]
     return pos.expand_as(first).contiguous(), first
+
+
+def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: torch.Tensor,
+                 rank: torch.Tensor):
+    """What every tree build starts from: (fork, first token) per branch [b, B]
+    (:func:`branch_outcomes`), each branch's slot prefix kv_limit [b, B] (committed n + the
+    k speculation tokens it assumes), and the branch-to-branch mask of all depths
+    [b, B*K, B*K] (tree-mask kernel on GPU; depth d's queries are rows d*B..(d+1)*B, over the
+    first B*(d+1) branch keys)."""
+    K = sent.shape[1]
+    fork, first = branch_outcomes(cand, sent, pos, rank)
+    kv_limit = n.view(-1, 1) + fork
+    full = tree_mask_full(fork, K, K)[..., K:]
+    return fork, first, kv_limit, full
 
 
 class TreeBuildStep:
@@ -56,10 +71,7 @@ class TreeBuildStep:
     def body(self, cand, sent, n, slots, pos, rank, kv_len: int) -> None:
         """The build after the candidates, on device tensors (the captured function's body)."""
         K = self.K
-        fork, first = branch_outcomes(cand, sent, pos, rank)
-        kv_limit = n.view(-1, 1) + fork  # [b, B]: branch (k, t) sees the prefix + s_1..s_k
-        # depth d's queries are rows d*B..(d+1)*B, over the first B*(d+1) branch keys
-        full = tree_mask_full(fork, K, K)[..., K:]  # [b, B*K, B*K]
+        fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
                                    kv_len, r.use_kernel)
@@ -73,8 +85,8 @@ class TreeBuildStep:
         kv_len = self.runner.kv_bucket(kv_len)
         dev = self.runner.device
         if self.pool is None:
-            to = lambda x: torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)  # noqa: E731
-            self.body(cand, to(sent), to(lengths), to(slots), pos, rank, kv_len)
+            self.body(cand, to_device(sent, dev), to_device(lengths, dev), to_device(slots, dev),
+                      pos, rank, kv_len)
             return
         b, K = cand.shape[0], self.K
         rows = batch_bucket(b)
