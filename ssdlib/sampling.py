@@ -70,14 +70,20 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        # keep token i if the mass strictly before it is < top_p: the smallest set reaching top_p
-        keep_sorted = (cum - sorted_p) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _top_p_cut(probs, top_p)
     return probs
+
+
+def _top_p_cut(probs: torch.Tensor, top_p) -> torch.Tensor:
+    """probs [..., V] restricted to the smallest set of tokens reaching ``top_p`` (a float, or a
+    tensor broadcasting over [..., 1]) and renormalised: token i is kept if the mass strictly
+    before it (in descending order, ties in index order) is < top_p."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    keep_sorted = (cum - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    cut = probs * keep
+    return cut / cut.sum(dim=-1, keepdim=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,13 +148,7 @@ def target_distributions(logits: torch.Tensor, params: SamplingTensors) -> torch
     probs = torch.softmax(x, dim=-1)
     if params.any_top_p:
         top_p = params.top_p.view(per_row)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        keep_sorted = (cum - sorted_p) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        cut = probs * keep
-        cut = cut / cut.sum(dim=-1, keepdim=True)
-        probs = torch.where(top_p < 1.0, cut, probs)                      # top_p = 1: untouched
+        probs = torch.where(top_p < 1.0, _top_p_cut(probs, top_p), probs)  # 1: untouched
     if onehot is not None:
         probs = torch.where(params.greedy.view(per_row), onehot, probs)
     return probs
