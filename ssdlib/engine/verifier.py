@@ -38,7 +38,6 @@ class LinkVerifier:
         # the speculation in hand per slot: (tokens [K], q kind, q [K, V] or None)
         self.spec: dict[int, tuple] = {}
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
-        self._batch_metrics: dict = {}
         # the STATS received since the batch metrics were last read, summed
         self._stats: SpeculatorStats | None = None
         self._stats_read = False
@@ -90,19 +89,11 @@ class LinkVerifier:
                 self._record_lookup(q, k, bool(hits[i]), kinds[i])
 
     def _take_stats(self, stats: SpeculatorStats) -> None:
-        """The batch metrics from the STATS since they were last read (a call that empties the
+        """Keep the STATS since the batch metrics were last read (a call that empties the
         batch several times, e.g. one row at a time, gets STATS each time)."""
         if self._stats is not None and not self._stats_read:
             stats = self._stats.plus(stats)
         self._stats, self._stats_read = stats, False
-        idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
-        self._batch_metrics = {
-            "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
-            "branch_kv_reused_frac": stats.reused / hits if hits else 0.0,
-            # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
-            "speculator_rounds": rounds,
-            "speculator_ms_per_round": {p: 1e3 * t / rounds if rounds else 0.0
-                                        for p, t in stats.phase_s.items()}}
 
     def _draft_q(self, active) -> DraftQ | None:
         """The q of the speculations in hand (None when every row is greedy)."""
@@ -149,7 +140,17 @@ class LinkVerifier:
         """The speculator's metrics over the STATS since the last read (the next STATS starts
         afresh); a copy per call, its dicts too."""
         self._stats_read = True
-        return {k: dict(v) if isinstance(v, dict) else v for k, v in self._batch_metrics.items()}
+        stats = self._stats
+        if stats is None:
+            return {}
+        idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
+        return {
+            "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
+            "branch_kv_reused_frac": stats.reused / hits if hits else 0.0,
+            # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
+            "speculator_rounds": rounds,
+            "speculator_ms_per_round": {p: 1e3 * t / rounds if rounds else 0.0
+                                        for p, t in stats.phase_s.items()}}
 
     def close(self) -> None:
         self.link.send_shutdown()
