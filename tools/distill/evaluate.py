@@ -37,7 +37,7 @@ def prompt_sets(humaneval: str | None, n: int | None, with_humaneval: bool = Tru
     if with_humaneval:
         from tools.bench import humaneval_prompts
 
-        sets["humaneval"] = humaneval_prompts(humaneval, n or 164)
+        sets["humaneval"] = humaneval_prompts(humaneval, n)  # n None: all
     return sets
 
 
