@@ -22,7 +22,10 @@ from ssdlib.errors import ConfigError
 
 
 def weight_bytes(config: ModelConfig, tp: int, dtype_bytes: int) -> int:
-    """Bytes of one rank's weights (tensor-parallel matrices split ``tp`` ways)."""
+    """Bytes of one rank's weights (tensor-parallel matrices split ``tp`` ways).
+
+    A draft that uses its target's embedding (``embedding_from_target``) holds its own copy of it
+    at run time, so it counts here like any draft's embedding."""
     h, hd = config.hidden_size, config.head_dim
     attn = h * hd * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
     mlp = 3 * h * config.intermediate_size

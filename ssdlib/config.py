@@ -13,6 +13,9 @@ from typing import Any
 from ssdlib.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# config.json key of a draft that stores no token embedding and uses its target's (frozen) one,
+# as its LM head too when tied; such a draft loads only beside its target (loading/draft.py).
+EMBEDDING_FROM_TARGET_KEY = "ssdlib_embedding_from_target"
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     attention_bias: bool = False
     mlp_bias: bool = False
+    # a draft whose embedding (and tied head) is its target's: see EMBEDDING_FROM_TARGET_KEY
+    embedding_from_target: bool = False
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -83,6 +88,8 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.embedding_from_target:
+            d[EMBEDDING_FROM_TARGET_KEY] = True
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -135,6 +142,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
+                embedding_from_target=bool(d.get(EMBEDDING_FROM_TARGET_KEY, False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: missing or invalid field: {e}") from None

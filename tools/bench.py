@@ -41,6 +41,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -52,6 +53,7 @@ from ssdlib.engine.protocol import SPEC_PHASES  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
+from ssdlib.loading.draft import materialize_hf  # noqa: E402
 from ssdlib.prompts import PromptEncoder  # noqa: E402
 
 ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
@@ -180,11 +182,21 @@ def load_hf(spec: str, device: str, dtype: torch.dtype):
     return model.to(device).eval()
 
 
+def load_hf_draft(spec: str, target: str, device: str, dtype: torch.dtype):
+    """The draft as a transformers model; a draft that uses its target's embedding is first
+    written out with that embedding (a standard HF directory, in a temporary folder)."""
+    path = resolve(spec)
+    if os.path.isdir(path) and load_checkpoint(path).config.embedding_from_target:
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_hf(materialize_hf(path, load_checkpoint(target), tmp), device, dtype)
+    return load_hf(spec, device, dtype)
+
+
 def hf_rows(args, prompt_ids, eos_ids: list[int], torch_dtype: torch.dtype) -> list[dict]:
     from transformers import GenerationConfig
 
     target = load_hf(args.target, args.device, torch_dtype)
-    draft = load_hf(args.draft_resolved, args.device, torch_dtype)
+    draft = load_hf_draft(args.draft_resolved, args.target, args.device, torch_dtype)
     eos = None if args.ignore_eos or not eos_ids else list(eos_ids)
     pad = eos_ids[0] if eos_ids else 0
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \

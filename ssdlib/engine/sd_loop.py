@@ -12,8 +12,7 @@ from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.metrics import record_acceptance
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
-from ssdlib.loading import load_checkpoint
-from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.loading.draft import load_draft
 from ssdlib.speculative.acceptance import DraftQ
 
 
@@ -53,8 +52,7 @@ def build_sd_loop(cfg, world, target, target_ck):
         # the draft on its own rank (a JitSpeculator), speculations over the SSD link
         from ssdlib.engine.verifier import build_separate_draft_verifier
         return build_separate_draft_verifier(cfg, world, target, target_ck)
-    draft_ck = load_checkpoint(cfg.draft)
-    check_draft_compatible(target_ck, draft_ck)
+    draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
     loop = SDLoop(target, Drafter(runner, target_ck.config.vocab_size), cfg.k, world.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ssdlib.config import ModelConfig
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
 
@@ -14,7 +14,19 @@ def check_draft_vocab(target: ModelConfig, draft: ModelConfig, target_source: st
     The target samples from all of its embedding rows, and every committed token is fed to the
     draft, so the draft needs at least as many rows. (More is fine: the draft's extra logits are
     cut off.) Needs the configs only, so it runs before any weight is read.
+
+    A draft that uses the target's embedding (``embedding_from_target``) must also have exactly
+    the target's vocabulary size and hidden size: it reads the target's embedding matrix as is.
     """
+    if draft.embedding_from_target:
+        for what, t, d in (("hidden_size", target.hidden_size, draft.hidden_size),
+                           ("vocab_size", target.vocab_size, draft.vocab_size)):
+            if t != d:
+                raise CheckpointError(
+                    f"draft {draft_source!r} uses its target's embedding ("
+                    f"{EMBEDDING_FROM_TARGET_KEY}) but its {what} is {d} and the target "
+                    f"{target_source!r} has {t}: such a draft only runs with a target of its "
+                    f"{what}")
     if draft.vocab_size < target.vocab_size:
         raise CheckpointError(
             f"draft {draft_source!r} has {draft.vocab_size} embedding rows but the target "
@@ -43,6 +55,7 @@ def check_draft_compatible(target: Checkpoint, draft: Checkpoint) -> None:
         raise CheckpointError(
             f"draft vocab size {draft.config.vocab_size} != target vocab size "
             f"{target.config.vocab_size} ({draft.source!r} vs {target.source!r})")
+    check_draft_vocab(target.config, draft.config, target.source, draft.source)
 
 
 def _first_difference(a, b) -> str:

@@ -8,16 +8,20 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ssdlib.config import ModelConfig
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
+
+# The tensors a draft with ``embedding_from_target`` does not store: its target serves them.
+TARGET_SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class SafetensorsWeights:
     """Tensors of one or many safetensors files, read lazily and by slice."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, from_target: tuple[str, ...] = ()):
         self.directory = directory
+        self.from_target = from_target  # names another checkpoint (the target) must serve
         self._handles: dict[str, object] = {}
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -54,6 +58,12 @@ class SafetensorsWeights:
 
     def _slice(self, name: str):
         if name not in self._map:
+            if name in self.from_target:
+                raise CheckpointError(
+                    f"{self.directory}: tensor {name!r} is not stored: this draft uses its "
+                    f"target's embedding (config.json: {EMBEDDING_FROM_TARGET_KEY}), so it loads "
+                    "only beside a target (ssdlib.loading.draft.load_draft, or --draft with "
+                    "--target)")
             raise CheckpointError(f"{self.directory}: tensor {name!r} missing from the checkpoint")
         return self._open(self._map[name]).get_slice(name)
 
@@ -94,7 +104,12 @@ def load_hf_dir(directory: str) -> Checkpoint:
             eos = None
         if eos is not None:
             config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-    weights = SafetensorsWeights(directory)
+    weights = SafetensorsWeights(
+        directory, TARGET_SHARED_TENSORS if config.embedding_from_target else ())
+    if config.embedding_from_target and TARGET_SHARED_TENSORS[0] in weights.names():
+        raise CheckpointError(
+            f"{directory}: config.json sets {EMBEDDING_FROM_TARGET_KEY} but model.safetensors "
+            f"stores {TARGET_SHARED_TENSORS[0]!r}: remove the tensor or the flag")
 
     def tokenizer_factory():
         from ssdlib.tokenizer import load_tokenizer_dir

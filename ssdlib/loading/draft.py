@@ -1,0 +1,109 @@
+"""Loading a draft beside its target, including drafts that use the target's embedding.
+
+A draft whose config.json sets ``ssdlib_embedding_from_target`` stores only its transformer
+layers and final norm: its token embedding (and, tied, its LM head) is the target's, so a draft
+as wide as the target stays small on disk. :func:`load_draft` serves those tensors from the
+target's weights, so the model loads unchanged; :func:`materialize_hf` writes a standard HF
+directory with the embedding included, for tools (transformers) that cannot read the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY
+from ssdlib.errors import CheckpointError
+from ssdlib.loading.checkpoint import Checkpoint, WeightSource, load_checkpoint
+from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.loading.hf_dir import TARGET_SHARED_TENSORS
+
+EMBED, HEAD = TARGET_SHARED_TENSORS
+
+
+class TargetEmbeddingWeights:
+    """A draft's own tensors plus the embedding (and LM head, when asked for and not stored)
+    read from the target's weights; everything else is the draft's."""
+
+    def __init__(self, draft: WeightSource, target: WeightSource, draft_tied: bool):
+        self.draft = draft
+        self.target = target
+        self._own = set(draft.names())
+        target_names = set(target.names())
+        self._served = {EMBED: EMBED}
+        if not draft_tied and HEAD not in self._own:
+            # the target's head: its own, or its embedding when the target is tied
+            self._served[HEAD] = HEAD if HEAD in target_names else EMBED
+
+    def names(self) -> list[str]:
+        return self.draft.names() + [n for n in self._served if n not in self._own]
+
+    def _source(self, name: str) -> tuple[WeightSource, str]:
+        if name in self._served and name not in self._own:
+            return self.target, self._served[name]
+        return self.draft, name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source, real = self._source(name)
+        return tuple(source.shape(real))
+
+    def get(self, name: str, dim: int | None = None, start: int = 0,
+            stop: int | None = None) -> torch.Tensor:
+        source, real = self._source(name)
+        return source.get(real, dim=dim, start=start, stop=stop)
+
+
+def load_draft(spec: str | os.PathLike, target_ck: Checkpoint) -> Checkpoint:
+    """Load the draft ``spec`` for running beside ``target_ck``: checks their compatibility
+    (tokenizer, vocabulary; hidden size for a shared embedding) and, for a draft that uses its
+    target's embedding, serves that embedding from the target's weights (dequantised for GGUF
+    targets)."""
+    draft = load_checkpoint(spec)
+    check_draft_compatible(target_ck, draft)
+    if not draft.config.embedding_from_target:
+        return draft
+    weights = TargetEmbeddingWeights(draft.weights, target_ck.weights,
+                                     draft.config.tie_word_embeddings)
+    return Checkpoint(source=draft.source, config=draft.config, weights=weights,
+                      tokenizer_factory=lambda: draft.tokenizer)
+
+
+def materialize_hf(draft_dir: str, target_ck: Checkpoint, out_dir: str,
+                   dtype: torch.dtype | None = None) -> str:
+    """Write ``out_dir``: the draft of ``draft_dir`` as a standard HF Llama directory (the
+    target's embedding stored, the flag removed) that transformers loads. Tensors are written in
+    ``dtype`` (default: the draft's stored dtype). Other files of ``draft_dir`` (tokenizer,
+    generation config) are copied. Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    ck = load_draft(draft_dir, target_ck)
+    directory = ck.source
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{draft_dir!r}: not an HF checkpoint directory")
+    weights = ck.weights
+    names = weights.names()
+    if dtype is None:  # the stored dtype of the draft's own tensors
+        own = [n for n in names if n not in TARGET_SHARED_TENSORS]
+        dtype = weights.get(own[0]).dtype if own else torch.float32
+    tensors = {n: weights.get(n).to(dtype).contiguous() for n in names}
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(directory):
+        path = os.path.join(directory, f)
+        if os.path.isfile(path) and f != "config.json" and not f.endswith(
+                (".safetensors", ".safetensors.index.json")):
+            shutil.copy(path, os.path.join(out_dir, f))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        raw = json.load(f)
+    raw.pop(EMBEDDING_FROM_TARGET_KEY, None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    raw["torch_dtype"] = dtype_name
+    if "dtype" in raw:
+        raw["dtype"] = dtype_name  # transformers 5 name
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    return out_dir
+
