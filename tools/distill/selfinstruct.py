@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,15 @@ class GenSettings:
     answer_temperature: float = 0.7
     top_p: float = 0.95
     batch_size: int = 64
+    deadline: float | None = None  # time.monotonic(): sampling stops there (sampler.generate)
+    stats: dict = field(default_factory=dict)  # the sampler's counters, summed over calls
+
+    def sample(self, model, prompts, max_new_tokens, temperature, top_p, stop_ids, gen,
+               on_batch=None):
+        """sampler.generate with these settings' batch size, deadline and stats."""
+        return sampler.generate(model, prompts, max_new_tokens, temperature, top_p, stop_ids,
+                                gen, self.batch_size, on_batch, deadline=self.deadline,
+                                stats=self.stats)
 
 
 class ChatFormat:
@@ -63,17 +72,26 @@ class ChatFormat:
         return self.tok.encode(text, add_special_tokens=False)
 
 
-def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen, temperature: float,
-           source: str, on_batch: Callable[[int], None] | None = None) -> Docs:
-    """Stage 2: template each request and sample the target's answer; document = prompt + answer,
-    scored from the first answer token."""
+def answer_each(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
+                temperature: float | list[float],
+                on_batch: Callable[[int], None] | None = None) -> list[tuple[list[int], int] | None]:
+    """Stage 2: template each request and sample the target's answer (``temperature``: one, or
+    one per request; 0 is greedy). Per request: (prompt + answer ids, first answer index), or
+    None when no answer token was sampled (the deadline passed)."""
     prompts = [chat.prompt(r) for r in requests]
-    outs = sampler.generate(model, prompts, s.answer_max_tokens, temperature, s.top_p,
-                            chat.tok.eos_token_ids, gen, s.batch_size, on_batch)
+    outs = s.sample(model, prompts, s.answer_max_tokens, temperature, s.top_p,
+                    chat.tok.eos_token_ids, gen, on_batch)
+    return [(p + new, len(p)) if new else None for p, (new, _) in zip(prompts, outs)]
+
+
+def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
+           temperature: float | list[float], source: str,
+           on_batch: Callable[[int], None] | None = None) -> Docs:
+    """Stage 2 as documents: prompt + answer, scored from the first answer token."""
     docs = Docs()
-    for p, (new, _) in zip(prompts, outs):
-        if new:
-            docs.add(p + new, len(p), source)
+    for item in answer_each(model, chat, requests, s, gen, temperature, on_batch):
+        if item is not None:
+            docs.add(item[0], item[1], source)
     return docs
 
 
@@ -88,9 +106,8 @@ def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
         if want <= 0:
             break
         k = max(s.batch_size, int(want * 1.25) + 1)
-        outs = sampler.generate(model, [chat.user_prefix] * k, s.user_max_tokens,
-                                s.user_temperature, 1.0, chat.turn_end, gen, s.batch_size,
-                                on_batch)
+        outs = s.sample(model, [chat.user_prefix] * k, s.user_max_tokens, s.user_temperature,
+                        1.0, chat.turn_end, gen, on_batch)
         for new, stopped in outs:
             text = chat.tok.decode(new[:-1] if stopped else new).strip()
             if stopped and len(text) >= 8 and text not in seen:
@@ -123,14 +140,19 @@ def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:
 
 
 def random_target_docs(model, n: int, length: int, gen: torch.Generator, seed: int,
-                       batch_size: int, progress: Callable[[int], None] | None = None) -> Docs:
+                       batch_size: int, progress: Callable[[int], None] | None = None,
+                       settings: GenSettings | None = None) -> Docs:
     """``n`` documents: 1-4 random token ids, then ``length`` tokens the target samples at
-    temperature 1 (no tokenizer needed)."""
+    temperature 1 (no tokenizer needed). ``settings``: their deadline and stats apply."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 4))] for _ in range(n)]
-    outs = sampler.generate(model, prompts, length, 1.0, 1.0, (), gen, batch_size, progress)
+    if settings is None:
+        outs = sampler.generate(model, prompts, length, 1.0, 1.0, (), gen, batch_size, progress)
+    else:
+        outs = settings.sample(model, prompts, length, 1.0, 1.0, (), gen, progress)
     docs = Docs()
     for p, (new, _) in zip(prompts, outs):
-        docs.add(p + new, len(p), "random-target-samples")
+        if new:
+            docs.add(p + new, len(p), "random-target-samples")
     return docs

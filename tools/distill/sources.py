@@ -27,6 +27,14 @@ class SourceSettings:
     text_roots: list[str]
     seed: int
     gen: GenSettings
+    # (index, count): this run makes shard ``index`` of ``count`` (tools/distill_data.py): its
+    # sampling seed differs from the others', its docstring requests are its own slice of one
+    # shared list, pysrc is shard 0's only. The counts above are this shard's.
+    shard: tuple[int, int] = (0, 1)
+
+    def sampling_seed(self) -> int:
+        index, count = self.shard
+        return self.seed if count == 1 else self.seed + 7919 * (index + 1)
 
 
 def parse_sources(spec: str) -> list[str]:
@@ -47,19 +55,27 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
     if tokenizer is None and any(s in NEEDS_TOKENIZER for s in cfg.sources):
         raise ValueError(f"the target has no tokenizer: --data {','.join(cfg.sources)} needs "
                          "one; use --data random-target-samples")
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.sampling_seed())
+    index, count = cfg.shard
     train, held = Docs(), Docs()
     records: list[dict] = []
 
-    def generated(source: str, requests: list[str], n: int, make) -> None:
+    def generated(source: str, requests: list[str], n: int) -> None:
         # up to n requests train (sampled answers), the last eval_samples are held out (greedy
-        # answers: agreement is then measured on what the target itself would say)
+        # answers: agreement is then measured on what the target itself would say); both in one
+        # sampling pass (per-row temperatures)
         if len(requests) < 2:
             raise ValueError(f"{source}: only {len(requests)} requests could be made")
         n_eval = min(cfg.eval_samples, len(requests) // 2)
-        tr = make(requests[:len(requests) - n_eval][:n], cfg.gen.answer_temperature,
-                  f"{source} answers")
-        ev = make(requests[len(requests) - n_eval:], 0.0, f"{source} held-out answers")
+        tr_req = requests[:len(requests) - n_eval][:n]
+        ev_req = requests[len(requests) - n_eval:]
+        temps = [cfg.gen.answer_temperature] * len(tr_req) + [0.0] * len(ev_req)
+        items = selfinstruct.answer_each(teacher, chat, tr_req + ev_req, cfg.gen, gen, temps,
+                                         progress(f"{source} answers", len(temps)))
+        tr, ev = Docs(), Docs()
+        for i, item in enumerate(items):
+            if item is not None:
+                (tr if i < len(tr_req) else ev).add(item[0], item[1], source)
         train.extend(tr)
         held.extend(ev)
         for split, docs in (("train", tr), ("eval", ev)):
@@ -72,31 +88,27 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
     if "selfinstruct" in cfg.sources or "docinstruct" in cfg.sources:
         chat = selfinstruct.ChatFormat(tokenizer)
 
-    def make_answers(source):
-        def make(requests, temperature, label):
-            return selfinstruct.answer(teacher, chat, requests, cfg.gen, gen, temperature,
-                                       source, progress(label, len(requests)))
-        return make
-
     if "selfinstruct" in cfg.sources:
         n = cfg.selfinstruct_samples
         requests = selfinstruct.user_turns(teacher, chat, n + cfg.eval_samples, cfg.gen, gen,
                                            progress("self-instruct requests", n + cfg.eval_samples))
-        generated("selfinstruct", requests, n, make_answers("selfinstruct"))
+        generated("selfinstruct", requests, n)
     if "docinstruct" in cfg.sources:
         n = cfg.docinstruct_samples
-        requests = selfinstruct.docstring_requests(cfg.text_roots, n + cfg.eval_samples, cfg.seed)
-        generated("docinstruct", requests, n, make_answers("docinstruct"))
-    if "pysrc" in cfg.sources:
+        # every shard lists the same requests (base seed) and takes its own slice
+        requests = selfinstruct.docstring_requests(cfg.text_roots, (n + cfg.eval_samples) * count,
+                                                   cfg.seed)[index::count]
+        generated("docinstruct", requests, n)
+    if "pysrc" in cfg.sources and index == 0:
         docs = pysrc_docs(tokenizer, cfg.text_roots, cfg.pysrc_tokens, cfg.seed)
         tr, ev = split_held_out(docs, min(cfg.eval_samples, len(docs) // 10), cfg.seed)
         train.extend(tr)
         held.extend(ev)
     if "random-target-samples" in cfg.sources:
         n, m = cfg.random_samples, cfg.eval_samples
-        docs = selfinstruct.random_target_docs(teacher, n + m, cfg.random_len, gen, cfg.seed,
-                                               cfg.gen.batch_size,
-                                               progress("target samples", n + m))
+        docs = selfinstruct.random_target_docs(teacher, n + m, cfg.random_len, gen,
+                                               cfg.sampling_seed(), cfg.gen.batch_size,
+                                               progress("target samples", n + m), cfg.gen)
         tr, ev = split_held_out(docs, m, cfg.seed)
         train.extend(tr)
         held.extend(ev)
