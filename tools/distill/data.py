@@ -87,6 +87,17 @@ def load_splits(path: str) -> tuple[Docs, Docs]:
     return Docs.from_tensors(t, "train"), Docs.from_tensors(t, "eval")
 
 
+def merge_splits(paths: list[str]) -> tuple[Docs, Docs]:
+    """The splits of several data files (shards) as one: train and held-out documents
+    concatenated in the order of ``paths``, each keeping its source."""
+    train, held = Docs(), Docs()
+    for path in paths:
+        tr, ev = load_splits(path)
+        train.extend(tr)
+        held.extend(ev)
+    return train, held
+
+
 def default_text_roots() -> list[str]:
     """The standard library and the installed packages (pure and platform site-packages)."""
     paths = sysconfig.get_paths()

@@ -1,0 +1,84 @@
+"""tools/distill_data.py on a tiny chat target (CPU): two shards and their merge make the same
+kind of data.safetensors as distill_draft.py, which then trains from it with --data-from."""
+
+import json
+import os
+
+import pytest
+
+from tests.tiny_chat import make_tiny_chat_model
+from tools.distill.data import SOURCES, load_splits
+from tools.distill_data import main as data_main
+from tools.distill_data import share
+from tools.distill_draft import main as draft_main
+
+DOC = '''def {name}(items, limit):
+    """Return the items that are smaller than the limit, in their order.
+
+    Items equal to the limit are left out as well.
+    """
+    return [x for x in items if x < limit]
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    target = make_tiny_chat_model(str(root / "target"))
+    texts = root / "texts"
+    texts.mkdir()
+    for i in range(12):
+        (texts / f"mod{i}.py").write_text(DOC.format(name=f"smaller{i}") * 3)
+    common = ["--target", target, "--device", "cpu", "--text-root", str(texts),
+              "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
+              "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
+              "--answer-max-tokens", "24", "--gen-batch", "8"]
+    shards = []
+    for i in range(2):
+        out = str(root / f"s{i}.safetensors")
+        shards.append((out, data_main(["gen", *common, "--shard", f"{i}/2", "--out", out])))
+    merged = str(root / "data.safetensors")
+    report = data_main(["merge", "--out", merged, *[s for s, _ in shards]])
+    return root, target, shards, merged, report
+
+
+def test_share_adds_up():
+    assert [share(7, (i, 3)) for i in range(3)] == [3, 2, 2]
+    assert sum(share(7168, (i, 2)) for i in range(2)) == 7168
+
+
+def test_shards_and_merge(setup):
+    root, _, shards, merged, report = setup
+    (p0, r0), (p1, r1) = shards
+    assert r0["train_by_source"].get("pysrc", 0) > 0
+    assert "pysrc" not in r1["train_by_source"]  # pysrc is shard 0's
+    for r in (r0, r1):
+        assert r["train_by_source"].get("selfinstruct", 0) > 0
+        assert r["train_by_source"].get("docinstruct", 0) > 0
+        assert r["sampler"]["forwards"] > 0 and os.path.exists(r["args"]["out"] + ".json")
+    tr0, ev0 = load_splits(p0)
+    tr1, ev1 = load_splits(p1)
+    tr, ev = load_splits(merged)
+    assert tr.ids == tr0.ids + tr1.ids and ev.ids == ev0.ids + ev1.ids
+    assert tr.source == tr0.source + tr1.source and tr.score_from == tr0.score_from + tr1.score_from
+    assert ev.source == ev0.source + ev1.source
+    assert report["train_tokens"] == r0["train_tokens"] + r1["train_tokens"]
+    # the shards sample differently: their self-instruct documents differ
+    si = SOURCES.index("selfinstruct")
+    d0 = {tuple(d) for d, s in zip(tr0.ids, tr0.source) if s == si}
+    d1 = {tuple(d) for d, s in zip(tr1.ids, tr1.source) if s == si}
+    assert d0 and d1 and d0 != d1
+    with open(merged + ".json") as f:
+        assert json.load(f)["train_by_source"] == report["train_by_source"]
+
+
+def test_merged_data_trains_with_data_from(setup, tmp_path):
+    _, target, _, merged, _ = setup
+    report = draft_main(["--target", target, "--out", str(tmp_path / "draft"), "--device", "cpu",
+                         "--data-from", merged, "--seq-len", "32", "--batch", "4",
+                         "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                         "--ffn", "32", "--steps", "4", "--eval-every", "4",
+                         "--save-every", "4", "--eval-batch", "8"])
+    assert report["step"] == 4
+    assert report["data"]["by_source"] == load_splits(merged)[0].by_source()
+    assert os.path.exists(tmp_path / "draft" / "model.safetensors")
