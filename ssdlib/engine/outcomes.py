@@ -36,7 +36,7 @@ class Answer:
     tokens: torch.Tensor  # [n, K] int64, host
     kinds: torch.Tensor  # [n] int64 QKind, host
     hit: torch.Tensor  # [n] bool, host: served from the cache
-    branch: torch.Tensor  # [n] int64, the cache branch of a hit (cache device)
+    branch: torch.Tensor  # [n] int64, host: the cache branch of a hit
     q: torch.Tensor | None  # [n, K, V] float32 on the device, when the exchange samples
 
     @classmethod
@@ -56,8 +56,11 @@ class Answer:
             row.fed = False
             row.kind = int(self.kinds[j])
 
-    def in_order(self, live: list[int], order: list[int], device) -> Speculation:
-        """The SPEC message: rows in the outcome's ``order`` of slots (inactive rows: zeros)."""
+    def in_order(self, live: list[int], order: list[int]) -> Speculation:
+        """The SPEC message: rows in the outcome's ``order`` of slots (inactive rows: zeros);
+        tokens, kinds and hit on the host, q on the device."""
+        if live == order:
+            return Speculation(self.tokens, self.kinds, self.hit, self.q)
         pos = torch.tensor([order.index(s_) for s_ in live])
         n, k = len(order), self.tokens.shape[1]
         tokens = torch.zeros(n, k, dtype=torch.int64)
@@ -68,27 +71,20 @@ class Answer:
         if self.q is not None:
             q = torch.zeros(n, k, self.q.shape[-1], device=self.q.device)
             q[pos.to(self.q.device)] = self.q
-        return Speculation(tokens.to(device, non_blocking=True),
-                           kinds.to(device, non_blocking=True), hit.to(device, non_blocking=True), q)
+        return Speculation(tokens, kinds, hit, q)
 
 
 def lookup(cache: SpeculationCache, slots: list[int], ks: list[int], bonus: list[int],
            sampling: bool) -> Answer:
-    """Look the outcomes (k, t*) of rows ``slots`` up; the answer holds the hits' cached
-    speculations (and q), zeros for the misses. One read-back of (hit, branch, tokens)."""
-    dev = cache.device
-    slots_t = to_device(slots, dev)
-    hit, branch = cache.lookup(slots_t, to_device(ks, dev), to_device(bonus, dev))
-    if cache.B:
-        found = cache.tokens[slots_t, branch] * hit[:, None]                # [n, K], 0 on misses
-    else:  # no cache (the separate draft of plain SD): every lookup misses
-        found = torch.zeros(len(slots), cache.K, dtype=torch.int64, device=dev)
-    host = torch.cat([hit[:, None].long(), branch[:, None], found], dim=1).cpu()
-    ans = Answer.blank(len(slots), cache.K, cache.V, dev, sampling, host[:, 0].bool(),
-                       host[:, 1].clone())
-    ans.tokens[:] = host[:, 2:]
-    if ans.q is not None and bool(ans.hit.any()):
-        ans.q[:] = cache.q[slots_t, branch] * hit[:, None, None]
+    """Look the outcomes (k, t*) of rows ``slots`` up in the cache's host mirror; the answer
+    holds the hits' cached speculations (and q, gathered on the device), zeros for the misses."""
+    hit, branch, tokens = cache.lookup(slots, ks, bonus)
+    ans = Answer.blank(len(slots), cache.K, cache.V, cache.device, sampling, hit, branch)
+    ans.tokens[:] = tokens
+    if ans.q is not None and bool(hit.any()):
+        dev = cache.device
+        ans.q[:] = (cache.q[to_device(slots, dev), branch.to(dev)]
+                    * hit.to(dev)[:, None, None])
     return ans
 
 

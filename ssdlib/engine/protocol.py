@@ -5,11 +5,13 @@ Each message is a small dataclass that knows its wire layout: ``pack`` turns it 
 that travel (one per message part, fixed dtype), ``unpack`` turns received tensors back into it.
 :class:`SpecLink` moves them: point-to-point send/recv on the two-rank ``spec_group``, tensors on
 the rank's device (NCCL on GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that
-share a GPU). Hot-loop parts (OUTCOME, SPEC) are received into buffers preallocated at
-``max_batch`` rows, of which only the first ``b`` travel. Nothing is pickled.
+share a GPU). Nothing is pickled.
 
-Leader -> speculator messages start with a :class:`Header`; the speculator's answers (SPEC, STATS)
-do not (the leader knows what it asked for).
+Leader -> speculator messages start with a control frame: int64 [8 + 4 * max_batch] = the
+:class:`Header`, then OUTCOME's rows (zeros for other messages). An OUTCOME is therefore one
+transfer and one read-back, the minimum for the exchange on the critical path. The speculator's
+answers (SPEC, STATS) carry no header (the leader knows what it asked for); SPEC's int64 part
+is packed on the host and travels in one copy, its q part (sampling) stays on the device.
 """
 
 from __future__ import annotations
@@ -53,6 +55,29 @@ class Header:
     def unpack(cls, buf: torch.Tensor) -> "Header":
         op, b, n_tokens, sampling = buf.tolist()[:4]
         return cls(op, b, n_tokens, bool(sampling))
+
+
+class ControlFrame:
+    """What every leader -> speculator message starts with, int64 [8 + 4 * max_batch]: the
+    :class:`Header`, then an OUTCOME's rows [b, 4] (zeros for the other messages)."""
+
+    @staticmethod
+    def size(max_batch: int) -> int:
+        return Header.SIZE + Outcome.WIDTH * max_batch
+
+    @staticmethod
+    def pack(out: torch.Tensor, header: Header, outcome: "Outcome | None" = None) -> torch.Tensor:
+        """Write into ``out`` (a frame) and return it."""
+        out.zero_()
+        header.pack(out[:Header.SIZE])
+        if outcome is not None:
+            outcome.pack(out[Header.SIZE:].view(-1, Outcome.WIDTH))
+        return out
+
+    @staticmethod
+    def unpack(buf: torch.Tensor) -> tuple[Header, torch.Tensor]:
+        """-> (header, the rows part [max_batch, 4]: an OUTCOME's first b rows)."""
+        return Header.unpack(buf[:Header.SIZE]), buf[Header.SIZE:].view(-1, Outcome.WIDTH)
 
 
 @dataclass
@@ -127,7 +152,7 @@ class Outcome:
         """Write into the first b rows of ``out`` (int64 [>= b, 4]) and return them."""
         rows = torch.tensor([[s, k, t, int(a)] for s, k, t, a in
                              zip(self.slots, self.accepted, self.bonus, self.active)],
-                            dtype=torch.int64)
+                            dtype=torch.int64).view(-1, self.WIDTH)
         return out[:rows.shape[0]].copy_(rows)
 
     @classmethod
@@ -160,7 +185,7 @@ class Speculation:
 
     @classmethod
     def unpack(cls, buf: torch.Tensor, q: torch.Tensor | None) -> "Speculation":
-        """Copies out of the (reused) receive buffers."""
+        """Copies out of the (reused) receive buffers (the int64 part may be a host copy)."""
         k = buf.shape[1] - 2
         return cls(buf[:, :k].clone(), buf[:, k].clone(), buf[:, k + 1].bool(),
                    None if q is None else q.clone())
@@ -222,10 +247,16 @@ class SpecLink:
         self.group, self.peer, self.device = group, peer, device
         self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
-        self.header = torch.zeros(Header.SIZE, dtype=torch.int64, device=device)
-        self.outcome_buf = torch.zeros(max_batch, Outcome.WIDTH, dtype=torch.int64, device=device)
+        pin = torch.device(device).type == "cuda"
+        size = ControlFrame.size(max_batch)
+        self.frame = torch.zeros(size, dtype=torch.int64, device=device)
+        self.frame_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._frame_in: torch.Tensor | None = None  # the last received frame, on the host
         self.spec_buf = torch.zeros(max_batch, k + 2, dtype=torch.int64, device=device)
+        self.spec_host = torch.zeros(max_batch, k + 2, dtype=torch.int64, pin_memory=pin)
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
+        # the host buffers' last copy to the device, waited for before they are written again
+        self._copied = torch.cuda.Event() if pin else None
 
     def _send(self, t: torch.Tensor) -> None:
         dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
@@ -239,52 +270,81 @@ class SpecLink:
         dist.recv(t, src=self.peer, group=self.group)
         return t
 
+    def _host_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (a pinned buffer), once its last copy to the device is done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return host
+
+    def _send_host(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        """Send ``host`` through its device twin ``dev`` (same shape): one copy, one send."""
+        if self.staged:
+            dist.send(host.clone(), dst=self.peer, group=self.group)
+            return
+        dev.copy_(host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+        self._send(dev)
+
     def q_buf(self) -> torch.Tensor:
         if self._q_buf is None:
             self._q_buf = torch.zeros(self.max_batch, self.k, self.vocab_size,
                                       dtype=torch.float32, device=self.device)
         return self._q_buf
 
-    def _send_header(self, header: Header) -> None:
-        self._send(header.pack(self.header))
+    def _send_frame(self, header: Header, outcome: Outcome | None = None) -> None:
+        ControlFrame.pack(self._host_buffer(self.frame_host), header, outcome)
+        self._send_host(self.frame_host, self.frame)
 
     # -- leader side ------------------------------------------------------------------------
     def send_admit(self, msg: Admit) -> None:
-        self._send_header(msg.header())
+        self._send_frame(msg.header())
         for part in msg.pack():
             self._send(part.to(self.device))
 
     def send_outcome(self, msg: Outcome) -> None:
-        self._send_header(msg.header())
-        self._send(msg.pack(self.outcome_buf))
+        if len(msg.slots) > self.max_batch:
+            raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
+        self._send_frame(msg.header(), msg)
 
     def recv_spec(self, b: int, sampling: bool) -> Speculation:
-        buf = self._recv(self.spec_buf[:b])
+        """The int64 part is read back here (one copy, the round's wait); q stays on the
+        device."""
+        host = self._recv(self.spec_buf[:b]).cpu()
         q = self._recv(self.q_buf()[:b]) if sampling else None
-        return Speculation.unpack(buf, q)
+        return Speculation.unpack(host, q)
 
     def recv_stats(self) -> SpeculatorStats:
         buf = torch.zeros(SpeculatorStats.SIZE, dtype=torch.float64, device=self.device)
         return SpeculatorStats.unpack(self._recv(buf))
 
     def send_shutdown(self) -> None:
-        self._send_header(Header(Op.SHUTDOWN))
+        self._send_frame(Header(Op.SHUTDOWN))
 
     # -- speculator side --------------------------------------------------------------------
     def recv_header(self) -> Header:
-        return Header.unpack(self._recv(self.header))
+        """Receive a frame (one read-back) and return its header; an OUTCOME's rows are in
+        hand with it (``recv_outcome``)."""
+        self._frame_in = self._recv(self.frame).cpu()
+        return ControlFrame.unpack(self._frame_in)[0]
 
     def recv_admit(self, header: Header) -> Admit:
         parts = [self._recv(t).cpu() for t in Admit.empty(header, self.device)]
         return Admit.unpack(*parts)
 
     def recv_outcome(self, header: Header) -> Outcome:
-        return Outcome.unpack(self._recv(self.outcome_buf[:header.b]).cpu(), header)
+        """The OUTCOME whose ``header`` was just received (its rows came in the same frame)."""
+        return Outcome.unpack(ControlFrame.unpack(self._frame_in)[1][:header.b], header)
 
     def send_spec(self, spec: Speculation) -> None:
+        """tokens, kinds and hit may be host tensors (packed on the host, one copy); q is a
+        device tensor."""
+        b = spec.tokens.shape[0]
         q_out = self.q_buf() if spec.q is not None else None
-        for part in spec.pack(self.spec_buf, q_out):
-            self._send(part)
+        parts = spec.pack(self._host_buffer(self.spec_host), q_out)
+        self._send_host(parts[0], self.spec_buf[:b])
+        if len(parts) > 1:
+            self._send(parts[1])
 
     def send_stats(self, stats: SpeculatorStats) -> None:
         self._send(stats.pack().to(self.device))

@@ -2,8 +2,12 @@
 
 Preallocated once at its maximum size (max_batch rows, B branches, K tokens; q only when some
 row samples) so the buffers stay fixed (CUDA-graph friendly). It only ever holds the entries for
-the *next* round: building overwrites, lookup reads. Lookup runs on the device: one comparison
-of [b, B] keys, no Python loop over branches.
+the *next* round: building overwrites, lookup reads.
+
+Lookup answers an outcome on the speculator's critical path (the verifier waits for it), so it
+reads a host mirror of the keys and tokens instead of the device: after each build, ``publish``
+queues one device-to-host copy (pinned memory on GPU) that lands while the verifier verifies;
+the lookup then waits on nothing and launches nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ class SpeculationCache:
         self.ready = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.device = device
         self._q: torch.Tensor | None = None
+        # host mirror of (fork, bonus, tokens, ready), refreshed by publish()
+        pin = device.type == "cuda"
+        self.host_fork = torch.full((max_batch, branches), -1, dtype=torch.int64,
+                                    pin_memory=pin)
+        self.host_bonus = torch.full((max_batch, branches), -1, dtype=torch.int64,
+                                     pin_memory=pin)
+        self.host_tokens = torch.zeros(max_batch, branches, k, dtype=torch.int64, pin_memory=pin)
+        self.host_ready = torch.zeros(max_batch, dtype=torch.bool, pin_memory=pin)
+        self._published = torch.cuda.Event() if pin else None
 
     @property
     def q(self) -> torch.Tensor:
@@ -33,6 +46,28 @@ class SpeculationCache:
     def clear(self) -> None:
         self.ready.zero_()
         self.fork.fill_(-1)
+        self.publish()
+
+    def publish(self) -> None:
+        """Queue the copy of the keys, tokens and ready flags to the host mirror (after a
+        build; asynchronous on GPU, where lookup waits for it)."""
+        nb = self._published is not None
+        self.host_fork.copy_(self.fork, non_blocking=nb)
+        self.host_bonus.copy_(self.bonus, non_blocking=nb)
+        self.host_tokens.copy_(self.tokens, non_blocking=nb)
+        self.host_ready.copy_(self.ready, non_blocking=nb)
+        if nb:
+            self._published.record()
+
+    def invalidate(self, rows: list[int]) -> None:
+        """Rows ``rows`` hold nothing (new sequences in those slots), on both sides."""
+        self.ready[torch.tensor(rows, device=self.device)] = False
+        self._wait_published()  # a queued copy must not land over the host write
+        self.host_ready[rows] = False
+
+    def _wait_published(self) -> None:
+        if self._published is not None:
+            self._published.synchronize()
 
     def store_keys(self, rows: torch.Tensor, fork: torch.Tensor, bonus: torch.Tensor) -> None:
         """rows [n] batch rows; fork, bonus [n, B]: the outcome each branch assumes."""
@@ -40,11 +75,19 @@ class SpeculationCache:
         self.bonus[rows] = bonus
         self.ready.index_fill_(0, rows, True)  # no host scalar: capturable
 
-    def lookup(self, rows: torch.Tensor, k: torch.Tensor, bonus: torch.Tensor):
-        """rows [n], outcome k [n], t* [n] -> (hit [n] bool, branch [n] int64)."""
-        rows, k, bonus = rows.to(self.device), k.to(self.device), bonus.to(self.device)
-        if self.B == 0:  # no cache (plain SD on a separate rank): every lookup misses
-            return torch.zeros_like(rows, dtype=torch.bool), torch.zeros_like(rows)
-        match = (self.fork[rows] == k[:, None]) & (self.bonus[rows] == bonus[:, None])  # [n, B]
-        hit = match.any(-1) & self.ready[rows]
-        return hit, match.int().argmax(-1)
+    def lookup(self, rows: list[int], k: list[int], bonus: list[int]):
+        """Outcomes (k, t*) of cache rows ``rows``, on the host mirror of the last publish ->
+        (hit [n] bool, branch [n] int64, tokens [n, K] int64: the hit branch's, zeros on a
+        miss), host tensors. The first matching branch answers."""
+        n = len(rows)
+        if self.B == 0 or n == 0:  # no cache (plain SD on a separate rank): every lookup misses
+            return (torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int64),
+                    torch.zeros(n, self.K, dtype=torch.int64))
+        self._wait_published()
+        idx = torch.tensor(rows)
+        match = ((self.host_fork[idx] == torch.tensor(k)[:, None])
+                 & (self.host_bonus[idx] == torch.tensor(bonus)[:, None]))  # [n, B]
+        hit = match.any(-1) & self.host_ready[idx]
+        branch = match.int().argmax(-1)
+        tokens = self.host_tokens[idx, branch] * hit[:, None]
+        return hit, branch, tokens

@@ -119,9 +119,9 @@ class SpeculatorLoop:
             return False
         self.timer.mark("commit")
         answer = self.answer(live, ks, bonus)  # marks "lookup" (with a cache), "fallback"
-        answer.record([self.rows[s_] for s_ in live])
-        self.link.send_spec(answer.in_order(live, outcome.slots, self.device))
+        self.link.send_spec(answer.in_order(live, outcome.slots))
         self.timer.mark("send")
+        answer.record([self.rows[s_] for s_ in live])  # bookkeeping, after the verifier has it
         return True
 
     def end_round(self) -> None:
@@ -181,7 +181,7 @@ class Speculator(SpeculatorLoop):
         return self.fixed_fanout if self.fixed_fanout is not None else self.estimator.allocation()
 
     def on_admit(self, new: list[SpecRow]) -> None:
-        self.cache.ready[torch.tensor([r.slot for r in new], device=self.device)] = False
+        self.cache.invalidate([r.slot for r in new])
 
     def observe(self, row: SpecRow, k: int) -> None:
         if self.estimator is not None:
@@ -214,6 +214,7 @@ class Speculator(SpeculatorLoop):
         fan = self.fanout()
         self._fanout_used = fan
         self.reused += self.builder.build(rows, fan, self.sampling)
+        self.cache.publish()  # lands in the host mirror while the verifier verifies
 
 
 class JitSpeculator(SpeculatorLoop):

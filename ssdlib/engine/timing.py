@@ -19,15 +19,20 @@ class RoundTimer:
     def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"
         self._marks: list[tuple[str, object]] = []
+        self._events: list = []  # reused round after round (creating one costs a driver call)
 
     def _now(self):
         if not self.cuda:
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
+        i = len(self._marks)
+        if i == len(self._events):
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        ev = self._events[i]
         ev.record()
         return ev
 
     def start(self) -> None:
+        self._marks = []
         self._marks = [("", self._now())]
 
     def mark(self, phase: str) -> None:

@@ -7,8 +7,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
-from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, Header, Op, Outcome,
-                                    Speculation, SpeculatorStats)
+from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, ControlFrame, Header, Op,
+                                    Outcome, Speculation, SpeculatorStats)
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.sampling import SamplingParams
 
@@ -20,24 +20,38 @@ def test_cache_lookup_matches_reference():
     rows = torch.tensor([0, 2, 3, 5, 7])
     fork = torch.randint(0, K + 1, (b, B), generator=g)
     bonus = torch.randint(0, V, (b, B), generator=g)
+    tokens = torch.randint(0, V, (b, B, K), generator=g)
+    cache.tokens[rows] = tokens
     cache.store_keys(rows, fork, bonus)
+    hit, _, _ = cache.lookup(rows.tolist(), fork[:, 0].tolist(), bonus[:, 0].tolist())
+    assert not bool(hit.any())  # stored but not published: the host mirror is still empty
+    cache.publish()
     for trial in range(200):
         k = torch.randint(0, K + 1, (b,), generator=g)
         t = torch.randint(0, V, (b,), generator=g)
         if trial % 3 == 0:  # make some lookups hit a stored branch
             pick = torch.randint(0, B, (b,), generator=g)
             k, t = fork[torch.arange(b), pick], bonus[torch.arange(b), pick]
-        hit, branch = cache.lookup(rows, k, t)
+        hit, branch, found = cache.lookup(rows.tolist(), k.tolist(), t.tolist())
+        assert hit.device.type == branch.device.type == found.device.type == "cpu"
         for i in range(b):
             matches = [j for j in range(B) if fork[i, j] == k[i] and bonus[i, j] == t[i]]
             assert bool(hit[i]) == bool(matches)
             if matches:
                 assert int(branch[i]) == matches[0]
+                assert found[i].tolist() == tokens[i, matches[0]].tolist()
+            else:
+                assert found[i].tolist() == [0] * K
     # rows never stored never hit
-    hit, _ = cache.lookup(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
+    hit, _, _ = cache.lookup([1], [0], [0])
     assert not bool(hit[0])
+    # a new sequence in a slot: its row misses at once, on the host mirror too
+    cache.invalidate([2])
+    hit, _, _ = cache.lookup([2, 3], [int(fork[1, 0]), int(fork[2, 0])],
+                             [int(bonus[1, 0]), int(bonus[2, 0])])
+    assert hit.tolist() == [False, True]
     cache.clear()
-    hit, _ = cache.lookup(rows, fork[:, 0], bonus[:, 0])
+    hit, _, _ = cache.lookup(rows.tolist(), fork[:, 0].tolist(), bonus[:, 0].tolist())
     assert not bool(hit.any())
 
 
@@ -72,6 +86,19 @@ def _same_spec(a: Speculation, b: Speculation) -> bool:
     return (torch.equal(a.tokens, b.tokens) and torch.equal(a.kinds, b.kinds)
             and torch.equal(a.hit, b.hit)
             and (a.q is None) == (b.q is None) and (a.q is None or torch.equal(a.q, b.q)))
+
+
+def test_control_frame_carries_header_and_outcome_rows():
+    frame = torch.full((ControlFrame.size(4),), -7, dtype=torch.int64)
+    assert frame.shape == (8 + 4 * 4,)
+    msg = _outcome()
+    ControlFrame.pack(frame, msg.header(), msg)
+    header, rows = ControlFrame.unpack(frame)
+    assert header == msg.header() and Outcome.unpack(rows[:header.b], header) == msg
+    assert rows[3].tolist() == [0, 0, 0, 0]  # rows beyond b are zeros, not stale data
+    ControlFrame.pack(frame, Header(Op.SHUTDOWN))
+    header, rows = ControlFrame.unpack(frame)
+    assert header == Header(Op.SHUTDOWN) and not bool(rows.any())
 
 
 def test_header_pack_unpack():
