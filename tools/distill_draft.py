@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Distil a small Llama draft model for any target ssdlib loads.
+r"""Distil a small Llama draft model for any target ssdlib loads.
 
 The draft learns the target's next-token distributions (forward KL per token) on text from this
 machine (Python sources and docs of installed packages) and on the target's own answers to
@@ -8,6 +8,12 @@ the target's tokenizer files) that ssdlib and transformers load. Training state 
 ``--work-dir`` (default ``OUT.work``) and ``--resume`` continues from its last checkpoint.
 
     python tools/distill_draft.py --target smollm2-135m --out runs/draft --steps 2000
+
+A draft as wide as the target on the target's (frozen, unstored) embedding, its layers started
+from target layers (SmolLM2-135M: two layers of width 576 are ~14.2 MB in float16):
+
+    python tools/distill_draft.py --target smollm2-135m --out runs/draft-v2 \
+        --embedding-from-target --init-layers-from-target 0,29 --max-mb 16
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from ssdlib.errors import CheckpointError  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from tools.distill import evaluate, models  # noqa: E402
 from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
@@ -68,13 +75,21 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--answer-max-tokens", type=int, default=320)
     add("--gen-batch", type=int, default=None, help="sequences sampled at once (GPU 512, CPU 16)")
     # draft
-    add("--hidden", type=int, default=128)
-    add("--layers", type=int, default=6)
-    add("--heads", type=int, default=4)
-    add("--kv-heads", type=int, default=2)
-    add("--ffn", type=int, default=512)
+    add("--hidden", type=int, help="default 128; with --embedding-from-target the target's")
+    add("--layers", type=int,
+        help="default 6; with --init-layers-from-target the number of layers it names")
+    add("--heads", type=int, help="default 4; with --embedding-from-target the target's")
+    add("--kv-heads", type=int, help="default 2; with --embedding-from-target the target's")
+    add("--ffn", type=int, help="default 512; with --init-layers-from-target the target's")
     add("--init-embeddings-from-target", action="store_true", default=False,
         help="start the embedding from the target's top principal directions")
+    add("--embedding-from-target", action="store_true", default=False,
+        help="a draft as wide as the target that uses the target's embedding (frozen, tied "
+             "head) and does not store it: layers + final norm only (ssdlib loads it beside "
+             "the target; config.json: ssdlib_embedding_from_target)")
+    add("--init-layers-from-target", metavar="I,J,...",
+        help="initialise draft layer n from target layer I_n and the final norm from the "
+             "target's (shapes must match: --embedding-from-target or the target's widths)")
     # optimisation
     add("--steps", type=int, default=2000)
     add("--batch", type=int, default=32)
@@ -175,6 +190,36 @@ def prepare_data(args, ck, teacher, device):
     return train, held
 
 
+def draft_shape(args, target) -> tuple:
+    """The draft's config from the flags (defaults depend on --embedding-from-target and
+    --init-layers-from-target), and the target layers to initialise from (or None)."""
+    shared = args.embedding_from_target
+    if shared and args.init_embeddings_from_target:
+        raise SystemExit("--init-embeddings-from-target starts a narrower draft's own embedding; "
+                         "--embedding-from-target uses the target's as is: give one of them")
+    init_layers = None
+    try:
+        if args.init_layers_from_target:
+            init_layers = models.parse_layer_list(args.init_layers_from_target,
+                                                  target.num_hidden_layers)
+        layers = args.layers or (len(init_layers) if init_layers else 6)
+        heads = args.heads or (target.num_attention_heads if shared else 4)
+        hidden = args.hidden or (target.hidden_size if shared else 128)
+        # the target's head_dim when its widths are kept (it need not be hidden / heads)
+        keep = shared and hidden == target.hidden_size and heads == target.num_attention_heads
+        dcfg = models.draft_config(
+            target, hidden, layers, heads,
+            args.kv_heads or (target.num_key_value_heads if shared else 2),
+            args.ffn or (target.intermediate_size if init_layers else 512),
+            head_dim=target.head_dim if keep else None, embedding_from_target=shared)
+    except (ValueError, CheckpointError) as e:
+        raise SystemExit(str(e)) from None
+    if init_layers is not None and len(init_layers) != layers:
+        raise SystemExit(f"--init-layers-from-target names {len(init_layers)} layers but "
+                         f"--layers is {layers}")
+    return dcfg, init_layers
+
+
 def fmt_eval(r: dict) -> str:
     parts = [f"step {r['step']:>6}  KL {r['kl']:.4f}  agreement {r['agreement']:.4f}"]
     for src, v in sorted(r["by_source"].items()):
@@ -205,19 +250,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"data: {train_docs.n_tokens():,} training tokens in {len(train_docs)} documents "
           f"{train_docs.by_source()}, {len(held_docs)} held out ({data_s:.0f} s)")
 
-    dcfg = models.draft_config(ck.config, args.hidden, args.layers, args.heads, args.kv_heads,
-                               args.ffn)
-    n_params = models.count_params(dcfg)
+    dcfg, init_layers = draft_shape(args, ck.config)
+    n_params = models.count_params(dcfg)  # stored parameters (not a shared target embedding)
     est_bytes = n_params * torch.finfo(models.STORAGE_DTYPES[args.storage_dtype]).bits // 8
-    print(f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
-          f"heads, ffn {args.ffn}: {n_params / 1e6:.2f} M params, ~{est_bytes / 1e6:.2f} MB "
-          f"as {args.storage_dtype}")
+    shared = ", the target's embedding (not stored)" if dcfg.embedding_from_target else ""
+    print(f"draft: hidden {dcfg.hidden_size}, {dcfg.num_hidden_layers} layers, "
+          f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads} heads, ffn "
+          f"{dcfg.intermediate_size}{shared}: {n_params / 1e6:.2f} M params, "
+          f"~{est_bytes / 1e6:.2f} MB as {args.storage_dtype}")
     if args.max_mb is not None and est_bytes > args.max_mb * 1e6:
         raise SystemExit(f"the draft needs ~{est_bytes / 1e6:.2f} MB > --max-mb {args.max_mb}")
 
     draft = models.build_draft(dcfg, device, max_positions, args.seed)
+    if args.embedding_from_target:  # also on --resume: the checkpoint does not hold it
+        models.share_target_embedding(draft, ck)
     if args.init_embeddings_from_target and not args.resume:
         models.init_embeddings_from_target(draft, ck)
+    if init_layers and not args.resume:
+        try:
+            models.init_layers_from_target(draft, ck, init_layers)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     eos = ck.config.eos_token_ids
     rows = pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None)
     batcher = Batcher(rows, args.batch, args.seed)

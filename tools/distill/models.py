@@ -1,6 +1,10 @@
 """Teacher and draft: both are ssdlib's Llama. The draft shares the target's vocabulary and special
 ids, ties its embeddings (most of a small draft's size is the embedding) and is written out as an
-HF checkpoint directory."""
+HF checkpoint directory.
+
+With ``embedding_from_target`` the draft is as wide as the target and its embedding (tied head)
+is the target's, frozen: only its layers and final norm are trained, counted and stored, and
+config.json carries the flag (ssdlib loads it beside the target: ssdlib/loading/draft.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from safetensors.torch import save_file
 
 from ssdlib.config import ModelConfig
 from ssdlib.loading import Checkpoint
+from ssdlib.loading.hf_dir import TARGET_SHARED_TENSORS
 from ssdlib.models.llama import LlamaForCausalLM
 
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -35,22 +40,33 @@ def load_teacher(ck: Checkpoint, device: torch.device, dtype: torch.dtype,
 
 
 def draft_config(target: ModelConfig, hidden: int, layers: int, heads: int, kv_heads: int,
-                 ffn: int) -> ModelConfig:
-    """A small Llama with the target's vocabulary, special ids and RoPE, embeddings tied."""
-    if hidden % heads:
-        raise ValueError(f"--hidden ({hidden}) must be a multiple of --heads ({heads})")
+                 ffn: int, head_dim: int | None = None,
+                 embedding_from_target: bool = False) -> ModelConfig:
+    """A small Llama with the target's vocabulary, special ids and RoPE, embeddings tied
+    (``head_dim`` default: hidden / heads). ``embedding_from_target``: the embedding is the
+    target's, so ``hidden`` must be the target's."""
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"--hidden ({hidden}) must be a multiple of --heads ({heads})")
+        head_dim = hidden // heads
+    if embedding_from_target and hidden != target.hidden_size:
+        raise ValueError(f"--embedding-from-target: the draft's hidden size must be the target's "
+                         f"({target.hidden_size}), got --hidden {hidden}")
     return replace(target, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                    num_attention_heads=heads, num_key_value_heads=kv_heads,
-                   head_dim=hidden // heads, tie_word_embeddings=True,
-                   eos_token_ids=list(target.eos_token_ids)).validate()
+                   head_dim=head_dim, tie_word_embeddings=True,
+                   eos_token_ids=list(target.eos_token_ids),
+                   embedding_from_target=embedding_from_target).validate()
 
 
 def count_params(cfg: ModelConfig) -> int:
+    """Parameters the draft stores (the target's embedding, when shared, is not stored)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     layer = attn + 3 * h * cfg.intermediate_size + 2 * h
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
+    embed = 0 if cfg.embedding_from_target else cfg.vocab_size * h
+    return embed + cfg.num_hidden_layers * layer + h + head
 
 
 def build_draft(cfg: ModelConfig, device: torch.device, max_positions: int,
@@ -85,13 +101,81 @@ def init_embeddings_from_target(draft: LlamaForCausalLM, ck: Checkpoint) -> None
     w[:, :proj.shape[1]] = proj.to(w.dtype).to(w.device)
 
 
+@torch.no_grad()
+def share_target_embedding(draft: LlamaForCausalLM, ck: Checkpoint) -> None:
+    """The draft's embedding (and tied head) := the target's, frozen (not trained, not stored)."""
+    w = draft.model.embed_tokens.weight
+    w.copy_(ck.weights.get(TARGET_SHARED_TENSORS[0]).to(w.dtype))
+    w.requires_grad_(False)
+
+
+def parse_layer_list(text: str, n_target: int) -> list[int]:
+    """``"3,7,11"`` -> [3, 7, 11], each a layer index of the target."""
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--init-layers-from-target: expected comma-separated layer indices, "
+                         f"got {text!r}") from None
+    bad = [i for i in layers if not 0 <= i < n_target]
+    if not layers or bad:
+        raise ValueError(f"--init-layers-from-target: layer indices must be in 0..{n_target - 1} "
+                         f"(the target has {n_target} layers), got {text!r}")
+    return layers
+
+
+class _LayerMap:
+    """Target weights under draft names: draft layer n reads target layer ``layers[n]``."""
+
+    def __init__(self, weights, layers: list[int]):
+        self.weights, self.layers = weights, layers
+
+    def _name(self, name: str) -> str:
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            parts[2] = str(self.layers[int(parts[2])])
+        return ".".join(parts)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weights.shape(self._name(name)))
+
+    def get(self, name: str, dim: int | None = None, start: int = 0,
+            stop: int | None = None) -> torch.Tensor:
+        return self.weights.get(self._name(name), dim=dim, start=start, stop=stop)
+
+
+@torch.no_grad()
+def init_layers_from_target(draft: LlamaForCausalLM, ck: Checkpoint, layers: list[int]) -> None:
+    """Draft layer n := target layer ``layers[n]`` (norms, attention, MLP), the final norm := the
+    target's. The shapes must match (a draft as wide as the target: --embedding-from-target)."""
+    if len(layers) != draft.config.num_hidden_layers:
+        raise ValueError(f"--init-layers-from-target names {len(layers)} layers but the draft has "
+                         f"--layers {draft.config.num_hidden_layers}")
+    source = _LayerMap(ck.weights, layers)
+    modules = [(name, m) for name, m in draft.named_modules()
+               if hasattr(m, "checkpoint_tensors")
+               and (name.startswith("model.layers.") or name == "model.norm")]
+    for name, module in modules:
+        for tensor, expected in module.checkpoint_tensors(name):
+            found = source.shape(tensor)
+            if found != expected:
+                raise ValueError(
+                    f"--init-layers-from-target: the draft's {tensor} has shape {expected} but "
+                    f"the target's {source._name(tensor)} has {found}; use "
+                    "--embedding-from-target (the target's widths) or --hidden/--heads/"
+                    "--kv-heads/--ffn equal to the target's")
+    for name, module in modules:
+        module.load(source, name)
+
+
 def export_hf(draft: LlamaForCausalLM, ck: Checkpoint, out_dir: str, storage_dtype: str) -> int:
     """Write ``out_dir`` as an HF Llama checkpoint (config.json, model.safetensors, the target's
-    tokenizer files) that ssdlib and transformers load. Returns the safetensors file size."""
+    tokenizer files) that ssdlib and transformers load (a draft that uses the target's embedding:
+    ssdlib only, beside its target). Returns the safetensors file size."""
     os.makedirs(out_dir, exist_ok=True)
     dtype = STORAGE_DTYPES[storage_dtype]
+    skip = TARGET_SHARED_TENSORS if draft.config.embedding_from_target else ()
     tensors = {name: p.detach().to("cpu", dtype).contiguous()
-               for name, p in draft.hf_state_dict().items()}
+               for name, p in draft.hf_state_dict().items() if name not in skip}
     weights = os.path.join(out_dir, "model.safetensors")
     save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
     os.chmod(weights + ".tmp", 0o644)

@@ -5,7 +5,8 @@ on held-out target-written documents, at the positions that predict the target's
 KL and greedy agreement (draft argmax == target argmax, the per-token greedy acceptance rate).
 
 A checkpoint holds everything the next step depends on (weights, optimizer, step, RNG states, the
-batcher's position), so ``--resume`` continues the same run.
+batcher's position), so ``--resume`` continues the same run. Frozen parameters (a draft's shared
+target embedding) are not in it: they are set from the target again before resuming.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ class Trainer:
             draft, teacher, batcher, held_out, s)
         self.state_dir = state_dir
         self.device = next(draft.parameters()).device
-        decay = [p for p in draft.parameters() if p.dim() > 1]
-        other = [p for p in draft.parameters() if p.dim() <= 1]
+        # frozen parameters (a shared target embedding) are neither optimised nor checkpointed
+        trained = [p for p in draft.parameters() if p.requires_grad]
+        decay = [p for p in trained if p.dim() > 1]
+        other = [p for p in trained if p.dim() <= 1]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": s.weight_decay},
              {"params": other, "weight_decay": 0.0}],
@@ -139,7 +142,8 @@ class Trainer:
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "model": self.draft.state_dict(),
+            "model": {k: v for k, v in self.draft.state_dict().items()
+                      if k not in self._frozen_names()},
             "optimizer": self.opt.state_dict(),
             "batcher": self.batcher.state(),
             "rng_cpu": torch.get_rng_state(),
@@ -152,7 +156,11 @@ class Trainer:
 
     def load(self) -> None:
         state = torch.load(self.state_path, map_location="cpu", weights_only=True)
-        self.draft.load_state_dict(state["model"])
+        frozen = self._frozen_names()
+        missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
+        if unexpected or set(missing) - frozen:
+            raise RuntimeError(f"{self.state_path}: does not match the draft (missing "
+                               f"{sorted(set(missing) - frozen)}, unexpected {unexpected})")
         self.opt.load_state_dict(state["optimizer"])
         self.batcher.restore(state["batcher"])
         self.step = int(state["step"])
@@ -161,6 +169,12 @@ class Trainer:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+    def _frozen_names(self) -> set[str]:
+        """State-dict names of frozen parameters (all aliases: a tied head repeats its
+        embedding); they come from the target, not from the checkpoint."""
+        return {name for name, p in self.draft.named_parameters(remove_duplicate=False)
+                if not p.requires_grad}
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self) -> float:
