@@ -150,11 +150,13 @@ class Fallbacks:
             # after the read-back, so the cost includes the drafting on the device
             self.t_jit = time.perf_counter() - t0
             return
-        gens = reserve_streams(rows, self.K, self.drafter.runner.device)  # K draws per row
+        # K draws per row, on the host: the counter-based streams give the same numbers on
+        # any device, and these answers must not wait on the draft's GPU
+        gens = reserve_streams(rows, self.K, "cpu")
         if kind == "ngram":
             toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
         else:
-            toks = random_tokens(gens, len(rows), self.K, self.V).cpu()
+            toks = random_tokens(gens, len(rows), self.K, self.V)
             dq = None
         ans.tokens[loc] = toks
         ans.kinds[loc] = (dq.kinds.cpu() if dq is not None
