@@ -1,18 +1,45 @@
 #!/usr/bin/env bash
-# A short check of one engine change on a fresh GPU machine, without building the extension
+# A short check of engine changes on a fresh GPU machine, without building the extension
 # (torch's CUDA graphs serve instead of csrc's pool), in two calls like tools/gpu_run.sh:
 #   call 1: PART=1 bash tools/gpu_quick.sh  carry .stage/smol.part.00 .whl        (GPU step tests)
-#   call 2: PART=2 bash tools/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .stage/smol.sha256
-#           (b = 1, K = 3: AR / SD / SSD on the SmolLM2 pair)
+#   call 2: PART=2 bash tools/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz
+#           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
+#   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
+# BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
+# 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality).
+# DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
+# gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; ROOT=$(pwd); export PYTHONUNBUFFERED=1
 if [ "${PART:-1}" = 1 ]; then
   cp .stage/smol.part.00 /tmp/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  SSDLIB_SKIP_EXT=1 timeout 200 python3 -m pytest tests/engine/test_step_graphs.py -q 2>&1 | tail -4
+  PYTHONPATH=$ROOT:/tmp/site SSDLIB_SKIP_EXT=1 timeout 200 python3 -m pytest \
+      tests/engine/test_step_graphs.py tests/engine/test_spec_cache_protocol.py -q 2>&1 | tail -4
   exit 0
 fi
-cat /tmp/smol.part.00 .stage/smol.part.01 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cat .stage/smol.sha256)  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
-SSDLIB_MODEL_DIRS=/tmp timeout 150 python3 tools/bench.py --device cuda --humaneval .stage/HumanEval.jsonl.gz \
-  --max-new-tokens 256 --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -9
+if [ "${PART}" = 2 ]; then
+  cat /tmp/smol.part.00 .stage/smol.part.01 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat .stage/smol.sha256)  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+fi
+SRC=$ROOT
+if [ -d .snap ]; then
+  cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm2-135m-draft/
+  SRC=$ROOT/.snap; export SSDLIB_COMMIT=$(cat .snap/COMMIT)
+fi
+cd "$SRC"
+export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$SRC:/tmp/site SSDLIB_SKIP_EXT=1
+B="python3 tools/bench.py --device cuda --humaneval $ROOT/.stage/HumanEval.jsonl.gz --max-new-tokens 256"
+[ -n "${DRAFT:-}" ] && B="$B --draft $ROOT/$DRAFT"
+F="grep -v ^\[rank\|WARN"
+for b in ${BENCHES:-b1}; do
+  echo "== $b"
+  case $b in
+    b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
+    b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
+    t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
+    compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
+    fp32) timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -6 ;;
+    *) echo "unknown preset $b" ;;
+  esac
+done

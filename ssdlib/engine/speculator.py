@@ -24,8 +24,7 @@ from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.errors import ConfigError
-from ssdlib.loading import load_checkpoint
-from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.loading.draft import load_draft
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fanout import FanoutEstimator, parse_fanout
 
@@ -233,8 +232,7 @@ def serve_speculator(cfg, world, target_ck) -> None:
     """Body of the speculator rank (mode ssd) or of the draft's own rank (mode sd, separate)."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
-    draft_ck = load_checkpoint(cfg.draft)
-    check_draft_compatible(target_ck, draft_ck)
+    draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     role = Speculator if cfg.mode == "ssd" else JitSpeculator
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=role.tree_len(cfg),
