@@ -13,12 +13,11 @@ import torch
 
 from ssdlib.engine.protocol import Speculation
 from ssdlib.engine.batching import to_device
-from ssdlib.engine.sampler import reserve_streams
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
-from ssdlib.speculative.ngram import ngram_or_random, random_tokens
+from ssdlib.speculative.ngram import ngram_or_random, random_tokens_host
 
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
@@ -50,11 +49,12 @@ class Answer:
 
     def record(self, rows: list[SpecRow]) -> None:
         """The rows' speculations in flight are now these."""
-        for j, row in enumerate(rows):
-            row.reuse = int(self.branch[j]) if bool(self.hit[j]) and row.fed else None
-            row.sent = self.tokens[j].tolist()
+        hit, branch, tokens = self.hit.tolist(), self.branch.tolist(), self.tokens.tolist()
+        for row, h, br, toks, kind in zip(rows, hit, branch, tokens, self.kinds.tolist()):
+            row.reuse = br if h and row.fed else None
+            row.sent = toks
             row.fed = False
-            row.kind = int(self.kinds[j])
+            row.kind = kind
 
     def in_order(self, live: list[int], order: list[int]) -> Speculation:
         """The SPEC message: rows in the outcome's ``order`` of slots (inactive rows: zeros);
@@ -150,14 +150,15 @@ class Fallbacks:
             # after the read-back, so the cost includes the drafting on the device
             self.t_jit = time.perf_counter() - t0
             return
-        # K draws per row, on the host: the counter-based streams give the same numbers on
-        # any device, and these answers must not wait on the draft's GPU
-        gens = reserve_streams(rows, self.K, "cpu")
+        # K draws per row, on the host (Python ints: the same numbers as the device streams,
+        # and these answers must neither wait on the draft's GPU nor pay for tensor ops)
+        drawn = random_tokens_host([r.stream for r in rows], self.K, self.V)
         if kind == "ngram":
-            toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V, gens)
+            toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V,
+                                       random_rows=drawn)
+            kinds = dq.kinds.cpu()
         else:
-            toks = random_tokens(gens, len(rows), self.K, self.V)
-            dq = None
+            toks = torch.tensor(drawn, dtype=torch.int64).view(len(rows), self.K)
+            kinds = torch.full((len(rows),), int(QKind.UNIFORM))
         ans.tokens[loc] = toks
-        ans.kinds[loc] = (dq.kinds.cpu() if dq is not None
-                          else torch.full((len(rows),), int(QKind.UNIFORM)))
+        ans.kinds[loc] = kinds

@@ -192,13 +192,14 @@ class Speculator(SpeculatorLoop):
         ans = lookup(self.cache, live, ks, bonus, self.sampling)
         # rows whose cache was built (not a sequence's first round) count as lookups
         built = [self.rows[s_].fed for s_ in live]
-        hs = [bool(h) for h, f in zip(ans.hit.tolist(), built) if f]
+        hit = ans.hit.tolist()
+        hs = [h for h, f in zip(hit, built) if f]
         self.lookups += len(hs)
         self.hits += sum(hs)
         if self.estimator is not None and hs:
             fan = self._fanout_used
             self.estimator.observe_lookups([fan[k] for k, f in zip(ks, built) if f], hs)
-        missed = [j for j in range(len(live)) if not ans.hit[j]]
+        missed = [j for j, h in enumerate(hit) if not h]
         self.timer.mark("lookup")
         if missed:
             kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_round,

@@ -13,7 +13,7 @@ import torch
 
 from ssdlib.errors import ConfigError
 from ssdlib.speculative.acceptance import DraftQ, QKind
-from ssdlib.speculative.rng import Generators, uniforms
+from ssdlib.speculative.rng import Generators, RowStream, uniforms
 
 NGRAM_Q = QKind.ONEHOT
 RANDOM_Q = QKind.UNIFORM
@@ -61,16 +61,25 @@ def random_tokens(generators: Generators, rows: int, K: int, vocab_size: int) ->
     return (u * vocab_size).long().clamp(max=vocab_size - 1)
 
 
+def random_tokens_host(streams: Sequence[RowStream], K: int, vocab_size: int) -> list[list[int]]:
+    """:func:`random_tokens` drawn on the host from the rows' streams (the same tokens)."""
+    return [[min(int(u * vocab_size), vocab_size - 1) for u in s.uniforms_host(K)]
+            for s in streams]
+
+
 def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, vocab_size: int,
                     generators: Generators = None, max_ngram: int = 3,
-                    min_ngram: int = 1) -> tuple[torch.Tensor, DraftQ]:
+                    min_ngram: int = 1,
+                    random_rows: list[list[int]] | None = None) -> tuple[torch.Tensor, DraftQ]:
     """Batch backup: the n-gram proposal where a suffix recurs, random tokens elsewhere.
 
     Returns tokens [b, K] int64 and their DraftQ (one-hot / uniform per row). Randomness follows
-    :mod:`ssdlib.speculative.rng` (K uniforms per row, drawn for every row).
+    :mod:`ssdlib.speculative.rng` (K uniforms per row, drawn for every row), from ``generators``
+    or already drawn as ``random_rows`` ([b][K] tokens, :func:`random_tokens_host`).
     """
     b = len(sequences)
-    random_rows = random_tokens(generators, b, K, vocab_size).tolist()
+    if random_rows is None:
+        random_rows = random_tokens(generators, b, K, vocab_size).tolist()
     tokens, kinds = [], []
     for seq, fallback in zip(sequences, random_rows):
         proposal = propose_ngram(seq, K, max_ngram, min_ngram)

@@ -75,6 +75,16 @@ def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor, n: int) -> torc
     return _shr(mix64(x), 11).double() * 2.0 ** -53                      # top 53 bits
 
 
+def counter_uniforms_host(key: int, counter: int, n: int) -> list[float]:
+    """:func:`counter_uniforms` of one stream in Python ints (the same numbers, bit for bit):
+    for a few draws on the host, where a chain of tensor ops costs more than it computes."""
+    out = []
+    for j in range(1, n + 1):
+        x = mix64_int(key + (counter + j) * _GAMMA) & _MASK64
+        out.append((x >> 11) * 2.0 ** -53)
+    return out
+
+
 @dataclass
 class RowStream:
     """One row's stream on the host: its key and the first draw not yet reserved."""
@@ -94,6 +104,10 @@ class RowStream:
         first = self.counter
         self.counter += n
         return first
+
+    def uniforms_host(self, n: int) -> list[float]:
+        """Reserve the next ``n`` draws and return them, computed on the host."""
+        return counter_uniforms_host(self.key, self.reserve(n), n)
 
 
 def stream_key(seed: int) -> int:

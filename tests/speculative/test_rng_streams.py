@@ -7,8 +7,10 @@ import torch
 
 from ssdlib.sampling import SamplingParams, SamplingTensors, row_generators, row_streams
 from ssdlib.speculative.acceptance import DraftQ, verify_sampled
-from ssdlib.speculative.rng import (RowStream, RowStreams, counter_uniforms, mix64, mix64_int,
-                                    sample_categorical, sample_token, stream_key)
+from ssdlib.speculative.ngram import random_tokens, random_tokens_host
+from ssdlib.speculative.rng import (RowStream, RowStreams, counter_uniforms,
+                                    counter_uniforms_host, mix64, mix64_int, sample_categorical,
+                                    sample_token, stream_key)
 
 from .spec_stats import chi2_test
 
@@ -42,6 +44,21 @@ def test_bit_exact_against_python_splitmix64():
             assert u[i, j].item() == splitmix64_reference(int(keys[i]), int(counters[i]) + j)
     x = torch.randint(-2**63, 2**63 - 1, (64,), generator=g, dtype=torch.int64)
     assert mix64(x).tolist() == [mix64_int(v) for v in x.tolist()]
+    # the host version (Python ints, for a few draws) gives the same numbers
+    for i in range(16):
+        assert counter_uniforms_host(int(keys[i]), int(counters[i]), 5) == u[i].tolist()
+
+
+def test_host_draws_equal_device_draws_and_advance_the_stream():
+    streams = [RowStream.from_seed(7, i) for i in range(5)]
+    twins = [RowStream(s.key, s.counter) for s in streams]
+    V, K = 1000, 4
+    dev = random_tokens(RowStreams.reserve(streams, K), 5, K, V).tolist()
+    host = random_tokens_host(twins, K, V)
+    assert host == dev and all(0 <= t < V for row in host for t in row)
+    assert [s.counter for s in twins] == [s.counter for s in streams] == [K] * 5
+    # the next draws differ (the counters moved on)
+    assert random_tokens_host(twins, K, V) != host
 
 
 def test_uniform_on_coarse_and_fine_bits():
