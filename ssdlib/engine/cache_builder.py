@@ -49,7 +49,7 @@ class CacheBuilder:
         slots). Returns how many rows reused their branch KV (speculations that were hits)."""
         live = [r.slot for r in rows]  # cache rows are slots
         K, dev = self.K, self.device
-        cand, reused = self._candidates(live, rows)  # [b, K+1, C]
+        cand, reused = self._candidates(rows)  # [b, K+1, C]
         for r in rows:
             r.fed = True
         lengths = [len(r.tokens) for r in rows]  # committed
@@ -103,40 +103,40 @@ class CacheBuilder:
             out_tokens[:, :, d] = tok
         return out_tokens
 
-    def _candidates(self, live: list[int], rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
+    def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
         """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C],
         and how many rows reused their branch (a hit: positions 1..K come from drafting it)."""
         cand = torch.empty(len(rows), self.K + 1, self.C, dtype=torch.int64, device=self.device)
         reuse = [j for j, r in enumerate(rows) if r.reuse is not None]
         fresh = [j for j, r in enumerate(rows) if r.reuse is None]
         if reuse:
-            self._reused_candidates(cand, live, rows, reuse)
+            self._reused_candidates(cand, rows, reuse)
         if fresh:
             self._fed_candidates(cand, rows, fresh)
         return cand, len(reuse)
 
-    def _reused_candidates(self, cand, live, rows, reuse: list[int]) -> None:
+    def _reused_candidates(self, cand, rows, reuse: list[int]) -> None:
         """Rows answered from the cache: copy the branch KV from the tree scratch into the slot,
         take positions 1..K from the stored candidates, feed s_K for position K+1."""
         K, B, dev = self.K, self.B, self.device
         cache = self.runner.cache
-        # branch r.reuse's K tokens (tree keys d*B + branch) -> slot positions start.. (the
-        # branch's first token t* sits at start = committed - 1); one copy for all rows
         hit_rows = [rows[j] for j in reuse]
-        slot_i = to_device([[r.slot] for r in hit_rows], dev)                         # [n, 1]
-        dest = to_device([[len(r.tokens) - 1 + d for d in range(K)] for r in hit_rows], dev)
-        src = to_device([[d * B + r.reuse for d in range(K)] for r in hit_rows], dev)  # [n, K]
+        # every index in ONE host-to-device copy: per hit row its slot, the K slot positions
+        # its branch's tokens go to (its first token t* sits at committed - 1), the K tree
+        # keys they come from (d*B + branch), its position among the rows, its branch
+        ints = to_device([[r.slot] + [len(r.tokens) - 1 + d for d in range(K)]
+                          + [d * B + r.reuse for d in range(K)] + [j, r.reuse]
+                          for j, r in zip(reuse, hit_rows)], dev)            # [n, 2K + 3]
+        slot_i, dest, src = ints[:, :1], ints[:, 1:K + 1], ints[:, K + 1:2 * K + 1]
+        jj, br = ints[:, 2 * K + 1], ints[:, 2 * K + 2]
         cache.k[:, slot_i, :, dest] = cache.tree_k[:, slot_i, :, src]
         cache.v[:, slot_i, :, dest] = cache.tree_v[:, slot_i, :, src]
         for r in hit_rows:
             r.valid = len(r.tokens)
-        sel = to_device([live[j] for j in reuse], dev)
-        br = to_device([rows[j].reuse for j in reuse], dev)
-        jj = to_device(reuse, dev)
-        cand[jj, :K] = self.branch_top[sel, br]
-        ids = torch.tensor([[rows[j].sent[-1]] for j in reuse])
-        pos = torch.tensor([[len(rows[j].tokens) + K - 1] for j in reuse])
-        slots = torch.tensor([rows[j].slot for j in reuse])
+        cand[jj, :K] = self.branch_top[slot_i[:, 0], br]
+        ids = torch.tensor([[r.sent[-1]] for r in hit_rows])
+        pos = torch.tensor([[len(r.tokens) + K - 1] for r in hit_rows])
+        slots = torch.tensor([r.slot for r in hit_rows])
         logits = self.drafter._logits(self.runner.forward(ids, pos, slots))[:, 0]
         cand[jj, K] = logits.topk(self.C, dim=-1).indices
 
