@@ -56,7 +56,7 @@ DATA_TIMEOUT=${DATA_TIMEOUT:-420}
 DATA_EXTRA=${DATA_EXTRA:-}  # more distill_data.py gen flags
 
 # candidates: one per line, NAME|distill_draft.py flags (after TRAIN_COMMON: they win)
-D576="--embedding-from-target --hidden 576 --heads 9 --kv-heads 3"
+D576="--embedding-from-target"  # the target's widths: hidden 576, 9/3 heads, head_dim 64
 CANDIDATES=${CANDIDATES:-"s1|$D576 --layers 1 --ffn 1536 --init-layers-from-target 0 --lr 7e-4
 s2|$D576 --layers 2 --ffn 1536 --init-layers-from-target 0,29 --lr 7e-4
 s3|$D576 --layers 3 --ffn 768 --lr 1e-3
@@ -67,7 +67,7 @@ TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-330}
 PER_GPU=${PER_GPU:-2}  # candidates trained at once on one GPU
 
 # evaluation
-BASELINE=${BASELINE:-ssdlib/assets/smollm2-135m-draft}  # also evaluated (name: base); "" skips
+BASELINE=${BASELINE-ssdlib/assets/smollm2-135m-draft}  # also evaluated (name: base); "" skips
 HUMANEVAL=${HUMANEVAL:-.stage/HumanEval.jsonl.gz}
 EVAL_PROMPTS=${EVAL_PROMPTS:-32}
 EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}
@@ -78,7 +78,10 @@ PROBE_TIMEOUT=${PROBE_TIMEOUT:-120}
 
 mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/log") 2>&1
+TEE_PID=$!
 now() { date +%s; }
+# wait for these pids only (a bare `wait` would also wait for the log's tee)
+wait_all() { local p; for p in "$@"; do wait "$p"; done; return 0; }
 T0=$(now)
 say() { echo "[gpu_draft $(( $(now) - T0 ))s] $*"; }
 say "STEP=$STEP TARGET=$TARGET NGPU=$NGPU WORK=$W OUT=$OUT"
@@ -161,9 +164,9 @@ step_train() {
       echo "[gpu_draft] $name finished: rc $rc in $(( $(now) - s ))s" ) &
     pids+=($!)
     i=$((i + 1))
-    if [ $((i % slots)) -eq 0 ]; then wait; fi  # more candidates than slots: in waves
+    if [ $((i % slots)) -eq 0 ]; then wait_all "${pids[@]}"; pids=(); fi  # in waves of slots
   done
-  wait
+  wait_all "${pids[@]}"
   for name in "${names[@]}"; do
     say "--- $name: $(candidate_flags "$name")"
     tr '\r' '\n' < "$W/train_$name.log" | grep -v '^\s*$' | grep -v '%|' | tail -n 25
@@ -172,7 +175,7 @@ step_train() {
 }
 
 step_eval() {
-  local names=() evnames=() name i=0 g dir
+  local names=() evnames=() name i=0 g dir pids=()
   mapfile -t names < <(candidate_names)
   mkdir -p "$W/evals"
   rm -f "$W"/evals/*.json
@@ -197,8 +200,9 @@ step_eval() {
         "${card[@]}" > "$W/eval_$name.log" 2>&1
       echo "[gpu_draft] eval $name: rc $?"; grep -E '^\|' "$W/eval_$name.log" | sed "s/^/  [$name] /"
       tail -n 3 "$W/eval_$name.log" | grep -iE 'error|Traceback' | sed "s/^/  [$name] /" ) &
+    pids+=($!)
   done
-  wait
+  wait_all "${pids[@]}"
   local models=()
   for name in "${evnames[@]}"; do models+=(--model "$name=${DIRS[$name]}"); done
   say "probe: decode step, one CUDA-graph replay, b=1 bf16 ($PROBE)"
@@ -236,4 +240,6 @@ case "$STEP" in
 esac
 rc=$?
 say "STEP=$STEP finished (rc $rc) after $(( $(now) - T0 ))s"
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # the log is complete before the call returns
 exit $rc

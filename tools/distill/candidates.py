@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import tarfile
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -225,7 +226,7 @@ def pack(directory: str, out: str, same_as: str = "smollm2-135m", target: str | 
             tar.add(os.path.join(directory, f), arcname=f)
         if ref is not None:
             info = tarfile.TarInfo(SHARED_TOKENIZER_FILE)
-            info.size, info.mode = len(ref), 0o644
+            info.size, info.mode, info.mtime = len(ref), 0o644, int(time.time())
             tar.addfile(info, io.BytesIO(ref))
             names.append(SHARED_TOKENIZER_FILE)
     size = os.path.getsize(tmp)
