@@ -108,15 +108,32 @@ class SamplingTensors:
     def from_params(cls, params: Sequence[SamplingParams],
                     device: torch.device | str = "cpu") -> "SamplingTensors":
         """One host-to-device copy for the whole batch."""
-        host = torch.tensor([[1.0, 0.0, 1.0, 1.0] if p.greedy else
+        return cls.from_table(cls.host_table(params).to(device, non_blocking=True),
+                              cls.host_facts(params))
+
+    @staticmethod
+    def host_table(params: Sequence[SamplingParams]) -> torch.Tensor:
+        """[b, 4] float64 on the host: (temperature, top_k, top_p, greedy) per row."""
+        return torch.tensor([[1.0, 0.0, 1.0, 1.0] if p.greedy else
                              [p.temperature, float(p.top_k), p.top_p, 0.0] for p in params],
                             dtype=torch.float64).reshape(-1, 4)
-        dev = host.to(device, non_blocking=True)
+
+    @staticmethod
+    def host_facts(params: Sequence[SamplingParams]) -> tuple[bool, bool, int, bool]:
+        """(any_greedy, any_sampled, max_top_k, any_top_p): what the host knows of a batch."""
         sampled = [p for p in params if not p.greedy]
-        return cls(dev[:, 0].float(), dev[:, 1].long(), dev[:, 2].float(), dev[:, 3] > 0,
-                   any_greedy=len(sampled) < len(params), any_sampled=bool(sampled),
-                   max_top_k=max((p.top_k for p in sampled), default=0),
-                   any_top_p=any(p.top_p < 1.0 for p in sampled))
+        return (len(sampled) < len(params), bool(sampled),
+                max((p.top_k for p in sampled), default=0),
+                any(p.top_p < 1.0 for p in sampled))
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, facts: tuple[bool, bool, int, bool]
+                   ) -> "SamplingTensors":
+        """Over a :meth:`host_table` on the device (a captured step's static buffer too)."""
+        any_greedy, any_sampled, max_top_k, any_top_p = facts
+        return cls(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3] > 0,
+                   any_greedy=any_greedy, any_sampled=any_sampled, max_top_k=max_top_k,
+                   any_top_p=any_top_p)
 
     @property
     def batch(self) -> int:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows, to_device
-from ssdlib.engine.sampler import reserve_streams, sample_branches, sampling_tensors
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
-from ssdlib.engine.tree_build import TreeBuildStep, branch_setup
+from ssdlib.engine.tree_build import TreeBuildStep
 
 
 class CacheBuilder:
@@ -48,23 +47,16 @@ class CacheBuilder:
         """Cache every likely outcome of the rows' sent speculations (their KV enters the
         slots). Returns how many rows reused their branch KV (speculations that were hits)."""
         live = [r.slot for r in rows]  # cache rows are slots
-        K, dev = self.K, self.device
+        K = self.K
         cand, reused = self._candidates(rows)  # [b, K+1, C]
         for r in rows:
             r.fed = True
         lengths = [len(r.tokens) for r in rows]  # committed
         kv_len = max(lengths) + K  # > every slot key a branch sees
         pos, rank = self._branch_index(tuple(fan))  # [B] each
-        if not sampling:  # one captured step on GPU (tree_build.py)
-            self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len)
-            return reused
-        slots = to_device(live, dev)  # [b]: also the rows of the cache (keyed by slot)
-        sent = to_device([r.sent for r in rows], dev)  # [b, K]
-        fork, first, kv_limit, full = branch_setup(cand, sent, to_device(lengths, dev), pos,
-                                                   rank)
-        out_tokens = self._sampled_tree(first, kv_limit, full, slots, rows, fan, kv_len)
-        self.cache.tokens[slots] = out_tokens
-        self.cache.store_keys(slots, fork, first)
+        # one captured step on GPU (tree_build.py), greedy or sampled
+        self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
+                           rows if sampling else None, tuple(fan), self.saguaro_c)
         return reused
 
     def _branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,27 +73,6 @@ class CacheBuilder:
             cached = (to_device(pos, self.device), to_device(rank, self.device))
             self._index_cache[fan] = cached
         return cached
-
-    def _sampled_tree(self, first, kv_limit, full, slots, rows, fan,
-                      kv_len) -> torch.Tensor:
-        """K tree-decode steps, one depth at a time, sampling each branch -> tokens [b, B, K]."""
-        K, B, dev = self.K, self.B, self.device
-        tok = first
-        out_tokens = torch.empty(len(rows), B, K, dtype=torch.int64, device=dev)
-        params = sampling_tensors(rows, dev)
-        streams = reserve_streams(rows, K * B, dev)  # B draws per depth, in branch order
-        for d in range(K):
-            positions = kv_limit + d
-            tree_index = (d * B + torch.arange(B, device=dev)).expand(len(rows), B)
-            lg = self.drafter._logits(self.runner.tree_forward(
-                tok, positions, slots, tree_index, kv_limit,
-                full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len))  # [b, B, V]
-            self.branch_top[slots, :, d] = lg.topk(self.C, dim=-1).indices
-            u = streams.uniforms(B, start=d * B)  # [b, B]
-            tok, q = sample_branches(lg, params, u, fan[d] if d < len(fan) else 0, self.saguaro_c)
-            self.cache.q[slots, :, d] = q  # the q each branch token was drawn from
-            out_tokens[:, :, d] = tok
-        return out_tokens
 
     def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
         """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C],

@@ -157,12 +157,13 @@ class ModelRunner:
         return torch.stack(out, dim=1)
 
     def tree_body(self, tok, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
-                  kv_len: int, use_kernel: bool):
-        """All ``depth`` tree-decode steps of greedy branches (the body of the speculator's
+                  kv_len: int, use_kernel: bool, pick=None):
+        """All ``depth`` tree-decode steps of the branches (the body of the speculator's
         captured build, ``tree_build.py``), on device tensors. tok [b, B]: each branch's first
         token; kv_limit [b, B]: its slot prefix; full_mask [b, B*depth, B*depth]
-        (``tree_mask_full`` without speculation keys). Returns (tokens [b, B, depth], top-``top``
-        candidates after each token [b, B, depth, top])."""
+        (``tree_mask_full`` without speculation keys); ``pick(d, logits [b, B, vocab])`` -> the
+        next token of every branch [b, B] (default: the argmax). Returns (tokens
+        [b, B, depth], top-``top`` candidates after each token [b, B, depth, top])."""
         b, B = tok.shape
         lane = torch.arange(B, device=tok.device).expand(b, B)
         tokens, tops = [], []
@@ -173,7 +174,7 @@ class ModelRunner:
                                      tree_len=B * (d + 1), use_kernel=use_kernel)
             logits = self.step_model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
             tops.append(logits.topk(top, dim=-1).indices)
-            tok = logits.argmax(-1)
+            tok = logits.argmax(-1) if pick is None else pick(d, logits)
             tokens.append(tok)
         return torch.stack(tokens, dim=2), torch.stack(tops, dim=2)
 

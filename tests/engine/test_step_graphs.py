@@ -168,6 +168,73 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
 
 
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind):
+    """The sampled build as one captured step (rows' sampling parameters and stream positions
+    as static inputs; a greedy row, a top-p row, a ghost row) == the same body eagerly == one
+    tree_forward + sample_branches per depth with the rows' streams; two rounds."""
+    from types import SimpleNamespace
+
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.sampler import sample_branches, sampling_tensors
+    from ssdlib.engine.spec_cache import SpeculationCache
+    from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
+    from ssdlib.ops.tree_mask import tree_mask_full
+    from ssdlib.sampling import SamplingParams
+    from ssdlib.speculative.rng import RowStream, RowStreams
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    V, K, C, c = ck.config.vocab_size, 3, 5, 0.5
+    fan = (2, 1, 1, 0)
+    B = sum(fan)
+    pos = torch.tensor([0, 0, 1, 2], device=device)
+    rank = torch.tensor([0, 1, 0, 0], device=device)
+    g = torch.Generator().manual_seed(5)
+    lens, slots = [12, 8, 10], [0, 4, 2]
+    params = [SamplingParams(temperature=0.8), SamplingParams(),
+              SamplingParams(temperature=1.2, top_p=0.9)]
+    ids, p = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
+    for r in (eager, stepped):
+        r.forward(ids, p, torch.tensor(slots), last_index(lens))
+
+    def rows():
+        return [SimpleNamespace(params=pp, stream=RowStream.from_seed(11, i))
+                for i, pp in enumerate(params)]
+    steps, caches, row_sets = [], [], [rows(), rows(), rows()]  # eager, stepped, reference
+    for r in (eager, stepped):
+        cache = SpeculationCache(7, B, K, V, r.device)
+        top = torch.zeros(7, B, K, C, dtype=torch.int64, device=r.device)
+        steps.append(TreeBuildStep(r, cache, top, C, V))
+        caches.append(cache)
+    for round_ in range(2):
+        cand = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)
+        sent = torch.randint(0, V, (3, K), generator=g)
+        n = [x - K + round_ for x in lens]
+        for step, rs in zip(steps, row_sets):
+            step.run(cand, sent.tolist(), n, slots, pos, rank, max(lens) + K, rs, fan, c)
+        ca, cb = caches
+        idx = torch.tensor(slots, device=device)
+        assert ca.tokens[idx].cpu().tolist() == cb.tokens[idx].cpu().tolist(), round_
+        assert torch.allclose(ca.q[idx].cpu(), cb.q[idx].cpu(), atol=1e-6)
+        # stepwise reference: its own streams, K * B draws a round, B per depth
+        ref_rows = row_sets[2]
+        streams = RowStreams.reserve([r.stream for r in ref_rows], K * B, device)
+        st = sampling_tensors(ref_rows, device)
+        fork, first = branch_outcomes(cand, sent.to(device), pos, rank)
+        kv_limit = torch.tensor(n, device=device).view(-1, 1) + fork
+        full = tree_mask_full(fork, K, K)[..., K:]
+        tok = first
+        for d in range(K):
+            lg = eager.tree_forward(tok, kv_limit + d, torch.tensor(slots),
+                                    (d * B + torch.arange(B)).expand(3, B), kv_limit,
+                                    full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens) + K)
+            tok, q = sample_branches(lg.float(), st, streams.uniforms(B, start=d * B), fan[d], c)
+            assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
+            assert torch.allclose(cb.q[idx, :, d].cpu(), q.cpu(), atol=1e-6)
+        # the greedy row's branch tokens are argmaxes: its q is one-hot
+        assert torch.equal(cb.q[slots[1]].amax(-1).cpu(), torch.ones(B, K))
+
+
 def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
     """torch.compile sees the slot-attention kernel as one opaque op (``ssdlib::slot_attention``):
     a decode step and a tree step trace with no graph break (fullgraph) and give the eager
