@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from ssdlib.capacity import check_memory
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
+from ssdlib.engine.metrics import mean_accepted_by_source
 from ssdlib.engine.sequence import Output, Request
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import RankFailure, SSDError
@@ -394,6 +395,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
             for kind, n in o.metrics.get("fallbacks", {}).items():
                 fallbacks[kind] = fallbacks.get(kind, 0) + n
         out["fallbacks"] = fallbacks
+        out["accepted_by_source"] = mean_accepted_by_source(o.metrics for o in outputs)
     for key in ("verifier_idle_frac", "speculator_idle_frac"):
         vals = [o.metrics[key] for o in outputs if key in o.metrics]
         if vals:

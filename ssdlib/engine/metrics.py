@@ -48,6 +48,31 @@ def record_lookup(m: dict, k: int, hit: bool, kind: int) -> None:
         fb[name] = fb.get(name, 0) + 1
 
 
+def speculation_source(hit: bool, kind: int) -> str:
+    """Where an SSD speculation came from: the cache, or the fallback that answered the miss."""
+    return "cache" if hit else FALLBACK_NAMES.get(kind, "other")
+
+
+def record_source(m: dict, source: str, accepted: int) -> None:
+    """SSD: a round verified a speculation from ``source``; ``accepted`` of its tokens held.
+    ``accepted_by_source[source]`` = [rounds, accepted tokens]."""
+    entry = m.setdefault("accepted_by_source", {}).setdefault(source, [0, 0])
+    entry[0] += 1
+    entry[1] += accepted
+
+
+def mean_accepted_by_source(outputs_metrics) -> dict[str, dict[str, float]]:
+    """Over outputs' metrics: {source: {"rounds", "mean_accepted"}}, sources sorted."""
+    total: dict[str, list[int]] = {}
+    for m in outputs_metrics:
+        for source, (rounds, accepted) in m.get("accepted_by_source", {}).items():
+            t = total.setdefault(source, [0, 0])
+            t[0] += rounds
+            t[1] += accepted
+    return {s: {"rounds": r, "mean_accepted": a / r if r else 0.0}
+            for s, (r, a) in sorted(total.items())}
+
+
 def finalize_ssd_metrics(m: dict) -> None:
     if m.get("lookups"):
         m["hit_rate"] = m["hits"] / m["lookups"]

@@ -12,17 +12,29 @@ exchange) and leave (an inactive outcome) at any time.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ssdlib.engine.ar_loop import admit_with_first_token
-from ssdlib.engine.metrics import record_acceptance, record_lookup
+from ssdlib.engine.metrics import (record_acceptance, record_lookup, record_source,
+                                   speculation_source)
 from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpecLink, SpeculatorStats
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
+
+
+@dataclass
+class SpecInHand:
+    """A row's speculation received for the next verify."""
+
+    tokens: torch.Tensor  # [K] int64, host
+    kind: int  # QKind of q
+    q: torch.Tensor | None  # [K, V] float32 on the device, when the exchange sampled
+    source: str  # "cache", the fallback's name, or "first" (a sequence's first speculation)
 
 
 class LinkVerifier:
@@ -35,8 +47,7 @@ class LinkVerifier:
         self.device = device
         self.lookahead = k + 1
         self.limit: int | None = None  # set by the Leader
-        # the speculation in hand per slot: (tokens [K], q kind, q [K, V] or None)
-        self.spec: dict[int, tuple] = {}
+        self.spec: dict[int, SpecInHand] = {}  # the speculation in hand per slot
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         # the STATS received since the batch metrics were last read, summed
         self._stats: SpeculatorStats | None = None
@@ -84,7 +95,9 @@ class LinkVerifier:
         for i, (q, (k, _), a) in enumerate(zip(seqs, outcomes, alive)):
             if not a:
                 continue
-            self.spec[q.slot] = (spec.tokens[i], kinds[i], None if spec.q is None else spec.q[i])
+            source = "first" if first else speculation_source(bool(hits[i]), kinds[i])
+            self.spec[q.slot] = SpecInHand(spec.tokens[i], kinds[i],
+                                           None if spec.q is None else spec.q[i], source)
             if not first:  # a first speculation cannot come from the cache
                 self._record_lookup(q, k, bool(hits[i]), kinds[i])
 
@@ -101,7 +114,8 @@ class LinkVerifier:
             return None
         kinds, probs = [], []
         for q in active:
-            _, kind, q_probs = self.spec[q.slot]
+            hand = self.spec[q.slot]
+            kind, q_probs = hand.kind, hand.q
             if q_probs is None:
                 # received in an exchange without sampling rows: a greedy row, whose draft
                 # tokens are argmaxes, i.e. drawn from a one-hot q
@@ -115,12 +129,14 @@ class LinkVerifier:
     def step(self, active) -> None:
         timer = self.timer
         timer.start()
-        tokens = torch.stack([self.spec[q.slot][0] for q in active])  # [b, K]
+        tokens = torch.stack([self.spec[q.slot].tokens for q in active])  # [b, K]
         outcome = verify_round(self.target, active, tokens, self._draft_q(active), self.device)
         result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(active, result)
         record_acceptance(active, result, self.k)
+        for q, accepted in zip(active, result.accepted):
+            record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
         self._exchange(active, list(zip(result.accepted, result.bonus)))
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)

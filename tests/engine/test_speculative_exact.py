@@ -93,6 +93,13 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
     if fallback != "auto":
         used = set().union(*(o.metrics.get("fallbacks", {}).keys() for o in outs))
         assert used <= {fallback, "random"} and used, used  # ngram falls back to random
+    # every verified round is counted under the source of its speculation: a sequence's
+    # first, the cache (one round per hit) or the fallback that answered a miss
+    for o in outs:
+        by_source = o.metrics["accepted_by_source"]
+        assert sum(r for r, _ in by_source.values()) == o.metrics["rounds"]
+        assert by_source.get("cache", [0, 0])[0] == o.metrics["hits"]
+        assert sum(a for _, a in by_source.values()) == o.metrics["accepted"]
 
 
 # ---- distribution tests ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 from ssdlib.engine.protocol import Outcome, Speculation
 from ssdlib.engine.sequence import Request, Sequence
-from ssdlib.engine.verifier import SeparateDraftVerifier, SSDVerifier
+from ssdlib.engine.verifier import SeparateDraftVerifier, SpecInHand, SSDVerifier
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 
@@ -44,8 +44,10 @@ def _greedy_and_sampled(ver):
                  1, [], None, "cpu")
     for q in (g, s):
         q.commit([2])
-    ver.spec[0] = (torch.full((K,), 2), int(QKind.DENSE), None)  # from a greedy-only exchange
-    ver.spec[1] = (torch.full((K,), 2), int(QKind.DENSE), torch.full((K, V), 1.0 / V))
+    # from a greedy-only exchange, then from a sampling one
+    ver.spec[0] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), None, "cache")
+    ver.spec[1] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), torch.full((K, V), 1.0 / V),
+                             "jit")
     return g, s
 
 
@@ -60,3 +62,6 @@ def test_greedy_row_without_q_next_to_sampled_row(cls):
     assert msg.slots == [0, 1] and msg.accepted[0] == K and msg.active == [True, True]
     assert msg.sampling  # the sampled row is still running: the answer must carry q
     assert ("lookups" in g.metrics) == (cls is SSDVerifier)
+    # each round's accepted tokens are kept by where its speculation came from
+    assert g.metrics["accepted_by_source"] == {"cache": [1, K]}
+    assert list(s.metrics["accepted_by_source"]) == ["jit"]
