@@ -3,8 +3,8 @@
 For a sent speculation s_1..s_K of a row with n committed tokens:
 1. candidates: the draft's top-C tokens at the K+1 positions of the speculation. On a hit they are
    reused from drafting its branch (the branch KV is copied from the tree scratch into the slot
-   and only s_K is fed); otherwise one draft forward over the tokens the draft has not committed
-   yet plus s_1..s_K (which leaves their KV in the slot);
+   and only s_K is fed, inside the captured build step); otherwise one draft forward over the
+   tokens the draft has not committed yet plus s_1..s_K (which leaves their KV in the slot);
 2. outcomes (fan-out): at position k < K the top-F_k draft tokens other than s_{k+1} (the bonus
    after a rejection at k+1 cannot be s_{k+1}), at k = K the top-F_K; B = sum F_k branches per row;
 3. K tree-decode steps draft every branch at once: branch (k, t) holds t at position n+k, then its
@@ -48,16 +48,17 @@ class CacheBuilder:
         slots). Returns how many rows reused their branch KV (speculations that were hits)."""
         live = [r.slot for r in rows]  # cache rows are slots
         K = self.K
-        cand, reused = self._candidates(rows)  # [b, K+1, C]
+        cand, reuse = self._candidates(rows)  # [b, K+1, C]; the branch each hit continues
         for r in rows:
             r.fed = True
         lengths = [len(r.tokens) for r in rows]  # committed
         kv_len = max(lengths) + K  # > every slot key a branch sees
         pos, rank = self._branch_index(tuple(fan))  # [B] each
-        # one captured step on GPU (tree_build.py), greedy or sampled
+        # one captured step on GPU (tree_build.py): hit rows' continuation, outcomes, K tree
+        # depths (greedy or sampled), the cache stores
         self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
-                           rows if sampling else None, tuple(fan), self.saguaro_c)
-        return reused
+                           reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
+        return sum(x >= 0 for x in reuse)
 
     def _branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Branch j of the fan-out -> (its position k, its rank among the kept candidates).
@@ -74,45 +75,22 @@ class CacheBuilder:
             self._index_cache[fan] = cached
         return cached
 
-    def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, int]:
-        """Top-C draft tokens at positions 1..K+1 of each row's sent speculation: [b, K+1, C],
-        and how many rows reused their branch (a hit: positions 1..K come from drafting it)."""
-        cand = torch.empty(len(rows), self.K + 1, self.C, dtype=torch.int64, device=self.device)
-        reuse = [j for j, r in enumerate(rows) if r.reuse is not None]
+    def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, list[int]]:
+        """Top-C draft tokens at positions 1..K+1 of each row's sent speculation [b, K+1, C]
+        for the rows that were not hits (first round, fallbacks); a hit row (its branch is in
+        ``reuse``, else -1) continues its drafted branch inside the build step instead."""
+        cand = torch.zeros(len(rows), self.K + 1, self.C, dtype=torch.int64, device=self.device)
+        reuse = [-1 if r.reuse is None else r.reuse for r in rows]
+        for r in rows:
+            if r.reuse is not None:
+                r.valid = len(r.tokens)  # the branch's KV is moved into the slot
         fresh = [j for j, r in enumerate(rows) if r.reuse is None]
-        if reuse:
-            self._reused_candidates(cand, rows, reuse)
         if fresh:
             self._fed_candidates(cand, rows, fresh)
-        return cand, len(reuse)
-
-    def _reused_candidates(self, cand, rows, reuse: list[int]) -> None:
-        """Rows answered from the cache: copy the branch KV from the tree scratch into the slot,
-        take positions 1..K from the stored candidates, feed s_K for position K+1."""
-        K, B, dev = self.K, self.B, self.device
-        cache = self.runner.cache
-        hit_rows = [rows[j] for j in reuse]
-        # every index in ONE host-to-device copy: per hit row its slot, the K slot positions
-        # its branch's tokens go to (its first token t* sits at committed - 1), the K tree
-        # keys they come from (d*B + branch), its position among the rows, its branch
-        ints = to_device([[r.slot] + [len(r.tokens) - 1 + d for d in range(K)]
-                          + [d * B + r.reuse for d in range(K)] + [j, r.reuse]
-                          for j, r in zip(reuse, hit_rows)], dev)            # [n, 2K + 3]
-        slot_i, dest, src = ints[:, :1], ints[:, 1:K + 1], ints[:, K + 1:2 * K + 1]
-        jj, br = ints[:, 2 * K + 1], ints[:, 2 * K + 2]
-        cache.k[:, slot_i, :, dest] = cache.tree_k[:, slot_i, :, src]
-        cache.v[:, slot_i, :, dest] = cache.tree_v[:, slot_i, :, src]
-        for r in hit_rows:
-            r.valid = len(r.tokens)
-        cand[jj, :K] = self.branch_top[slot_i[:, 0], br]
-        ids = torch.tensor([[r.sent[-1]] for r in hit_rows])
-        pos = torch.tensor([[len(r.tokens) + K - 1] for r in hit_rows])
-        slots = torch.tensor([r.slot for r in hit_rows])
-        logits = self.drafter._logits(self.runner.forward(ids, pos, slots))[:, 0]
-        cand[jj, K] = logits.topk(self.C, dim=-1).indices
+        return cand, reuse
 
     def _fed_candidates(self, cand, rows, fresh: list[int]) -> None:
-        """Other rows (first round, fallbacks): one forward over their unseen committed tokens +
+        """Rows that were not hits: one forward over their unseen committed tokens +
         s_1..s_K."""
         K = self.K
         sub = [rows[j] for j in fresh]

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.batching import to_device
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.engine.step_graphs import batch_bucket
+from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
 from ssdlib.sampling import SamplingParams, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
@@ -64,7 +64,7 @@ def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: t
 
 
 class TreeBuildStep:
-    """Static inputs and the captured greedy build of one speculator (see the module doc)."""
+    """Static inputs and the captured build of one speculator (see the module doc)."""
 
     def __init__(self, runner, cache, branch_top: torch.Tensor, top: int, vocab: int):
         self.runner, self.cache, self.branch_top = runner, cache, branch_top
@@ -76,18 +76,22 @@ class TreeBuildStep:
         rows = graphs.max_rows if graphs is not None else 0
         C = branch_top.shape[-1]
         self.cand = torch.zeros(rows, self.K + 1, C, dtype=torch.int64, device=dev)
-        # host integers in one copy: sent [rows, K], committed length [rows], slot [rows]
-        self.ints = torch.zeros(rows * (self.K + 2), dtype=torch.int64, device=dev)
+        # host integers in one copy (_host_ints)
+        self.ints = torch.zeros(rows * (self.K + 3), dtype=torch.int64, device=dev)
         self.index = torch.zeros(2, self.B, dtype=torch.int64, device=dev)  # pos, rank
         self._index_src: torch.Tensor | None = None
         # sampled builds: per row (temperature, top_k, top_p, greedy) and (stream key, counter)
         self.params = torch.zeros(rows, 4, dtype=torch.float64, device=dev)
         self.streams = torch.zeros(rows, 2, dtype=torch.int64, device=dev)
 
-    def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None) -> None:
-        """The build after the candidates, on device tensors (the captured function's body);
-        ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build."""
+    def body(self, cand, sent, n, slots, reuse, pos, rank, kv_len: int, hits: bool,
+             sampler=None) -> None:
+        """The build after the candidates, on device tensors (the captured function's body).
+        ``reuse`` [rows]: the branch a hit row continues, -1 elsewhere (``hits``: some row
+        does); ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build."""
         K = self.K
+        if hits:
+            cand = self._continue_hits(cand, sent, n, slots, reuse, kv_len)
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
         pick = None if sampler is None else self._sampled_pick(slots, *sampler)
@@ -96,6 +100,32 @@ class TreeBuildStep:
         self.branch_top[slots, :, :, :tops.shape[-1]] = tops
         self.cache.tokens[slots] = tokens
         self.cache.store_keys(slots, fork, first)
+
+    def _continue_hits(self, cand, sent, n, slots, reuse, kv_len: int) -> torch.Tensor:
+        """Rows answered from the cache continue the branch they were answered with: its K
+        tokens' KV moves from the tree scratch into the slot (t* sits at committed - 1), its
+        kept top-C candidates are positions 1..K, and s_K is fed for position K + 1. Other rows
+        keep ``cand`` (their writes go to the scratch slot and are never read)."""
+        K, B, r = self.K, self.B, self.runner
+        hit = reuse >= 0
+        br = reuse.clamp(min=0)
+        hslot = torch.where(hit, slots, torch.full_like(slots, r.scratch_slot))  # [rows]
+        d = torch.arange(K, device=slots.device)
+        dest = (n - 1).view(-1, 1) + d                                          # [rows, K]
+        src = d * B + br.view(-1, 1)                                            # [rows, K]
+        kv = r.cache
+        si = hslot.view(-1, 1)
+        kv.k[:, si, :, dest] = kv.tree_k[:, si, :, src]
+        kv.v[:, si, :, dest] = kv.tree_v[:, si, :, src]
+        at = (n + K - 1).view(-1, 1)
+        meta = AttentionMetadata(at, hslot, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
+        logits = r.step_model(sent[:, K - 1:K], kv, meta)[:, 0, :self.vocab]   # [rows, v]
+        last = logits.topk(self.top, dim=-1).indices                            # [rows, top]
+        C = cand.shape[-1]
+        if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
+            last = torch.cat([last, last[:, -1:].expand(-1, C - self.top)], dim=1)
+        cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
+        return torch.where(hit.view(-1, 1, 1), cont, cand)
 
     def _sampled_pick(self, slots, params: SamplingTensors, streams: RowStreams,
                       fan: tuple, saguaro_c: float):
@@ -114,22 +144,45 @@ class TreeBuildStep:
             return tok
         return pick
 
+    def _host_ints(self, rows: int, sent, lengths, slots, reuse) -> torch.Tensor:
+        """[rows * (K + 3)] int64: sent [rows, K], committed length [rows], slot [rows], reused
+        branch [rows] (-1: none); ghost rows (past the real ones) use the scratch slot."""
+        b, K = len(sent), self.K
+        host = torch.zeros(rows * (K + 3), dtype=torch.int64)
+        host[:b * K] = torch.tensor(sent, dtype=torch.int64).view(-1)
+        host[rows * K:rows * K + b] = torch.tensor(lengths, dtype=torch.int64)
+        host[rows * (K + 1):rows * (K + 1) + b] = torch.tensor(slots, dtype=torch.int64)
+        host[rows * (K + 1) + b:rows * (K + 2)] = self.runner.scratch_slot
+        host[rows * (K + 2):] = -1
+        host[rows * (K + 2):rows * (K + 2) + b] = torch.tensor(reuse, dtype=torch.int64)
+        return host
+
+    def _views(self, ints: torch.Tensor, rows: int):
+        """(sent [rows, K], n [rows], slots [rows], reuse [rows]) over a :meth:`_host_ints`."""
+        K = self.K
+        return (ints[:rows * K].view(rows, K), ints[rows * K:rows * (K + 1)],
+                ints[rows * (K + 1):rows * (K + 2)], ints[rows * (K + 2):rows * (K + 3)])
+
     def run(self, cand: torch.Tensor, sent: list[list[int]], lengths: list[int],
             slots: list[int], pos: torch.Tensor, rank: torch.Tensor, kv_len: int,
-            sampled_rows=None, fan: tuple = (), saguaro_c: float = 1.0) -> None:
-        """cand [b, K+1, C] on the device; sent / lengths / slots on the host; pos, rank [B].
-        ``sampled_rows`` (the rows, with ``params`` and ``stream``): a sampled build, which
-        reserves K * B draws of each row's stream."""
+            reuse: list[int] | None = None, sampled_rows=None, fan: tuple = (),
+            saguaro_c: float = 1.0) -> None:
+        """cand [b, K+1, C] on the device (rows that continue a hit: any values); sent /
+        lengths / slots on the host; pos, rank [B]. ``reuse``: per row the cache branch a hit
+        continues, or -1. ``sampled_rows`` (with ``params`` and ``stream``): a sampled build,
+        which reserves K * B draws of each row's stream."""
         kv_len = self.runner.kv_bucket(kv_len)
         dev = self.runner.device
-        b, K = cand.shape[0], self.K
+        b = cand.shape[0]
         rows = batch_bucket(b) if self.pool is not None else b
-        host_params = host_streams = None
+        reuse = [-1] * b if reuse is None else reuse
+        hits = any(x >= 0 for x in reuse)
+        ints = self._host_ints(rows, sent, lengths, slots, reuse)
         if sampled_rows is not None:
             params = [r.params for r in sampled_rows] + [GHOST_PARAMS] * (rows - b)
             host_params = SamplingTensors.host_table(params)
             host_streams = torch.zeros(rows, 2, dtype=torch.int64)
-            host_streams[:b] = torch.tensor([[r.stream.key, r.stream.reserve(K * self.B)]
+            host_streams[:b] = torch.tensor([[r.stream.key, r.stream.reserve(self.K * self.B)]
                                              for r in sampled_rows], dtype=torch.int64)
             facts = SamplingTensors.host_facts(params)
         if self.pool is None:
@@ -137,36 +190,28 @@ class TreeBuildStep:
             if sampled_rows is not None:
                 sampler = self._sampler(host_params.to(dev), host_streams.to(dev), facts, fan,
                                         saguaro_c)
-            self.body(cand, to_device(sent, dev), to_device(lengths, dev), to_device(slots, dev),
-                      pos, rank, kv_len, sampler)
+            self.body(cand, *self._views(ints.to(dev), rows), pos, rank, kv_len, hits, sampler)
             return
-        host = torch.zeros(rows * (K + 2), dtype=torch.int64)
-        host[:b * K] = torch.tensor(sent, dtype=torch.int64).view(-1)
-        host[rows * K:rows * K + b] = torch.tensor(lengths, dtype=torch.int64)
-        host[rows * (K + 1):rows * (K + 1) + b] = torch.tensor(slots, dtype=torch.int64)
-        host[rows * (K + 1) + b:] = self.runner.scratch_slot  # ghost rows
-        self.ints[:rows * (K + 2)].copy_(host, non_blocking=True)
+        self.ints[:ints.shape[0]].copy_(ints, non_blocking=True)
         self.cand[:b].copy_(cand)
         self.cand[b:rows].zero_()
         if self._index_src is not pos:  # the fan-out's branch index (kept while it holds)
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
-        key = ("tree_build", rows, kv_len)
+        key = ("tree_build", rows, kv_len, hits)
         if sampled_rows is not None:
             self.params[:rows].copy_(host_params, non_blocking=True)
             self.streams[:rows].copy_(host_streams, non_blocking=True)
-            key = ("tree_build_sampled", rows, kv_len, facts, tuple(fan), saguaro_c)
+            key = ("tree_build_sampled", rows, kv_len, hits, facts, tuple(fan), saguaro_c)
         if not self.pool.has(key):
-            ints = self.ints
             sampler = None
             if sampled_rows is not None:
                 sampler = self._sampler(self.params[:rows], self.streams[:rows], facts, fan,
                                         saguaro_c)
+            views = self._views(self.ints, rows)
             self.pool.capture(key, lambda: self.body(
-                self.cand[:rows], ints[:rows * K].view(rows, K), ints[rows * K:rows * (K + 1)],
-                ints[rows * (K + 1):rows * (K + 2)], self.index[0], self.index[1], kv_len,
-                sampler))
+                self.cand[:rows], *views, self.index[0], self.index[1], kv_len, hits, sampler))
         self.pool.replay(key)
 
     def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: tuple, fan,

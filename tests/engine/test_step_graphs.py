@@ -169,6 +169,70 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
+def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind):
+    """A row answered from the cache continues its branch inside the build step (branch KV
+    moved from the tree scratch into the slot, kept candidates, s_K fed), next to rows that
+    were not hits: == doing those steps by hand on an eager runner, then the build with every
+    row's candidates given."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.spec_cache import SpeculationCache
+    from ssdlib.engine.tree_build import TreeBuildStep
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    _, ref, _ = runners(tiny_dirs["smol_heads"], device, "eager")
+    V, K, C = ck.config.vocab_size, 3, 5
+    fan = [2, 1, 1, 0]
+    B = sum(fan)
+    pos = torch.tensor([0, 0, 1, 2], device=device)
+    rank = torch.tensor([0, 1, 0, 0], device=device)
+    g = torch.Generator().manual_seed(6)
+    lens, slots = [12, 8, 10], [0, 4, 2]
+    ids, p = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * 3)
+    steps, caches = [], []
+    for r in (eager, stepped, ref):
+        r.forward(ids, p, torch.tensor(slots), last_index(lens))
+        cache = SpeculationCache(7, B, K, V, r.device)
+        top = torch.zeros(7, B, K, C, dtype=torch.int64, device=r.device)
+        steps.append(TreeBuildStep(r, cache, top, C, V))
+        caches.append((cache, top))
+    # round 0: no hits; every row's speculation follows its committed tokens
+    cand = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)
+    sent = torch.randint(0, V, (3, K), generator=g)
+    n0 = [x - K for x in lens]
+    for step in steps:
+        step.run(cand, sent.tolist(), n0, slots, pos, rank, max(lens) + K)
+    # round 1: row 0 hit branch 2 (fork 1: s_1 accepted, then its t*); rows 1, 2 missed
+    j = 2
+    cache0 = caches[2][0]
+    n1 = [n0[0] + int(pos[j]) + 1, n0[1] + 2, n0[2] + 1]
+    sent1 = torch.randint(0, V, (3, K), generator=g)
+    sent1[0] = cache0.tokens[slots[0], j].cpu()  # the hit's speculation is the cached branch
+    cand1 = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)  # rows 1, 2's
+    reuse = [j, -1, -1]
+    for step in steps[:2]:
+        step.run(cand1, sent1.tolist(), n1, slots, pos, rank, max(n1) + K, reuse)
+    # by hand on `ref`: move the branch KV, take its kept candidates, feed s_K
+    kv, (_, ref_top) = ref.cache, caches[2]
+    dest = torch.tensor([[n1[0] - 1 + d for d in range(K)]], device=device)
+    src = torch.tensor([[d * B + j for d in range(K)]], device=device)
+    si = torch.tensor([[slots[0]]], device=device)
+    kv.k[:, si, :, dest] = kv.tree_k[:, si, :, src]
+    kv.v[:, si, :, dest] = kv.tree_v[:, si, :, src]
+    want = cand1.clone()
+    want[0, :K] = ref_top[slots[0], j]
+    lg = ref.forward(sent1[:1, K - 1:], torch.tensor([[n1[0] + K - 1]]), torch.tensor(slots[:1]))
+    want[0, K] = lg[0, 0].topk(C).indices
+    steps[2].run(want, sent1.tolist(), n1, slots, pos, rank, max(n1) + K)
+    idx = torch.tensor(slots, device=device)
+    (ca, ta), (cb, tb), (cr, tr) = caches
+    for x, y, z in ((ca.tokens, cb.tokens, cr.tokens), (ca.bonus, cb.bonus, cr.bonus),
+                    (ta, tb, tr)):
+        assert x[idx].cpu().tolist() == y[idx].cpu().tolist() == z[idx].cpu().tolist()
+    # the hit row's slot now holds the branch's KV at its committed positions
+    assert torch.allclose(eager.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K],
+                          ref.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K])
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
 def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind):
     """The sampled build as one captured step (rows' sampling parameters and stream positions
     as static inputs; a greedy row, a top-p row, a ghost row) == the same body eagerly == one
@@ -211,7 +275,8 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
         sent = torch.randint(0, V, (3, K), generator=g)
         n = [x - K + round_ for x in lens]
         for step, rs in zip(steps, row_sets):
-            step.run(cand, sent.tolist(), n, slots, pos, rank, max(lens) + K, rs, fan, c)
+            step.run(cand, sent.tolist(), n, slots, pos, rank, max(lens) + K,
+                     sampled_rows=rs, fan=fan, saguaro_c=c)
         ca, cb = caches
         idx = torch.tensor(slots, device=device)
         assert ca.tokens[idx].cpu().tolist() == cb.tokens[idx].cpu().tolist(), round_
