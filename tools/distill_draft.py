@@ -14,6 +14,26 @@ from target layers (SmolLM2-135M: two layers of width 576 are ~14.2 MB in float1
 
     python tools/distill_draft.py --target smollm2-135m --out runs/draft-v2 \
         --embedding-from-target --init-layers-from-target 0,29 --max-mb 16
+
+Continuing an exported draft in a new run (its training state is gone, only OUT is left):
+
+    python tools/distill_draft.py --target smollm2-135m --out runs/draft-v2b \
+        --init-from runs/draft-v2 --lr 5e-4 --steps 1000
+
+``--init-from DIR`` takes the draft's architecture (hidden, layers, heads, kv-heads, ffn,
+head_dim and ssdlib_embedding_from_target) from DIR/config.json and its weights from DIR
+(through ssdlib.loading.draft.load_draft, so a draft stored without its embedding gets the
+target's, frozen and not stored, exactly as with --embedding-from-target). An architecture flag
+that disagrees with DIR/config.json is refused (one that agrees is accepted); so are
+--init-layers-from-target and --init-embeddings-from-target (the weights come from DIR), and an
+--out that is DIR. What does not come over: the optimizer (AdamW moments start at zero, the
+learning-rate schedule with its warm-up starts at step 0), the step count and history (the new
+run counts from 0; its step-0 evaluation is DIR's draft), the data position, and other settings
+(lr, batch, data...: this run's flags). ``--steps 0`` exports DIR's weights as they are. The
+resolved architecture and ``init_from`` are saved with the run, so ``--resume`` of such a run
+does not read DIR again (its weights come from the checkpoint); ``--resume --init-from DIR`` is
+accepted only when the run was started from DIR, and refused otherwise (it would mean two
+different starting points). distill.json records ``init_from``: DIR's path and config.json.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from ssdlib.config import ModelConfig  # noqa: E402
 from ssdlib.errors import CheckpointError  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from tools.distill import evaluate, models  # noqa: E402
@@ -81,6 +102,12 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--heads", type=int, help="default 4; with --embedding-from-target the target's")
     add("--kv-heads", type=int, help="default 2; with --embedding-from-target the target's")
     add("--ffn", type=int, help="default 512; with --init-layers-from-target the target's")
+    add("--head-dim", type=int,
+        help="default hidden/heads; with --embedding-from-target and the target's widths the "
+             "target's")
+    add("--init-from", metavar="DIR",
+        help="start from the exported draft in DIR: its architecture (config.json) and weights; "
+             "a fresh optimizer (see the module docstring)")
     add("--init-embeddings-from-target", action="store_true", default=False,
         help="start the embedding from the target's top principal directions")
     add("--embedding-from-target", action="store_true", default=False,
@@ -124,10 +151,57 @@ def given_options(argv: list[str] | None) -> dict:
     return vars(build_parser(with_defaults=False).parse_args(argv))
 
 
+# --init-from: flag, its args attribute, the ModelConfig field it sets
+ARCH_FLAGS = (("--hidden", "hidden", "hidden_size"), ("--layers", "layers", "num_hidden_layers"),
+              ("--heads", "heads", "num_attention_heads"),
+              ("--kv-heads", "kv_heads", "num_key_value_heads"),
+              ("--ffn", "ffn", "intermediate_size"), ("--head-dim", "head_dim", "head_dim"))
+
+
+def apply_init_from(args: argparse.Namespace) -> None:
+    """--init-from DIR on a new run: the architecture flags := DIR/config.json's (refusing any
+    given flag that disagrees), ``args.init_from`` absolute, ``args.init_from_config`` the raw
+    config.json (for distill.json)."""
+    src_dir = args.init_from
+    where = f"--init-from {src_dir}"
+    for flag in ("init_layers_from_target", "init_embeddings_from_target"):
+        if getattr(args, flag):
+            raise SystemExit(f"{where} starts from that draft's weights; --"
+                             f"{flag.replace('_', '-')} would initialise them otherwise: give "
+                             "one of them")
+    path = os.path.join(src_dir, "config.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{where}: no config.json there (expected an exported draft directory)")
+    if os.path.realpath(src_dir) == os.path.realpath(args.out):
+        raise SystemExit(f"{where}: --out is the same directory; the run's exports would "
+                         "overwrite the draft it starts from: give another --out")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        src = ModelConfig.from_hf_dict(raw, path)
+    except (ValueError, CheckpointError) as e:
+        raise SystemExit(f"{where}: {e}") from None
+    conflicts = [f"{flag} {getattr(args, attr)} (its {field} is {getattr(src, field)})"
+                 for flag, attr, field in ARCH_FLAGS
+                 if getattr(args, attr) is not None and getattr(args, attr) != getattr(src, field)]
+    if args.embedding_from_target and not src.embedding_from_target:
+        conflicts.append("--embedding-from-target (its config.json has no "
+                         "ssdlib_embedding_from_target: it stores its own embedding)")
+    if conflicts:
+        raise SystemExit(f"{where}: the architecture comes from {path}, which disagrees with "
+                         f"{'; '.join(conflicts)}: drop those flags")
+    for _, attr, field in ARCH_FLAGS:
+        setattr(args, attr, getattr(src, field))
+    args.embedding_from_target = src.embedding_from_target
+    args.init_from = os.path.abspath(src_dir)
+    args.init_from_config = raw
+
+
 def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse; on --resume, the saved run's settings win except for RESUME_OVERRIDES."""
     args = build_parser().parse_args(argv)
     args.work_dir = args.work_dir or args.out.rstrip("/") + ".work"
+    args.init_from_config = None  # --init-from: the source's config.json (saved with the run)
     saved_path = os.path.join(args.work_dir, "args.json")
     if args.resume:
         if not os.path.exists(saved_path):
@@ -135,6 +209,16 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
         with open(saved_path) as f:
             saved = json.load(f)
         given = given_options(argv)
+        if "init_from" in given:  # only the run's own starting point: nothing to do
+            started = saved.get("init_from")
+            if started is None or (os.path.realpath(started)
+                                   != os.path.realpath(given["init_from"])):
+                raise SystemExit(
+                    f"--resume continues the run in {args.work_dir}, which started from "
+                    f"{started or 'a new draft (no --init-from)'}; --init-from "
+                    f"{given['init_from']} would start another one: drop --resume (with another "
+                    "--out/--work-dir) or drop --init-from")
+            del given["init_from"]
         for key, value in saved.items():
             if key in RESUME_OVERRIDES:
                 continue
@@ -146,6 +230,8 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
         if os.path.exists(os.path.join(args.work_dir, "last.pt")):
             raise SystemExit(f"{args.work_dir} holds a checkpoint: pass --resume, or another "
                              "--out/--work-dir")
+        if args.init_from:
+            apply_init_from(args)
         os.makedirs(args.work_dir, exist_ok=True)
         with open(saved_path, "w") as f:
             json.dump({k: v for k, v in vars(args).items() if k not in RESUME_OVERRIDES}, f,
@@ -207,11 +293,13 @@ def draft_shape(args, target) -> tuple:
         hidden = args.hidden or (target.hidden_size if shared else 128)
         # the target's head_dim when its widths are kept (it need not be hidden / heads)
         keep = shared and hidden == target.hidden_size and heads == target.num_attention_heads
+        head_dim = getattr(args, "head_dim", None)  # runs saved before --head-dim: None
         dcfg = models.draft_config(
             target, hidden, layers, heads,
             args.kv_heads or (target.num_key_value_heads if shared else 2),
             args.ffn or (target.intermediate_size if init_layers else 512),
-            head_dim=target.head_dim if keep else None, embedding_from_target=shared)
+            head_dim=head_dim or (target.head_dim if keep else None),
+            embedding_from_target=shared)
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None
     if init_layers is not None and len(init_layers) != layers:
@@ -262,6 +350,17 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"the draft needs ~{est_bytes / 1e6:.2f} MB > --max-mb {args.max_mb}")
 
     draft = models.build_draft(dcfg, device, max_positions, args.seed)
+    if args.init_from and not args.resume:  # on --resume the checkpoint has the weights
+        try:
+            src = models.init_from_draft(draft, ck, args.init_from)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        differ = [f"{k} {getattr(src, k)} -> {getattr(dcfg, k)}"
+                  for k in ("rms_norm_eps", "rope_theta", "rope_scaling")
+                  if getattr(src, k) != getattr(dcfg, k)]
+        print(f"init: weights from {args.init_from}" + (
+            f" (note: the target's settings differ from its config.json: {', '.join(differ)})"
+            if differ else ""))
     if args.embedding_from_target:  # also on --resume: the checkpoint does not hold it
         models.share_target_embedding(draft, ck)
     if args.init_embeddings_from_target and not args.resume:
@@ -308,7 +407,10 @@ def main(argv: list[str] | None = None) -> dict:
         export()  # resumed at the last step already: still write the output
     report = {
         "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "target": str(args.target), "args": vars(args),
+        "target": str(args.target),
+        "args": {k: v for k, v in vars(args).items() if k != "init_from_config"},
+        "init_from": ({"path": args.init_from, "config": args.init_from_config}
+                      if args.init_from else None),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "device": device.type,
                     "device_name": (torch.cuda.get_device_name(device)

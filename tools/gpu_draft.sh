@@ -10,6 +10,10 @@
 # STEP=data: $OUT/data.safetensors (or .gz) when <= 16 MiB, $OUT/data.json (counts, timings).
 # STEP=train/eval: $OUT/draft_candidates.json (all results), $OUT/cand_NAME.tar (each candidate's
 # checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir).
+# Continuing a candidate in a later session (the machine's work dir is gone, the .tar is left):
+# extract it (mkdir -p .stage/cand/s3 && tar -xf cand_s3.tar -C .stage/cand/s3), carry that dir,
+# and give no architecture flags (they come from its config.json; a fresh optimizer):
+#   CANDIDATES="s3|--init-from .stage/cand/s3 --lr 5e-4" STEP=train bash tools/gpu_draft.sh
 #
 # Time estimates (what they rest on: MODEL_CARD.md of smollm2-135m-draft, one H200: 349 s for
 # 2048 self-instruct + 512 docinstruct answers (+64 held out each) + 4 M pysrc tokens, i.e. about

@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from ssdlib.config import ModelConfig
+from ssdlib.errors import CheckpointError
 from ssdlib.loading import Checkpoint
+from ssdlib.loading.draft import load_draft
 from ssdlib.loading.hf_dir import TARGET_SHARED_TENSORS
 from ssdlib.models.llama import LlamaForCausalLM
 
@@ -165,6 +167,35 @@ def init_layers_from_target(draft: LlamaForCausalLM, ck: Checkpoint, layers: lis
                     "--kv-heads/--ffn equal to the target's")
     for name, module in modules:
         module.load(source, name)
+
+
+@torch.no_grad()
+def init_from_draft(draft: LlamaForCausalLM, ck: Checkpoint, directory: str) -> ModelConfig:
+    """Every weight of ``draft`` := the exported draft in ``directory`` (``load_draft``: a draft
+    stored without its embedding reads the target's), cast to the draft's (float32) dtype.
+    ``draft`` must have ``directory``'s architecture (distill_draft.py --init-from takes it from
+    there). Returns the source's config; raises ValueError when it does not fit ``draft``/``ck``.
+    A shared target embedding is set (and frozen) by :func:`share_target_embedding` after this,
+    exactly as for a fresh --embedding-from-target draft."""
+    where = f"--init-from {directory}"
+    try:
+        source = load_draft(directory, ck)
+    except CheckpointError as e:
+        raise ValueError(f"{where}: {e}") from None
+    src, cfg = source.config, draft.config
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "embedding_from_target")
+    diff = [f"{k} {getattr(src, k)} (the draft: {getattr(cfg, k)})" for k in keys
+            if getattr(src, k) != getattr(cfg, k)]
+    if not src.tie_word_embeddings:
+        diff.append("an untied LM head (distill_draft.py trains tied drafts)")
+    if diff:
+        raise ValueError(f"{where}: the source draft does not fit: {', '.join(diff)}")
+    try:
+        draft.load_weights(source.weights)  # checks every tensor's shape first
+    except CheckpointError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return src
 
 
 def export_hf(draft: LlamaForCausalLM, ck: Checkpoint, out_dir: str, storage_dtype: str) -> int:
