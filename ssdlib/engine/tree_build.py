@@ -84,14 +84,10 @@ class TreeBuildStep:
         self.params = torch.zeros(rows, 4, dtype=torch.float64, device=dev)
         self.streams = torch.zeros(rows, 2, dtype=torch.int64, device=dev)
 
-    def body(self, cand, sent, n, slots, reuse, pos, rank, kv_len: int, hits: bool,
-             sampler=None) -> None:
-        """The build after the candidates, on device tensors (the captured function's body).
-        ``reuse`` [rows]: the branch a hit row continues, -1 elsewhere (``hits``: some row
-        does); ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build."""
+    def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None) -> None:
+        """The build after the candidates, on device tensors (the captured function's body);
+        ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build."""
         K = self.K
-        if hits:
-            cand = self._continue_hits(cand, sent, n, slots, reuse, kv_len)
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
         pick = None if sampler is None else self._sampled_pick(slots, *sampler)
@@ -101,11 +97,14 @@ class TreeBuildStep:
         self.cache.tokens[slots] = tokens
         self.cache.store_keys(slots, fork, first)
 
-    def _continue_hits(self, cand, sent, n, slots, reuse, kv_len: int) -> torch.Tensor:
-        """Rows answered from the cache continue the branch they were answered with: its K
-        tokens' KV moves from the tree scratch into the slot (t* sits at committed - 1), its
-        kept top-C candidates are positions 1..K, and s_K is fed for position K + 1. Other rows
-        keep ``cand`` (their writes go to the scratch slot and are never read)."""
+    def continue_hits(self, cand, sent, n, slots, reuse, kv_len: int) -> None:
+        """Rows answered from the cache (``reuse`` [rows]: their branch, -1 elsewhere) continue
+        the branch they were answered with: its K tokens' KV moves from the tree scratch into
+        the slot (t* sits at committed - 1), its kept top-C candidates become positions 1..K of
+        ``cand`` (in place), and s_K is fed for position K + 1. Other rows keep their ``cand``
+        (their writes go to the scratch slot and are never read). A step of its own, before
+        the build: the build overwrites the tree scratch and the kept candidates this reads,
+        and a captured body must give the same result however often it runs (warm-up)."""
         K, B, r = self.K, self.B, self.runner
         hit = reuse >= 0
         br = reuse.clamp(min=0)
@@ -125,7 +124,7 @@ class TreeBuildStep:
         if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
             last = torch.cat([last, last[:, -1:].expand(-1, C - self.top)], dim=1)
         cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
-        return torch.where(hit.view(-1, 1, 1), cont, cand)
+        cand.copy_(torch.where(hit.view(-1, 1, 1), cont, cand))
 
     def _sampled_pick(self, slots, params: SamplingTensors, streams: RowStreams,
                       fan: tuple, saguaro_c: float):
@@ -190,7 +189,11 @@ class TreeBuildStep:
             if sampled_rows is not None:
                 sampler = self._sampler(host_params.to(dev), host_streams.to(dev), facts, fan,
                                         saguaro_c)
-            self.body(cand, *self._views(ints.to(dev), rows), pos, rank, kv_len, hits, sampler)
+            sent_d, n_d, slots_d, reuse_d = self._views(ints.to(dev), rows)
+            if hits:
+                cand = cand.clone()
+                self.continue_hits(cand, sent_d, n_d, slots_d, reuse_d, kv_len)
+            self.body(cand, sent_d, n_d, slots_d, pos, rank, kv_len, sampler)
             return
         self.ints[:ints.shape[0]].copy_(ints, non_blocking=True)
         self.cand[:b].copy_(cand)
@@ -199,19 +202,26 @@ class TreeBuildStep:
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
-        key = ("tree_build", rows, kv_len, hits)
+        sent_v, n_v, slots_v, reuse_v = self._views(self.ints, rows)
+        if hits:
+            key = ("tree_continue", rows, kv_len)
+            if not self.pool.has(key):
+                self.pool.capture(key, lambda: self.continue_hits(
+                    self.cand[:rows], sent_v, n_v, slots_v, reuse_v, kv_len))
+            self.pool.replay(key)
+        key = ("tree_build", rows, kv_len)
         if sampled_rows is not None:
             self.params[:rows].copy_(host_params, non_blocking=True)
             self.streams[:rows].copy_(host_streams, non_blocking=True)
-            key = ("tree_build_sampled", rows, kv_len, hits, facts, tuple(fan), saguaro_c)
+            key = ("tree_build_sampled", rows, kv_len, facts, tuple(fan), saguaro_c)
         if not self.pool.has(key):
             sampler = None
             if sampled_rows is not None:
                 sampler = self._sampler(self.params[:rows], self.streams[:rows], facts, fan,
                                         saguaro_c)
-            views = self._views(self.ints, rows)
             self.pool.capture(key, lambda: self.body(
-                self.cand[:rows], *views, self.index[0], self.index[1], kv_len, hits, sampler))
+                self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1], kv_len,
+                sampler))
         self.pool.replay(key)
 
     def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: tuple, fan,

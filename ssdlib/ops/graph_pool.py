@@ -99,12 +99,21 @@ def _lookup(table: dict, keys: Iterable[Hashable]) -> list:
 
 
 class EagerPool(GraphPool):
-    """No capture: ``replay`` calls the stored function (CPU, or CUDA graphs turned off)."""
+    """No capture: ``replay`` calls the stored function (CPU, or CUDA graphs turned off).
+    ``warmup`` > 0 runs a function that many times when it is registered, as the graph pools'
+    warm-up does: tests use it to check on CPU that a step tolerates the repeated runs (its
+    body must be idempotent for its inputs)."""
 
     kind = "eager"
 
+    def __init__(self, warmup: int = 0) -> None:
+        super().__init__()
+        _check_options(warmup, "thread_local")
+        self.warmup = warmup
+
     def _capture(self, key: Hashable, fn: StepFn) -> None:
-        pass
+        for _ in range(self.warmup):
+            fn()
 
     def replay(self, key: Hashable) -> None:
         try:
