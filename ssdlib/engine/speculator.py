@@ -19,7 +19,8 @@ from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, lookup
-from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpecLink, SpeculatorStats
+from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpeculatorStats
+from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.engine.timing import RoundTimer

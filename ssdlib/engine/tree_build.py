@@ -1,9 +1,12 @@
-"""The cache build after the candidates as ONE captured step: outcomes -> K tree depths -> the
-cache, greedy or sampled.
+"""The cache build after the fresh rows' candidates as captured steps: a hit's branch
+continued, outcomes -> K tree depths -> the cache, greedy or sampled.
 
-After the candidates of each row's sent speculation are known (``CacheBuilder._candidates``),
-everything else a greedy build does depends only on device data and a few host integers:
+After the candidates of the rows that were not hits are known (``CacheBuilder._candidates``),
+everything else a build does depends only on device data and a few host integers:
 
+0. rows answered from the cache continue their branch (``continue_hits``, a step of its own):
+   its KV moves from the tree scratch into the slot, its kept candidates become positions 1..K,
+   s_K is fed for position K + 1;
 1. the outcomes to cache: branch j forks after ``pos[j]`` speculation tokens and starts with the
    ``rank[j]``-th candidate at that position that is not the speculation's own token;
 2. the branch-to-branch tree mask (same branch, earlier depth) and each branch's slot prefix;
@@ -16,10 +19,12 @@ stream, and stores the q it drew from; the rows' sampling parameters and stream 
 static inputs too, and what the host knows about them (any greedy / sampled row, top-k, top-p)
 is part of the graph's key.
 
-On a GPU with graphs that is one graph replay per round (captured per batch bucket and key
-length), instead of some thirty small launches from the host; ghost rows of the bucket use the
-scratch slot (the cache's last row) and are greedy. Without a graph pool (CPU) the same body runs
-eagerly.
+On a GPU with graphs that is one or two graph replays per round (captured per batch bucket and
+key length), instead of some forty small launches from the host; ghost rows of the bucket use
+the scratch slot (the cache's last row) and are greedy. Step 0 is separate because step 3
+overwrites the tree scratch and kept candidates it reads, and a captured body must give the
+same result however often it runs (the pool's warm-up runs it first). Without a graph pool
+(CPU) the same bodies run eagerly.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: t
 
 
 class TreeBuildStep:
-    """Static inputs and the captured build of one speculator (see the module doc)."""
+    """Static inputs and the captured build steps of one speculator (see the module doc)."""
 
     def __init__(self, runner, cache, branch_top: torch.Tensor, top: int, vocab: int):
         self.runner, self.cache, self.branch_top = runner, cache, branch_top
@@ -178,12 +183,7 @@ class TreeBuildStep:
         hits = any(x >= 0 for x in reuse)
         ints = self._host_ints(rows, sent, lengths, slots, reuse)
         if sampled_rows is not None:
-            params = [r.params for r in sampled_rows] + [GHOST_PARAMS] * (rows - b)
-            host_params = SamplingTensors.host_table(params)
-            host_streams = torch.zeros(rows, 2, dtype=torch.int64)
-            host_streams[:b] = torch.tensor([[r.stream.key, r.stream.reserve(self.K * self.B)]
-                                             for r in sampled_rows], dtype=torch.int64)
-            facts = SamplingTensors.host_facts(params)
+            host_params, host_streams, facts = self._host_sampling(rows, sampled_rows)
         if self.pool is None:
             sampler = None
             if sampled_rows is not None:
@@ -223,6 +223,17 @@ class TreeBuildStep:
                 self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1], kv_len,
                 sampler))
         self.pool.replay(key)
+
+    def _host_sampling(self, rows: int, sampled_rows):
+        """(parameter table [rows, 4], streams [rows, 2] = (key, first counter), the host's
+        facts) of a sampled build; reserves K * B draws of each row's stream; ghost rows are
+        greedy."""
+        b = len(sampled_rows)
+        params = [r.params for r in sampled_rows] + [GHOST_PARAMS] * (rows - b)
+        streams = torch.zeros(rows, 2, dtype=torch.int64)
+        streams[:b] = torch.tensor([[r.stream.key, r.stream.reserve(self.K * self.B)]
+                                    for r in sampled_rows], dtype=torch.int64)
+        return SamplingTensors.host_table(params), streams, SamplingTensors.host_facts(params)
 
     def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: tuple, fan,
                  saguaro_c: float):

@@ -19,7 +19,8 @@ import torch
 from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.metrics import (record_acceptance, record_lookup, record_source,
                                    speculation_source)
-from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpecLink, SpeculatorStats
+from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpeculatorStats
+from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint

@@ -175,7 +175,7 @@ def test_stats_plus_sums_every_field():
 
 def _protocol_rank(results) -> None:
     from ssdlib.distributed.world import init_world
-    from ssdlib.engine.protocol import SpecLink
+    from ssdlib.engine.spec_link import SpecLink
     from ssdlib.engine_config import EngineConfig
 
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))

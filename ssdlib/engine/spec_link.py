@@ -1,0 +1,127 @@
+"""The transport between leader and speculator: :class:`SpecLink` sends and receives the
+messages that ``protocol.py`` defines (their layouts live there, once, for both sides).
+
+Point-to-point send/recv on the two-rank ``spec_group``; tensors on the rank's device (NCCL on
+GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that share a GPU). Host-side
+buffers are pinned on GPU and reused: each waits for its last copy to the device before it is
+written again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ssdlib.engine.protocol import (Admit, ControlFrame, Header, Op, Outcome, Speculation,
+                                    SpeculatorStats)
+
+
+class SpecLink:
+    """The transport: sends and receives the messages above between leader and speculator."""
+
+    def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
+                 vocab_size: int, staged: bool = False):
+        self.group, self.peer, self.device = group, peer, device
+        self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
+        self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
+        pin = torch.device(device).type == "cuda"
+        size = ControlFrame.size(max_batch)
+        self.frame = torch.zeros(size, dtype=torch.int64, device=device)
+        self.frame_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._frame_in: torch.Tensor | None = None  # the last received frame, on the host
+        self.spec_buf = torch.zeros(max_batch, k + 2, dtype=torch.int64, device=device)
+        self.spec_host = torch.zeros(max_batch, k + 2, dtype=torch.int64, pin_memory=pin)
+        self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
+        # the host buffers' last copy to the device, waited for before they are written again
+        self._copied = torch.cuda.Event() if pin else None
+
+    def _send(self, t: torch.Tensor) -> None:
+        dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
+
+    def _recv(self, t: torch.Tensor) -> torch.Tensor:
+        if self.staged:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            dist.recv(host, src=self.peer, group=self.group)
+            t.copy_(host)
+            return t
+        dist.recv(t, src=self.peer, group=self.group)
+        return t
+
+    def _host_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (a pinned buffer), once its last copy to the device is done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return host
+
+    def _send_host(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        """Send ``host`` through its device twin ``dev`` (same shape): one copy, one send."""
+        if self.staged:
+            dist.send(host.clone(), dst=self.peer, group=self.group)
+            return
+        dev.copy_(host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+        self._send(dev)
+
+    def q_buf(self) -> torch.Tensor:
+        if self._q_buf is None:
+            self._q_buf = torch.zeros(self.max_batch, self.k, self.vocab_size,
+                                      dtype=torch.float32, device=self.device)
+        return self._q_buf
+
+    def _send_frame(self, header: Header, outcome: Outcome | None = None) -> None:
+        ControlFrame.pack(self._host_buffer(self.frame_host), header, outcome)
+        self._send_host(self.frame_host, self.frame)
+
+    # -- leader side ------------------------------------------------------------------------
+    def send_admit(self, msg: Admit) -> None:
+        self._send_frame(msg.header())
+        for part in msg.pack():
+            self._send(part.to(self.device))
+
+    def send_outcome(self, msg: Outcome) -> None:
+        if len(msg.slots) > self.max_batch:
+            raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
+        self._send_frame(msg.header(), msg)
+
+    def recv_spec(self, b: int, sampling: bool) -> Speculation:
+        """The int64 part is read back here (one copy, the round's wait); q stays on the
+        device."""
+        host = self._recv(self.spec_buf[:b]).cpu()
+        q = self._recv(self.q_buf()[:b]) if sampling else None
+        return Speculation.unpack(host, q)
+
+    def recv_stats(self) -> SpeculatorStats:
+        buf = torch.zeros(SpeculatorStats.SIZE, dtype=torch.float64, device=self.device)
+        return SpeculatorStats.unpack(self._recv(buf))
+
+    def send_shutdown(self) -> None:
+        self._send_frame(Header(Op.SHUTDOWN))
+
+    # -- speculator side --------------------------------------------------------------------
+    def recv_header(self) -> Header:
+        """Receive a frame (one read-back) and return its header; an OUTCOME's rows are in
+        hand with it (``recv_outcome``)."""
+        self._frame_in = self._recv(self.frame).cpu()
+        return ControlFrame.unpack(self._frame_in)[0]
+
+    def recv_admit(self, header: Header) -> Admit:
+        parts = [self._recv(t).cpu() for t in Admit.empty(header, self.device)]
+        return Admit.unpack(*parts)
+
+    def recv_outcome(self, header: Header) -> Outcome:
+        """The OUTCOME whose ``header`` was just received (its rows came in the same frame)."""
+        return Outcome.unpack(ControlFrame.unpack(self._frame_in)[1][:header.b], header)
+
+    def send_spec(self, spec: Speculation) -> None:
+        """tokens, kinds and hit may be host tensors (packed on the host, one copy); q is a
+        device tensor."""
+        b = spec.tokens.shape[0]
+        q_out = self.q_buf() if spec.q is not None else None
+        parts = spec.pack(self._host_buffer(self.spec_host), q_out)
+        self._send_host(parts[0], self.spec_buf[:b])
+        if len(parts) > 1:
+            self._send(parts[1])
+
+    def send_stats(self, stats: SpeculatorStats) -> None:
+        self._send(stats.pack().to(self.device))
