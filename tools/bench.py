@@ -309,6 +309,11 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
               f"{fmt(r.get('decode_tok_s'), '.1f', 9)} {fmt(r.get('acceptance_rate'), '.3f', 7)} "
               f"{fmt(r.get('tokens_per_round'), '.2f', 7)} {fmt(r.get('hit_rate'), '.3f', 6)} "
               f"{fmt(r.get('verifier_idle_frac'), '.3f', 6)} {str(same):>10}")
+    for r in rows:  # SSD: where its speculations came from and how many tokens each kept
+        by_source = r.get("accepted_by_source")
+        if by_source:
+            print(f"{r['mode']} accepted by source (mean tokens, rounds): " + ", ".join(
+                f"{s} {v['mean_accepted']:.2f} ({v['rounds']})" for s, v in by_source.items()))
     if not breakdowns:
         return
     phases = sorted({k for b in breakdowns for k in b["ms_per_round"]}, key=_phase_rank)

@@ -86,6 +86,16 @@ def test_breakdown_and_table_carry_the_speculators_phases(capsys):
     assert next(line for line in lines if line.startswith("ar")).split()[-6:] == ["-"] * 6
 
 
+def test_table_prints_ssd_acceptance_by_source(capsys):
+    row = {"mode": "ssd", "batch": 1, "tok_s": 10.0,
+           "accepted_by_source": {"cache": {"rounds": 6, "mean_accepted": 2.5},
+                                  "ngram": {"rounds": 2, "mean_accepted": 0.5}}}
+    print_tables([dict(row, mode="ar", accepted_by_source=None), row], [])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "accepted by source" in x]
+    assert lines == ["ssd accepted by source (mean tokens, rounds): cache 2.50 (6), "
+                     "ngram 0.50 (2)"]
+
+
 def test_token_id_prompts_need_no_tokenizer(tiny_dirs):
     assert encode_prompts(tiny_dirs["smol_heads"], PROMPTS, chat=True) == [[5, 6, 7, 8, 9],
                                                                            [10, 11, 12]]
