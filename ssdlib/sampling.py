@@ -13,7 +13,7 @@ Python and no host read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -86,6 +86,16 @@ def _top_p_cut(probs: torch.Tensor, top_p) -> torch.Tensor:
     return cut / cut.sum(dim=-1, keepdim=True)
 
 
+class SamplingFacts(NamedTuple):
+    """What the host knows of a batch's sampling parameters without reading the device (lets
+    :func:`target_distributions` skip work; part of a captured sampled step's key)."""
+
+    any_greedy: bool
+    any_sampled: bool
+    max_top_k: int  # >= the largest top_k of a sampled row (0: no row uses top-k)
+    any_top_p: bool  # a sampled row has top_p < 1
+
+
 @dataclass(frozen=True, eq=False)
 class SamplingTensors:
     """The sampling parameters of a batch's rows as [b] device tensors, plus facts known on the
@@ -119,21 +129,24 @@ class SamplingTensors:
                             dtype=torch.float64).reshape(-1, 4)
 
     @staticmethod
-    def host_facts(params: Sequence[SamplingParams]) -> tuple[bool, bool, int, bool]:
-        """(any_greedy, any_sampled, max_top_k, any_top_p): what the host knows of a batch."""
+    def host_facts(params: Sequence[SamplingParams]) -> SamplingFacts:
+        """What the host knows of a batch's parameters."""
         sampled = [p for p in params if not p.greedy]
-        return (len(sampled) < len(params), bool(sampled),
-                max((p.top_k for p in sampled), default=0),
-                any(p.top_p < 1.0 for p in sampled))
+        max_top_k = max((p.top_k for p in sampled), default=0)
+        # rounded up to a power of two: top-k keeps the k-th largest of the top max_top_k, any
+        # bound >= every row's k gives the same result, and few values keep graph keys few
+        return SamplingFacts(len(sampled) < len(params), bool(sampled),
+                             1 << (max_top_k - 1).bit_length() if max_top_k > 0 else 0,
+                             any(p.top_p < 1.0 for p in sampled))
 
     @classmethod
-    def from_table(cls, table: torch.Tensor, facts: tuple[bool, bool, int, bool]
-                   ) -> "SamplingTensors":
-        """Over a :meth:`host_table` on the device (a captured step's static buffer too)."""
-        any_greedy, any_sampled, max_top_k, any_top_p = facts
+    def from_table(cls, table: torch.Tensor, facts: SamplingFacts) -> "SamplingTensors":
+        """Over a :meth:`host_table` on the device. The tensors are computed from ``table``
+        (not views of it): a captured step must call this inside its body, so that each replay
+        reads the table's current values."""
         return cls(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3] > 0,
-                   any_greedy=any_greedy, any_sampled=any_sampled, max_top_k=max_top_k,
-                   any_top_p=any_top_p)
+                   any_greedy=facts.any_greedy, any_sampled=facts.any_sampled,
+                   max_top_k=facts.max_top_k, any_top_p=facts.any_top_p)
 
     @property
     def batch(self) -> int:

@@ -3,8 +3,9 @@
 For a sent speculation s_1..s_K of a row with n committed tokens:
 1. candidates: the draft's top-C tokens at the K+1 positions of the speculation. On a hit they are
    reused from drafting its branch (the branch KV is copied from the tree scratch into the slot
-   and only s_K is fed, inside the captured build step); otherwise one draft forward over the
-   tokens the draft has not committed yet plus s_1..s_K (which leaves their KV in the slot);
+   and only s_K is fed: a captured step before the build, tree_build.py); otherwise one draft
+   forward over the tokens the draft has not committed yet plus s_1..s_K (which leaves their KV
+   in the slot);
 2. outcomes (fan-out): at position k < K the top-F_k draft tokens other than s_{k+1} (the bonus
    after a rejection at k+1 cannot be s_{k+1}), at k = K the top-F_K; B = sum F_k branches per row;
 3. K tree-decode steps draft every branch at once: branch (k, t) holds t at position n+k, then its
@@ -54,8 +55,8 @@ class CacheBuilder:
         lengths = [len(r.tokens) for r in rows]  # committed
         kv_len = max(lengths) + K  # > every slot key a branch sees
         pos, rank = self._branch_index(tuple(fan))  # [B] each
-        # one captured step on GPU (tree_build.py): hit rows' continuation, outcomes, K tree
-        # depths (greedy or sampled), the cache stores
+        # captured steps on GPU (tree_build.py): hit rows' continuation, then outcomes, K tree
+        # depths (greedy or sampled) and the cache stores
         self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
                            reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
         return sum(x >= 0 for x in reuse)
@@ -78,7 +79,7 @@ class CacheBuilder:
     def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, list[int]]:
         """Top-C draft tokens at positions 1..K+1 of each row's sent speculation [b, K+1, C]
         for the rows that were not hits (first round, fallbacks); a hit row (its branch is in
-        ``reuse``, else -1) continues its drafted branch inside the build step instead."""
+        ``reuse``, else -1) continues its drafted branch in tree_build's continuation step."""
         cand = torch.zeros(len(rows), self.K + 1, self.C, dtype=torch.int64, device=self.device)
         reuse = [-1 if r.reuse is None else r.reuse for r in rows]
         for r in rows:

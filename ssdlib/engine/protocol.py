@@ -4,8 +4,8 @@
 Each message is a small dataclass that knows its wire layout: ``pack`` turns it into the tensors
 that travel (one per message part, fixed dtype), ``unpack`` turns received tensors back into it.
 :class:`~ssdlib.engine.spec_link.SpecLink` (``spec_link.py``) moves them: point-to-point
-send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that
-share a GPU). Nothing is pickled.
+send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on GPU, gloo on
+CPU; ``staged``: gloo through host memory for ranks that share a GPU). Nothing is pickled.
 
 Leader -> speculator messages start with a control frame: int64 [8 + 4 * max_batch] = the
 :class:`Header`, then OUTCOME's rows (zeros for other messages). An OUTCOME is therefore one
@@ -190,9 +190,10 @@ class Speculation:
                    None if q is None else q.clone())
 
 
-# the speculator's phases of an OUTCOME round, in round order: from the header to the lookup
-# (the outcomes' commit), the cache lookup and its read-back, the missed rows' fallback (a
-# JitSpeculator's whole drafting), the answer's bookkeeping and send, the cache build
+# the speculator's phases of an OUTCOME round, in round order: from the frame to the lookup
+# (the outcomes' commit), the cache lookup on its host mirror, the missed rows' fallback (a
+# JitSpeculator's whole drafting), the answer's send, the cache build (with the answer's
+# bookkeeping before it)
 SPEC_PHASES = ("commit", "lookup", "fallback", "send", "build")
 
 

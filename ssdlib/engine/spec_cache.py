@@ -7,7 +7,8 @@ the *next* round: building overwrites, lookup reads.
 Lookup answers an outcome on the speculator's critical path (the verifier waits for it), so it
 reads a host mirror of the keys and tokens instead of the device: after each build, ``publish``
 queues one device-to-host copy (pinned memory on GPU) that lands while the verifier verifies;
-the lookup then waits on nothing and launches nothing.
+the lookup launches nothing and waits only for that copy, i.e. for the end of the build (already
+past unless the build outlasted the verify).
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ class SpeculationCache:
             self._q = torch.zeros(self.ready.shape[0], self.B, self.K, self.V,
                                   dtype=torch.float32, device=self.device)
         return self._q
-
-    def clear(self) -> None:
-        self.ready.zero_()
-        self.fork.fill_(-1)
-        self.publish()
 
     def publish(self) -> None:
         """Queue the copy of the keys, tokens and ready flags to the host mirror (after a

@@ -17,7 +17,8 @@ from ssdlib.engine.protocol import (Admit, ControlFrame, Header, Op, Outcome, Sp
 
 
 class SpecLink:
-    """The transport: sends and receives the messages above between leader and speculator."""
+    """The transport: sends and receives protocol.py's messages between leader and
+    speculator."""
 
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
                  vocab_size: int, staged: bool = False):
@@ -111,6 +112,8 @@ class SpecLink:
 
     def recv_outcome(self, header: Header) -> Outcome:
         """The OUTCOME whose ``header`` was just received (its rows came in the same frame)."""
+        if self._frame_in is None:
+            raise RuntimeError("recv_outcome before recv_header: the rows come with the frame")
         return Outcome.unpack(ControlFrame.unpack(self._frame_in)[1][:header.b], header)
 
     def send_spec(self, spec: Speculation) -> None:

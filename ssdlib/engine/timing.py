@@ -32,7 +32,7 @@ class RoundTimer:
         return ev
 
     def start(self) -> None:
-        self._marks = []
+        self._marks = []  # first: _now picks its event by the number of marks so far
         self._marks = [("", self._now())]
 
     def mark(self, phase: str) -> None:

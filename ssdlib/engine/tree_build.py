@@ -35,7 +35,7 @@ from ssdlib.engine.sampler import sample_branches
 from ssdlib.engine.step_graphs import batch_bucket
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
-from ssdlib.sampling import SamplingParams, SamplingTensors
+from ssdlib.sampling import SamplingFacts, SamplingParams, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
 GHOST_PARAMS = SamplingParams()  # ghost rows of a sampled build: greedy
@@ -215,13 +215,17 @@ class TreeBuildStep:
             self.streams[:rows].copy_(host_streams, non_blocking=True)
             key = ("tree_build_sampled", rows, kv_len, facts, tuple(fan), saguaro_c)
         if not self.pool.has(key):
-            sampler = None
             if sampled_rows is not None:
-                sampler = self._sampler(self.params[:rows], self.streams[:rows], facts, fan,
-                                        saguaro_c)
-            self.pool.capture(key, lambda: self.body(
-                self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1], kv_len,
-                sampler))
+                self.cache.q  # allocated now: not inside a warm-up or a capture
+
+            def step():
+                # the sampler inside the body: its tensors are computed from the static tables
+                # at every replay (a sampler built once would keep the first round's values)
+                sampler = None if sampled_rows is None else self._sampler(
+                    self.params[:rows], self.streams[:rows], facts, fan, saguaro_c)
+                self.body(self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1],
+                          kv_len, sampler)
+            self.pool.capture(key, step)
         self.pool.replay(key)
 
     def _host_sampling(self, rows: int, sampled_rows):
@@ -235,7 +239,7 @@ class TreeBuildStep:
                                     for r in sampled_rows], dtype=torch.int64)
         return SamplingTensors.host_table(params), streams, SamplingTensors.host_facts(params)
 
-    def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: tuple, fan,
+    def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: SamplingFacts, fan,
                  saguaro_c: float):
         """(SamplingTensors, RowStreams, fan-out, C) over the device tables ``params`` [rows, 4]
         and ``streams`` [rows, 2] (static buffers when captured)."""

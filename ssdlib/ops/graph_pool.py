@@ -108,7 +108,7 @@ class EagerPool(GraphPool):
 
     def __init__(self, warmup: int = 0) -> None:
         super().__init__()
-        _check_options(warmup, "thread_local")
+        _check_warmup(warmup)
         self.warmup = warmup
 
     def _capture(self, key: Hashable, fn: StepFn) -> None:
@@ -133,9 +133,13 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _check_options(warmup: int, capture_error_mode: str) -> None:
+def _check_warmup(warmup: int) -> None:
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+
+
+def _check_options(warmup: int, capture_error_mode: str) -> None:
+    _check_warmup(warmup)
     if capture_error_mode not in CAPTURE_MODES:
         raise ValueError(f"capture_error_mode must be one of {CAPTURE_MODES}, got {capture_error_mode!r}")
 

@@ -78,6 +78,8 @@ def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, v
     or already drawn as ``random_rows`` ([b][K] tokens, :func:`random_tokens_host`).
     """
     b = len(sequences)
+    if random_rows is not None and generators is not None:
+        raise ValueError("give generators or random_rows, not both")
     if random_rows is None:
         random_rows = random_tokens(generators, b, K, vocab_size).tolist()
     tokens, kinds = [], []

@@ -50,9 +50,35 @@ def test_cache_lookup_matches_reference():
     hit, _, _ = cache.lookup([2, 3], [int(fork[1, 0]), int(fork[2, 0])],
                              [int(bonus[1, 0]), int(bonus[2, 0])])
     assert hit.tolist() == [False, True]
-    cache.clear()
+    cache.invalidate(rows.tolist())
     hit, _, _ = cache.lookup(rows.tolist(), fork[:, 0].tolist(), bonus[:, 0].tolist())
     assert not bool(hit.any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cache_host_mirror_on_cuda():
+    """The asynchronous path: keys stored on the GPU, published to pinned memory, looked up at
+    once (the lookup waits for the copy), then a row invalidated on both sides."""
+    dev = torch.device("cuda")
+    B, K, V = 4, 3, 50
+    cache = SpeculationCache(6, B, K, V, dev)
+    assert cache.host_fork.is_pinned() and cache.host_tokens.is_pinned()
+    rows = torch.tensor([0, 3], device=dev)
+    fork = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], device=dev)
+    bonus = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]], device=dev)
+    tokens = torch.arange(2 * B * K, device=dev).view(2, B, K)
+    for _ in range(3):  # several rounds: every publish lands before its lookup
+        torch.cuda._sleep(10_000_000)  # keep the stream busy so the copy is still queued
+        cache.tokens[rows] = tokens
+        cache.store_keys(rows, fork, bonus)
+        cache.publish()
+        hit, branch, found = cache.lookup([0, 3], [2, 0], [7, 12])
+        assert hit.tolist() == [True, True] and branch.tolist() == [2, 3]
+        assert found.tolist() == tokens[[0, 1], [2, 3]].cpu().tolist()
+        tokens = tokens + 100
+    cache.invalidate([3])
+    hit, _, _ = cache.lookup([0, 3], [2, 0], [7, 12])
+    assert hit.tolist() == [True, False]
 
 
 # ---- messages -------------------------------------------------------------------------------

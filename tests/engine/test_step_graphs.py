@@ -274,6 +274,9 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
         steps.append(TreeBuildStep(r, cache, top, C, V))
         caches.append(cache)
     for round_ in range(2):
+        if round_ == 1:  # rows 0 and 1 swap parameters; the batch's facts (the key) stay
+            for rs in row_sets:
+                rs[0].params, rs[1].params = rs[1].params, rs[0].params
         cand = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)
         sent = torch.randint(0, V, (3, K), generator=g)
         n = [x - K + round_ for x in lens]
@@ -299,8 +302,9 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
             tok, q = sample_branches(lg.float(), st, streams.uniforms(B, start=d * B), fan[d], c)
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
             assert torch.allclose(cb.q[idx, :, d].cpu(), q.cpu(), atol=1e-6)
-        # the greedy row's branch tokens are argmaxes: its q is one-hot
-        assert torch.equal(cb.q[slots[1]].amax(-1).cpu(), torch.ones(B, K))
+        # the greedy row's branch tokens are argmaxes: its q is one-hot (row 1, then row 0)
+        greedy_slot = slots[1] if round_ == 0 else slots[0]
+        assert torch.equal(cb.q[greedy_slot].amax(-1).cpu(), torch.ones(B, K))
 
 
 def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
