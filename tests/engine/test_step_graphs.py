@@ -171,15 +171,20 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("device,pool_kind", kinds())
-def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind):
-    """A row answered from the cache continues its branch inside the build step (branch KV
+def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind, sampled):
+    """A row answered from the cache continues its branch in the continuation step (branch KV
     moved from the tree scratch into the slot, kept candidates, s_K fed), next to rows that
-    were not hits: == doing those steps by hand on an eager runner, then the build with every
-    row's candidates given."""
+    were not hits, before a greedy or a sampled build: == doing those steps by hand on an
+    eager runner, then the build with every row's candidates given."""
+    from types import SimpleNamespace
+
     from ssdlib.engine.batching import last_index, pack_rows
     from ssdlib.engine.spec_cache import SpeculationCache
     from ssdlib.engine.tree_build import TreeBuildStep
+    from ssdlib.sampling import SamplingParams
+    from ssdlib.speculative.rng import RowStream
 
     ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
     _, ref, _ = runners(tiny_dirs["smol_heads"], device, "eager")
@@ -212,8 +217,16 @@ def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind):
     sent1[0] = cache0.tokens[slots[0], j].cpu()  # the hit's speculation is the cached branch
     cand1 = torch.randint(0, V, (3, K + 1, C), generator=g).to(device)  # rows 1, 2's
     reuse = [j, -1, -1]
+
+    def how():  # round 1's build: greedy, or sampled with the same streams on every runner
+        if not sampled:
+            return {}
+        rows = [SimpleNamespace(params=SamplingParams(temperature=t),
+                                stream=RowStream.from_seed(3, r))
+                for r, t in enumerate((0.9, 0.0, 1.1))]
+        return dict(sampled_rows=rows, fan=tuple(fan), saguaro_c=0.5)
     for step in steps[:2]:
-        step.run(cand1, sent1.tolist(), n1, slots, pos, rank, max(n1) + K, reuse)
+        step.run(cand1, sent1.tolist(), n1, slots, pos, rank, max(n1) + K, reuse, **how())
     # by hand on `ref`: move the branch KV, take its kept candidates, feed s_K
     kv, (_, ref_top) = ref.cache, caches[2]
     dest = torch.tensor([[n1[0] - 1 + d for d in range(K)]], device=device)
@@ -225,15 +238,19 @@ def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind):
     want[0, :K] = ref_top[slots[0], j]
     lg = ref.forward(sent1[:1, K - 1:], torch.tensor([[n1[0] + K - 1]]), torch.tensor(slots[:1]))
     want[0, K] = lg[0, 0].topk(C).indices
-    steps[2].run(want, sent1.tolist(), n1, slots, pos, rank, max(n1) + K)
+    steps[2].run(want, sent1.tolist(), n1, slots, pos, rank, max(n1) + K, **how())
     idx = torch.tensor(slots, device=device)
     (ca, ta), (cb, tb), (cr, tr) = caches
     for x, y, z in ((ca.tokens, cb.tokens, cr.tokens), (ca.bonus, cb.bonus, cr.bonus),
                     (ta, tb, tr)):
         assert x[idx].cpu().tolist() == y[idx].cpu().tolist() == z[idx].cpu().tolist()
+    if sampled:
+        assert torch.allclose(ca.q[idx].cpu(), cr.q[idx].cpu(), atol=1e-6)
+        assert torch.allclose(cb.q[idx].cpu(), cr.q[idx].cpu(), atol=1e-6)
     # the hit row's slot now holds the branch's KV at its committed positions
     assert torch.allclose(eager.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K],
                           ref.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K])
+
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
 def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind):
