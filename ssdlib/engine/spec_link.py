@@ -48,6 +48,15 @@ class SpecLink:
         dist.recv(t, src=self.peer, group=self.group)
         return t
 
+    def _recv_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Receive into ``t`` (the device buffer) and return the message on the host; a staged
+        link receives on the host and skips the device."""
+        if self.staged:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            dist.recv(host, src=self.peer, group=self.group)
+            return host
+        return self._recv(t).cpu()
+
     def _host_buffer(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` (a pinned buffer), once its last copy to the device is done."""
         if self._copied is not None:
@@ -88,7 +97,7 @@ class SpecLink:
     def recv_spec(self, b: int, sampling: bool) -> Speculation:
         """The int64 part is read back here (one copy, the round's wait); q stays on the
         device."""
-        host = self._recv(self.spec_buf[:b]).cpu()
+        host = self._recv_to_host(self.spec_buf[:b])
         q = self._recv(self.q_buf()[:b]) if sampling else None
         return Speculation.unpack(host, q)
 
@@ -103,11 +112,11 @@ class SpecLink:
     def recv_header(self) -> Header:
         """Receive a frame (one read-back) and return its header; an OUTCOME's rows are in
         hand with it (``recv_outcome``)."""
-        self._frame_in = self._recv(self.frame).cpu()
+        self._frame_in = self._recv_to_host(self.frame)
         return ControlFrame.unpack(self._frame_in)[0]
 
     def recv_admit(self, header: Header) -> Admit:
-        parts = [self._recv(t).cpu() for t in Admit.empty(header, self.device)]
+        parts = [self._recv_to_host(t) for t in Admit.empty(header, self.device)]
         return Admit.unpack(*parts)
 
     def recv_outcome(self, header: Header) -> Outcome:
