@@ -44,7 +44,7 @@ def record_lookup(m: dict, k: int, hit: bool, kind: int) -> None:
     entry[1] += int(hit)
     if not hit:
         fb = m.setdefault("fallbacks", {})
-        name = FALLBACK_NAMES.get(kind, "other")
+        name = speculation_source(hit, kind)
         fb[name] = fb.get(name, 0) + 1
 
 

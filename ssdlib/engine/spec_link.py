@@ -39,23 +39,22 @@ class SpecLink:
     def _send(self, t: torch.Tensor) -> None:
         dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
 
+    def _recv_staged(self, t: torch.Tensor) -> torch.Tensor:
+        """A staged link's receive: a host tensor shaped like ``t``."""
+        host = torch.empty(t.shape, dtype=t.dtype)
+        dist.recv(host, src=self.peer, group=self.group)
+        return host
+
     def _recv(self, t: torch.Tensor) -> torch.Tensor:
         if self.staged:
-            host = torch.empty(t.shape, dtype=t.dtype)
-            dist.recv(host, src=self.peer, group=self.group)
-            t.copy_(host)
-            return t
+            return t.copy_(self._recv_staged(t))
         dist.recv(t, src=self.peer, group=self.group)
         return t
 
     def _recv_to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Receive into ``t`` (the device buffer) and return the message on the host; a staged
         link receives on the host and skips the device."""
-        if self.staged:
-            host = torch.empty(t.shape, dtype=t.dtype)
-            dist.recv(host, src=self.peer, group=self.group)
-            return host
-        return self._recv(t).cpu()
+        return self._recv_staged(t) if self.staged else self._recv(t).cpu()
 
     def _host_buffer(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` (a pinned buffer), once its last copy to the device is done."""

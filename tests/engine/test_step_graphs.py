@@ -34,6 +34,26 @@ def kinds():
     return out
 
 
+def stepwise_tree(runner, cand, sent, n, slots, pos, rank, kv_len, pick):
+    """The reference for the build steps: the branch outcomes, then one ``tree_forward`` per
+    depth on ``runner``, ``pick(d, logits)`` choosing every branch's next token; yields
+    (depth, tokens [b, B])."""
+    from ssdlib.engine.tree_build import branch_outcomes
+    from ssdlib.ops.tree_mask import tree_mask_full
+
+    dev = cand.device
+    b, K, B = cand.shape[0], sent.shape[1], pos.shape[0]
+    fork, tok = branch_outcomes(cand, sent.to(dev), pos, rank)
+    kv_limit = torch.tensor(n, device=dev).view(-1, 1) + fork
+    full = tree_mask_full(fork, K, K)[..., K:]
+    for d in range(K):
+        lg = runner.tree_forward(tok, kv_limit + d, torch.tensor(slots),
+                                 (d * B + torch.arange(B)).expand(b, B), kv_limit,
+                                 full[:, d * B:(d + 1) * B, :B * (d + 1)], kv_len)
+        tok = pick(d, lg)
+        yield d, tok
+
+
 def test_batch_buckets():
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 16, 24]
 
@@ -123,7 +143,6 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
     from ssdlib.engine.batching import last_index, pack_rows
     from ssdlib.engine.spec_cache import SpeculationCache
     from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
-    from ssdlib.ops.tree_mask import tree_mask_full
 
     ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
     V, K, C = ck.config.vocab_size, 3, 5
@@ -160,14 +179,8 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
         # stepwise reference on the eager runner
         fork, first = branch_outcomes(cand, sent.to(device), pos, rank)
         assert (fork[0] == pos).all() and (first[0, 0] != sent[0, 0].to(device))
-        kv_limit = torch.tensor(n, device=device).view(-1, 1) + fork
-        full = tree_mask_full(fork, K, K)[..., K:]
-        tok = first
-        for d in range(K):
-            lg = eager.tree_forward(tok, kv_limit + d, torch.tensor(slots),
-                                    (d * B + torch.arange(B)).expand(3, B), kv_limit,
-                                    full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens) + K)
-            tok = lg.argmax(-1)
+        for d, tok in stepwise_tree(eager, cand, sent, n, slots, pos, rank, max(lens) + K,
+                                    lambda d, lg: lg.argmax(-1)):
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
 
 
@@ -262,8 +275,7 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
     from ssdlib.engine.batching import last_index, pack_rows
     from ssdlib.engine.sampler import sample_branches, sampling_tensors
     from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
-    from ssdlib.ops.tree_mask import tree_mask_full
+    from ssdlib.engine.tree_build import TreeBuildStep
     from ssdlib.sampling import SamplingParams
     from ssdlib.speculative.rng import RowStream, RowStreams
 
@@ -308,17 +320,15 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
         ref_rows = row_sets[2]
         streams = RowStreams.reserve([r.stream for r in ref_rows], K * B, device)
         st = sampling_tensors(ref_rows, device)
-        fork, first = branch_outcomes(cand, sent.to(device), pos, rank)
-        kv_limit = torch.tensor(n, device=device).view(-1, 1) + fork
-        full = tree_mask_full(fork, K, K)[..., K:]
-        tok = first
-        for d in range(K):
-            lg = eager.tree_forward(tok, kv_limit + d, torch.tensor(slots),
-                                    (d * B + torch.arange(B)).expand(3, B), kv_limit,
-                                    full[:, d * B:(d + 1) * B, :B * (d + 1)], max(lens) + K)
-            tok, q = sample_branches(lg.float(), st, streams.uniforms(B, start=d * B), fan[d], c)
+        qs = {}
+
+        def pick(d, lg):
+            tok, qs[d] = sample_branches(lg.float(), st, streams.uniforms(B, start=d * B),
+                                         fan[d], c)
+            return tok
+        for d, tok in stepwise_tree(eager, cand, sent, n, slots, pos, rank, max(lens) + K, pick):
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
-            assert torch.allclose(cb.q[idx, :, d].cpu(), q.cpu(), atol=1e-6)
+            assert torch.allclose(cb.q[idx, :, d].cpu(), qs[d].cpu(), atol=1e-6)
         # the greedy row's branch tokens are argmaxes: its q is one-hot (row 1, then row 0)
         greedy_slot = slots[1] if round_ == 0 else slots[0]
         assert torch.equal(cb.q[greedy_slot].amax(-1).cpu(), torch.ones(B, K))
