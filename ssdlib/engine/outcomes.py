@@ -1,5 +1,8 @@
-"""Answering an outcome on the speculator: the cache lookup, the choice of backup for the rows
-that missed (Thm 17), and the backups themselves -- the draft just in time (jit), n-gram, random.
+"""Answering an outcome on the speculator: the leader chose each row's next speculation (a
+cache hit, a fallback drawn on its host, or a jit request, ``cache_mirror.py``); here the jit rows
+are drafted now, a sampling exchange's q is gathered, and the rows' speculations in flight are
+recorded. :class:`Fallbacks` holds the choice of backup for misses (Thm 17) that each CACHE
+tells the leader.
 
 Every answer declares the q its tokens were drawn from (QKind), so the verifier stays exact.
 """
@@ -11,13 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlib.engine.protocol import Speculation
-from ssdlib.engine.batching import to_device
-from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.engine.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
-from ssdlib.speculative.ngram import ngram_or_random, random_tokens_host
 
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
@@ -56,36 +56,42 @@ class Answer:
             row.fed = False
             row.kind = kind
 
+    @classmethod
+    def from_outcome(cls, outcome: Outcome, live: list[int], vocab_size: int,
+                     device) -> tuple["Answer", list[int]]:
+        """The speculations the leader chose for rows ``live`` (positions in ``outcome``):
+        CACHE and LOCAL rows filled in (q of a hit not yet); -> (answer, the positions in the
+        answer of the JIT rows, to draft)."""
+        n, k = len(live), outcome.k
+        hit = torch.tensor([outcome.choice[i] == Choice.CACHE for i in live], dtype=torch.bool)
+        branch = torch.tensor([outcome.arg[i] if outcome.choice[i] == Choice.CACHE else 0
+                               for i in live], dtype=torch.int64)
+        ans = cls.blank(n, k, vocab_size, device, outcome.sampling, hit, branch)
+        jit = []
+        for j, i in enumerate(live):
+            choice = outcome.choice[i]
+            if choice == Choice.JIT:
+                jit.append(j)
+                continue
+            ans.tokens[j] = torch.tensor(outcome.tokens[i], dtype=torch.int64)
+            ans.kinds[j] = int(QKind.DENSE) if choice == Choice.CACHE else outcome.arg[i]
+        return ans, jit
+
     def in_order(self, live: list[int], order: list[int]) -> Speculation:
         """The SPEC message: rows in the outcome's ``order`` of slots (inactive rows: zeros);
-        tokens, kinds and hit on the host, q on the device."""
+        tokens and kinds on the host, q on the device."""
         if live == order:
-            return Speculation(self.tokens, self.kinds, self.hit, self.q)
+            return Speculation(self.tokens, self.kinds, self.q)
         pos = torch.tensor([order.index(s_) for s_ in live])
         n, k = len(order), self.tokens.shape[1]
         tokens = torch.zeros(n, k, dtype=torch.int64)
         kinds = torch.zeros(n, dtype=torch.int64)
-        hit = torch.zeros(n, dtype=torch.bool)
-        tokens[pos], kinds[pos], hit[pos] = self.tokens, self.kinds, self.hit
+        tokens[pos], kinds[pos] = self.tokens, self.kinds
         q = None
         if self.q is not None:
             q = torch.zeros(n, k, self.q.shape[-1], device=self.q.device)
             q[pos.to(self.q.device)] = self.q
-        return Speculation(tokens, kinds, hit, q)
-
-
-def lookup(cache: SpeculationCache, slots: list[int], ks: list[int], bonus: list[int],
-           sampling: bool) -> Answer:
-    """Look the outcomes (k, t*) of rows ``slots`` up in the cache's host mirror; the answer
-    holds the hits' cached speculations (and q, gathered on the device), zeros for the misses."""
-    hit, branch, tokens = cache.lookup(slots, ks, bonus)
-    ans = Answer.blank(len(slots), cache.K, cache.V, cache.device, sampling, hit, branch)
-    ans.tokens[:] = tokens
-    if ans.q is not None and bool(hit.any()):
-        dev = cache.device
-        ans.q[:] = (cache.q[to_device(slots, dev), branch.to(dev)]
-                    * hit.to(dev)[:, None, None])
-    return ans
+        return Speculation(tokens, kinds, q)
 
 
 def draft_jit(drafter, rows: list[SpecRow], k: int, want_q: bool):
@@ -141,24 +147,9 @@ class Fallbacks:
         return choose_fallback(n_rows, hits / lookups, a_p, self.K, self.t_jit / t_round,
                                NGRAM_COST, self.ngram_acceptance())
 
-    def fill(self, kind: str, rows: list[SpecRow], local: list[int], ans: Answer) -> None:
-        """Answer ``rows`` (positions ``local`` of ``ans``) with backup ``kind``."""
-        loc = torch.tensor(local)
-        if kind == "jit":
-            t0 = time.perf_counter()
-            answer_jit(self.drafter, rows, self.K, ans, loc)
-            # after the read-back, so the cost includes the drafting on the device
-            self.t_jit = time.perf_counter() - t0
-            return
-        # K draws per row, on the host (Python ints: the same numbers as the device streams,
-        # and these answers must neither wait on the draft's GPU nor pay for tensor ops)
-        drawn = random_tokens_host([r.stream for r in rows], self.K, self.V)
-        if kind == "ngram":
-            toks, dq = ngram_or_random([r.tokens for r in rows], self.K, self.V,
-                                       random_rows=drawn)
-            kinds = dq.kinds.cpu()
-        else:
-            toks = torch.tensor(drawn, dtype=torch.int64).view(len(rows), self.K)
-            kinds = torch.full((len(rows),), int(QKind.UNIFORM))
-        ans.tokens[loc] = toks
-        ans.kinds[loc] = kinds
+    def jit(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
+        """Draft ``rows`` (positions ``loc`` of ``ans``) now, timing it for :meth:`choose`."""
+        t0 = time.perf_counter()
+        answer_jit(self.drafter, rows, self.K, ans, torch.tensor(loc))
+        # after the read-back, so the cost includes the drafting on the device
+        self.t_jit = time.perf_counter() - t0

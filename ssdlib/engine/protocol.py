@@ -7,11 +7,16 @@ that travel (one per message part, fixed dtype), ``unpack`` turns received tenso
 send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on GPU, gloo on
 CPU; ``staged``: gloo through host memory for ranks that share a GPU). Nothing is pickled.
 
-Leader -> speculator messages start with a control frame: int64 [8 + 4 * max_batch] = the
+Leader -> speculator messages start with a control frame: int64 [8 + (6 + K) * max_batch] = the
 :class:`Header`, then OUTCOME's rows (zeros for other messages). An OUTCOME is therefore one
-transfer and one read-back, the minimum for the exchange on the critical path. The speculator's
-answers (SPEC, STATS) carry no header (the leader knows what it asked for); SPEC's int64 part
-is packed on the host and travels in one copy, its q part (sampling) stays on the device.
+transfer and one read-back.
+
+The leader looks the next speculation up itself: after each cache build the speculator pushes
+the cache's keys and tokens (CACHE) to the leader, which receives them when its verify is done,
+picks each row's next speculation (a cache hit, an n-gram / random fallback drawn on its host, or
+a request for the draft just in time) and says which in the OUTCOME. The speculator answers with
+a SPEC only when a row asked for a jit draft or the exchange samples (q travels in it). The
+speculator's answers (SPEC, CACHE, STATS) carry no header (the leader knows what follows).
 """
 
 from __future__ import annotations
@@ -57,12 +62,12 @@ class Header:
 
 
 class ControlFrame:
-    """What every leader -> speculator message starts with, int64 [8 + 4 * max_batch]: the
-    :class:`Header`, then an OUTCOME's rows [b, 4] (zeros for the other messages)."""
+    """What every leader -> speculator message starts with, int64 [8 + (6 + K) * max_batch]:
+    the :class:`Header`, then an OUTCOME's rows [b, 6 + K] (zeros for the other messages)."""
 
     @staticmethod
-    def size(max_batch: int) -> int:
-        return Header.SIZE + Outcome.WIDTH * max_batch
+    def size(max_batch: int, k: int) -> int:
+        return Header.SIZE + Outcome.width(k) * max_batch
 
     @staticmethod
     def pack(out: torch.Tensor, header: Header, outcome: "Outcome | None" = None) -> torch.Tensor:
@@ -70,13 +75,13 @@ class ControlFrame:
         out.zero_()
         header.pack(out[:Header.SIZE])
         if outcome is not None:
-            outcome.pack(out[Header.SIZE:].view(-1, Outcome.WIDTH))
+            outcome.pack(out[Header.SIZE:].view(-1, Outcome.width(outcome.k)))
         return out
 
     @staticmethod
-    def unpack(buf: torch.Tensor) -> tuple[Header, torch.Tensor]:
-        """-> (header, the rows part [max_batch, 4]: an OUTCOME's first b rows)."""
-        return Header.unpack(buf[:Header.SIZE]), buf[Header.SIZE:].view(-1, Outcome.WIDTH)
+    def unpack(buf: torch.Tensor, k: int) -> tuple[Header, torch.Tensor]:
+        """-> (header, the rows part [max_batch, 6 + K]: an OUTCOME's first b rows)."""
+        return Header.unpack(buf[:Header.SIZE]), buf[Header.SIZE:].view(-1, Outcome.width(k))
 
 
 @dataclass
@@ -130,54 +135,88 @@ class Admit:
         return cls(out)
 
 
+class Choice(IntEnum):
+    """Where the leader took a row's next speculation from (an OUTCOME column)."""
+
+    JIT = 0  # ask the speculator: its draft drafts it now (a sequence's first; a miss under jit)
+    CACHE = 1  # the cache's branch ``arg`` (a hit)
+    LOCAL = 2  # a fallback drawn on the leader: tokens in the row, ``arg`` = its QKind
+
+
 @dataclass
 class Outcome:
     """OUTCOME (L -> S): the rows of one exchange -- all running rows after a round, or the new
-    rows after an ADMIT (k = 0, t* = the token sampled from the prefill). An inactive row leaves
-    the batch. After the header: int64 [b, 4] = (slot, k accepted, bonus t*, active)."""
+    rows after an ADMIT (k = 0, t* = the token sampled from the prefill) -- and each live row's
+    next speculation as the leader chose it. An inactive row leaves the batch. After the header:
+    int64 [b, 6 + K] = (slot, k accepted, bonus t*, active, choice, arg, s_1..s_K): ``choice`` a
+    :class:`Choice`, ``arg`` the cache branch (CACHE) or the QKind (LOCAL), the tokens of a
+    CACHE or LOCAL row (zeros for JIT)."""
 
     slots: list[int]
     accepted: list[int]  # k
     bonus: list[int]  # t*
     active: list[bool]
     sampling: bool  # some active row samples: the SPEC answer carries q
+    k: int  # K, tokens per speculation
+    choice: list[int] = field(default_factory=list)  # Choice per row (default: all JIT)
+    arg: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # [b][K]
 
-    WIDTH: ClassVar[int] = 4
+    def __post_init__(self):
+        n = len(self.slots)
+        self.choice = self.choice or [int(Choice.JIT)] * n
+        self.arg = self.arg or [0] * n
+        self.tokens = self.tokens or [[0] * self.k for _ in range(n)]
+        if not (len(self.accepted) == len(self.bonus) == len(self.active) == len(self.choice)
+                == len(self.arg) == len(self.tokens) == n):
+            raise ValueError("Outcome: every column needs one entry per row")
+
+    @staticmethod
+    def width(k: int) -> int:
+        return 6 + k
 
     def header(self) -> Header:
         return Header(Op.OUTCOME, len(self.slots), 0, self.sampling)
 
+    def wants_spec(self) -> bool:
+        """The speculator answers with a SPEC: a live row asked for a jit draft, or q must
+        travel (the exchange samples)."""
+        live = [c for c, a in zip(self.choice, self.active) if a]
+        return bool(live) and (self.sampling or int(Choice.JIT) in live)
+
     def pack(self, out: torch.Tensor) -> torch.Tensor:
-        """Write into the first b rows of ``out`` (int64 [>= b, 4]) and return them."""
-        rows = torch.tensor([[s, k, t, int(a)] for s, k, t, a in
-                             zip(self.slots, self.accepted, self.bonus, self.active)],
-                            dtype=torch.int64).view(-1, self.WIDTH)
+        """Write into the first b rows of ``out`` (int64 [>= b, 6 + K]) and return them."""
+        rows = torch.tensor([[s, k, t, int(a), c, g, *toks] for s, k, t, a, c, g, toks in
+                             zip(self.slots, self.accepted, self.bonus, self.active, self.choice,
+                                 self.arg, self.tokens)],
+                            dtype=torch.int64).view(-1, self.width(self.k))
         return out[:rows.shape[0]].copy_(rows)
 
     @classmethod
-    def unpack(cls, rows: torch.Tensor, header: Header) -> "Outcome":
-        cols = rows.T.tolist()  # one read: slot, k, t*, active columns
-        return cls(cols[0], cols[1], cols[2], [bool(a) for a in cols[3]], header.sampling)
+    def unpack(cls, rows: torch.Tensor, header: Header, k: int) -> "Outcome":
+        host = rows.tolist()  # one read
+        return cls([r[0] for r in host], [r[1] for r in host], [r[2] for r in host],
+                   [bool(r[3]) for r in host], header.sampling, k, [r[4] for r in host],
+                   [r[5] for r in host], [r[6:] for r in host])
 
 
 @dataclass
 class Speculation:
-    """SPEC (S -> L), the answer to an OUTCOME with an active row; rows in the OUTCOME's order
-    (inactive rows: zeros, ignored). int64 [b, K + 2] = (s_1..s_K, q kind, hit); then, only when
-    the OUTCOME said ``sampling``, float32 [b, K, V] = the q each token was drawn from."""
+    """SPEC (S -> L), sent when :meth:`Outcome.wants_spec`; rows in the OUTCOME's order (only
+    its JIT rows' tokens and kinds are read; the others are zeros). int64 [b, K + 1] =
+    (s_1..s_K, q kind); then, only when the OUTCOME said ``sampling``, float32 [b, K, V] = the
+    q each live row's tokens were drawn from (a CACHE row's from the cache, zeros for LOCAL)."""
 
     tokens: torch.Tensor  # [b, K] int64
     kinds: torch.Tensor  # [b] int64 QKind of q
-    hit: torch.Tensor  # [b] bool, served from the speculation cache
     q: torch.Tensor | None  # [b, K, V] float32 when sampling
 
     def pack(self, out: torch.Tensor, q_out: torch.Tensor | None) -> list[torch.Tensor]:
-        """Write into the first b rows of ``out`` (int64 [>= b, K + 2]) and of ``q_out``."""
+        """Write into the first b rows of ``out`` (int64 [>= b, K + 1]) and of ``q_out``."""
         b, k = self.tokens.shape
         buf = out[:b]
         buf[:, :k].copy_(self.tokens)
         buf[:, k].copy_(self.kinds)
-        buf[:, k + 1].copy_(self.hit.long())
         if self.q is None:
             return [buf]
         return [buf, q_out[:b].copy_(self.q)]
@@ -185,16 +224,52 @@ class Speculation:
     @classmethod
     def unpack(cls, buf: torch.Tensor, q: torch.Tensor | None) -> "Speculation":
         """Copies out of the (reused) receive buffers (the int64 part may be a host copy)."""
-        k = buf.shape[1] - 2
-        return cls(buf[:, :k].clone(), buf[:, k].clone(), buf[:, k + 1].bool(),
-                   None if q is None else q.clone())
+        k = buf.shape[1] - 1
+        return cls(buf[:, :k].clone(), buf[:, k].clone(), None if q is None else q.clone())
 
 
-# the speculator's phases of an OUTCOME round, in round order: from the frame to the lookup
-# (the outcomes' commit), the cache lookup on its host mirror, the missed rows' fallback (a
-# JitSpeculator's whole drafting), the answer's send, the cache build (with the answer's
-# bookkeeping before it)
-SPEC_PHASES = ("commit", "lookup", "fallback", "send", "build")
+@dataclass
+class CacheRows:
+    """CACHE (S -> L), after each cache build, for the rows of the OUTCOME it answered (in its
+    order; rows not built: ready 0): int64 [b, 2 + B * (K + 2)] = (ready, fallback, the B
+    branches' forks k, their bonuses t*, their tokens [B, K]). ``fallback`` indexes
+    :data:`ssdlib.speculative.fallback.FALLBACKS`: the backup the speculator chose (Thm 17) for the rows that miss."""
+
+    ready: list[bool]
+    fallback: list[int]
+    fork: list[list[int]]  # [b][B]
+    bonus: list[list[int]]  # [b][B]
+    tokens: list[list[list[int]]]  # [b][B][K]
+
+    @staticmethod
+    def width(branches: int, k: int) -> int:
+        return 2 + branches * (k + 2)
+
+    @staticmethod
+    def pack_device(ready: torch.Tensor, fallback: int, fork: torch.Tensor, bonus: torch.Tensor,
+                    tokens: torch.Tensor) -> torch.Tensor:
+        """The rows as one int64 [b, width] tensor from the cache's tensors (device ops, no
+        read-back): ready [b] bool, fork / bonus [b, B], tokens [b, B, K]."""
+        b = ready.shape[0]
+        return torch.cat([ready.long()[:, None],
+                          torch.full((b, 1), fallback, dtype=torch.int64, device=ready.device),
+                          fork, bonus, tokens.reshape(b, -1)], dim=1)
+
+    @classmethod
+    def unpack(cls, host: torch.Tensor, branches: int, k: int) -> "CacheRows":
+        rows = host.tolist()  # [b, width], on the host
+        B = branches
+        return cls([bool(r[0]) for r in rows], [r[1] for r in rows],
+                   [r[2:2 + B] for r in rows], [r[2 + B:2 + 2 * B] for r in rows],
+                   [[r[2 + 2 * B + j * k:2 + 2 * B + (j + 1) * k] for j in range(B)]
+                    for r in rows])
+
+
+# the speculator's phases of an OUTCOME round, in round order: from the frame to the answer
+# (the outcomes' commit), the jit drafts of the rows that asked (a JitSpeculator's whole
+# drafting) and q's gather, the SPEC's send (when one is due), the cache build (with the
+# answer's bookkeeping before it), the CACHE's push
+SPEC_PHASES = ("commit", "fallback", "send", "build", "push")
 
 
 @dataclass

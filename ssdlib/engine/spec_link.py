@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ssdlib.engine.protocol import (Admit, ControlFrame, Header, Op, Outcome, Speculation,
-                                    SpeculatorStats)
+from ssdlib.engine.protocol import (Admit, CacheRows, ControlFrame, Header, Op, Outcome,
+                                    Speculation, SpeculatorStats)
 
 
 class SpecLink:
@@ -21,17 +21,20 @@ class SpecLink:
     speculator."""
 
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
-                 vocab_size: int, staged: bool = False):
+                 vocab_size: int, staged: bool = False, branches: int = 0):
         self.group, self.peer, self.device = group, peer, device
         self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
         pin = torch.device(device).type == "cuda"
-        size = ControlFrame.size(max_batch)
+        self.branches = branches  # the speculation cache's branches per row (0: no cache)
+        size = ControlFrame.size(max_batch, k)
         self.frame = torch.zeros(size, dtype=torch.int64, device=device)
         self.frame_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._frame_in: torch.Tensor | None = None  # the last received frame, on the host
-        self.spec_buf = torch.zeros(max_batch, k + 2, dtype=torch.int64, device=device)
-        self.spec_host = torch.zeros(max_batch, k + 2, dtype=torch.int64, pin_memory=pin)
+        self.spec_buf = torch.zeros(max_batch, k + 1, dtype=torch.int64, device=device)
+        self.spec_host = torch.zeros(max_batch, k + 1, dtype=torch.int64, pin_memory=pin)
+        self.cache_buf = torch.zeros(max_batch, CacheRows.width(branches, k), dtype=torch.int64,
+                                     device=device)
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
         # the host buffers' last copy to the device, waited for before they are written again
         self._copied = torch.cuda.Event() if pin else None
@@ -100,6 +103,10 @@ class SpecLink:
         q = self._recv(self.q_buf()[:b]) if sampling else None
         return Speculation.unpack(host, q)
 
+    def recv_cache(self, b: int) -> CacheRows:
+        """The CACHE pushed after the build for the last OUTCOME's ``b`` rows (one read-back)."""
+        return CacheRows.unpack(self._recv_to_host(self.cache_buf[:b]), self.branches, self.k)
+
     def recv_stats(self) -> SpeculatorStats:
         buf = torch.zeros(SpeculatorStats.SIZE, dtype=torch.float64, device=self.device)
         return SpeculatorStats.unpack(self._recv(buf))
@@ -112,7 +119,7 @@ class SpecLink:
         """Receive a frame (one read-back) and return its header; an OUTCOME's rows are in
         hand with it (``recv_outcome``)."""
         self._frame_in = self._recv_to_host(self.frame)
-        return ControlFrame.unpack(self._frame_in)[0]
+        return ControlFrame.unpack(self._frame_in, self.k)[0]
 
     def recv_admit(self, header: Header) -> Admit:
         parts = [self._recv_to_host(t) for t in Admit.empty(header, self.device)]
@@ -122,10 +129,11 @@ class SpecLink:
         """The OUTCOME whose ``header`` was just received (its rows came in the same frame)."""
         if self._frame_in is None:
             raise RuntimeError("recv_outcome before recv_header: the rows come with the frame")
-        return Outcome.unpack(ControlFrame.unpack(self._frame_in)[1][:header.b], header)
+        rows = ControlFrame.unpack(self._frame_in, self.k)[1][:header.b]
+        return Outcome.unpack(rows, header, self.k)
 
     def send_spec(self, spec: Speculation) -> None:
-        """tokens, kinds and hit may be host tensors (packed on the host, one copy); q is a
+        """tokens and kinds may be host tensors (packed on the host, one copy); q is a
         device tensor."""
         b = spec.tokens.shape[0]
         q_out = self.q_buf() if spec.q is not None else None
@@ -133,6 +141,11 @@ class SpecLink:
         self._send_host(parts[0], self.spec_buf[:b])
         if len(parts) > 1:
             self._send(parts[1])
+
+    def send_cache(self, rows: torch.Tensor) -> None:
+        """CACHE: ``rows`` (int64 [b, width], :meth:`CacheRows.pack_device`) as built, on the
+        device: no read-back here."""
+        self._send(rows)
 
     def send_stats(self, stats: SpeculatorStats) -> None:
         self._send(stats.pack().to(self.device))

@@ -1,10 +1,12 @@
 """The rank that drafts speculations for the verifier, over a :class:`SpecLink`.
 
 Two roles share the loop (:class:`SpeculatorLoop`):
-- :class:`Speculator` (mode ``ssd``, Algorithm 1): receive an outcome -> answer at once from the
-  speculation cache (hit) or a fallback (miss) -> send the speculation -> *while the verifier
-  verifies it*, build the cache for its likely outcomes (``cache_builder.py``) -> receive the next
-  outcome. Answering: ``outcomes.py``.
+- :class:`Speculator` (mode ``ssd``, Algorithm 1): receive an outcome, which carries the next
+  speculation the leader took from its copy of the cache (hit) or a fallback drawn there (miss),
+  or asks for a jit draft -> answer the jit rows (and q when sampling) -> *while the verifier
+  verifies*, build the cache for the speculation's likely outcomes (``cache_builder.py``) and
+  push its keys and tokens to the leader (CACHE) -> receive the next outcome. Answering:
+  ``outcomes.py``; the leader's lookup: ``cache_mirror.py``.
 - :class:`JitSpeculator` (mode ``sd``, ``--draft-placement separate``): the draft on its own rank,
   no cache: every speculation is drafted just in time after its outcome.
 """
@@ -18,8 +20,8 @@ import torch
 from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, lookup
-from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpeculatorStats
+from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit
+from ssdlib.engine.protocol import SPEC_PHASES, Admit, Choice, Op, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
@@ -27,7 +29,8 @@ from ssdlib.engine.timing import RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
 from ssdlib.speculative.acceptance import QKind
-from ssdlib.speculative.fanout import FanoutEstimator, parse_fanout
+from ssdlib.speculative.fallback import FALLBACKS
+from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
 
 
 class SpeculatorLoop:
@@ -47,6 +50,7 @@ class SpeculatorLoop:
         # cache counters since the last STATS (zero without a cache)
         self.hits = self.lookups = self.reused = 0
         self.t_round: float | None = None  # a verify round as seen from here, seconds
+        self.answered: Outcome | None = None  # the OUTCOME of the round in progress
         # each OUTCOME round's phases (SPEC_PHASES), marked on this rank's device; seconds
         # and rounds since the last STATS
         self.timer = RoundTimer(self.device)
@@ -58,32 +62,37 @@ class SpeculatorLoop:
         """Branch positions the draft's KV cache keeps for tree decoding."""
         return 0
 
+    @staticmethod
+    def cache_branches(cfg) -> int:
+        """Branches per row of the speculation cache (0: no cache, nothing pushed)."""
+        return 0
+
     def run(self) -> None:
-        t_sent = None
+        t_last = None  # when the last OUTCOME round's frame arrived
         while True:
             t0 = time.perf_counter()
             header = self.link.recv_header()
             t1 = time.perf_counter()
             self.stats["idle_s"] += t1 - t0
-            if t_sent is not None:
-                self.t_round = t1 - t_sent
             if header.op == Op.SHUTDOWN:
                 return
             if header.op == Op.ADMIT:
                 self.admit(self.link.recv_admit(header))
-                t_sent = None
+                t_last = None
             elif header.op == Op.OUTCOME:
+                if t_last is not None:  # one verify round (and its exchange) on the leader
+                    self.t_round = t1 - t_last
                 self.timer.start()
                 outcome = self.link.recv_outcome(header)
                 self.sampling = outcome.sampling
+                self.answered = outcome
                 if self.respond(outcome):
-                    t_sent = time.perf_counter()
+                    t_last = t1
                     self.after_answer()
-                    self.timer.mark("build")
                     self.end_round()
                 else:
                     self.send_stats()
-                    t_sent = None
+                    t_last = None
             else:
                 raise RuntimeError(f"speculator: unknown op {header.op}")
             self.stats["busy_s"] += time.perf_counter() - t1
@@ -100,11 +109,12 @@ class SpeculatorLoop:
             r.valid = len(r.tokens)
 
     def respond(self, outcome: Outcome) -> bool:
-        """Commit the listed rows' outcomes and answer with their next speculations (rows in the
-        message's order); False if no listed row is active (then the answer is STATS)."""
-        live, ks, bonus = [], [], []
-        for slot, k, t, active in zip(outcome.slots, outcome.accepted, outcome.bonus,
-                                      outcome.active):
+        """Commit the listed rows' outcomes and take their next speculations: the jit rows'
+        drafted now and sent (with q when sampling) in a SPEC, in the message's order of rows;
+        False if no listed row is active (then the answer is STATS)."""
+        live = []  # positions in the message
+        for i, (slot, k, t, active) in enumerate(zip(outcome.slots, outcome.accepted,
+                                                     outcome.bonus, outcome.active)):
             row = self.rows.get(slot)
             if not active:
                 if row is not None:
@@ -112,16 +122,17 @@ class SpeculatorLoop:
                 continue
             if row.commit(k, t):
                 self.observe(row, k)
-            live.append(slot)
-            ks.append(k)
-            bonus.append(t)
+            live.append(i)
         if not live:
             return False
         self.timer.mark("commit")
-        answer = self.answer(live, ks, bonus)  # marks "lookup" (with a cache), "fallback"
-        self.link.send_spec(answer.in_order(live, outcome.slots))
+        slots = [outcome.slots[i] for i in live]
+        answer = self.answer(outcome, live)
+        self.timer.mark("fallback")
+        if outcome.wants_spec():
+            self.link.send_spec(answer.in_order(slots, outcome.slots))
         self.timer.mark("send")
-        answer.record([self.rows[s_] for s_ in live])  # bookkeeping, after the verifier has it
+        answer.record([self.rows[s_] for s_ in slots])  # bookkeeping, after the verifier has it
         return True
 
     def end_round(self) -> None:
@@ -141,10 +152,17 @@ class SpeculatorLoop:
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
 
     # -- what a role adds -----------------------------------------------------------------
-    def answer(self, live: list[int], ks: list[int], bonus: list[int]) -> Answer:
-        """The next speculation of rows ``live`` (slots) after their outcomes (k, t*); marks the
-        timer's ``fallback`` phase at its end (and ``lookup`` before it, with a cache)."""
-        raise NotImplementedError
+    def answer(self, outcome: Outcome, live: list[int]) -> Answer:
+        """The next speculation of the rows at positions ``live`` of ``outcome``: as the leader
+        chose it, the JIT rows drafted now (and q when the exchange samples)."""
+        ans, jit = Answer.from_outcome(outcome, live, self.V, self.device)
+        if jit:
+            self.draft_now([self.rows[outcome.slots[live[j]]] for j in jit], ans, jit)
+        return ans
+
+    def draft_now(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
+        """Draft ``rows`` (positions ``loc`` of ``ans``) just in time."""
+        answer_jit(self.drafter, rows, self.K, ans, torch.tensor(loc))
 
     def on_admit(self, new: list[SpecRow]) -> None:
         """Rows joined (before their draft prefill)."""
@@ -153,7 +171,8 @@ class SpeculatorLoop:
         """The row's speculation in flight had k tokens accepted."""
 
     def after_answer(self) -> None:
-        """The answer is sent; the verifier is verifying it."""
+        """The answer is sent; the verifier is verifying it (a role with a cache builds and
+        pushes it here, marking the ``build`` and ``push`` phases)."""
 
 
 class Speculator(SpeculatorLoop):
@@ -164,18 +183,23 @@ class Speculator(SpeculatorLoop):
         fan = parse_fanout(cfg.fan_out, self.K)
         self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
         self.fixed_fanout = None if fan == "auto" else fan
-        self.B = sum(self.fanout())
+        self.B = self.cache_branches(cfg)
         # one row per KV slot, plus the scratch slot's (ghost rows of a captured build)
         self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size, self.device)
         self.builder = CacheBuilder(runner, self.drafter, self.cache, vocab_size, cfg.saguaro_c)
         self.fallbacks = Fallbacks(self.drafter, cfg.fallback, self.K, vocab_size)
+        if self.B != sum(self.fanout()):
+            raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
+                              f"{self.B} branches")
         self._fanout_used = self.fanout()
 
     @staticmethod
     def tree_len(cfg) -> int:
-        fan = parse_fanout(cfg.fan_out, cfg.k)
-        budget = cfg.fan_out_budget if fan == "auto" else sum(fan)
-        return budget * cfg.k
+        return Speculator.cache_branches(cfg) * cfg.k
+
+    @staticmethod
+    def cache_branches(cfg) -> int:
+        return cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
 
     def fanout(self) -> list[int]:
         return self.fixed_fanout if self.fixed_fanout is not None else self.estimator.allocation()
@@ -189,25 +213,27 @@ class Speculator(SpeculatorLoop):
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
             self.fallbacks.observe_ngram(k)
 
-    def answer(self, live: list[int], ks: list[int], bonus: list[int]) -> Answer:
-        ans = lookup(self.cache, live, ks, bonus, self.sampling)
+    def answer(self, outcome: Outcome, live: list[int]) -> Answer:
+        ans = super().answer(outcome, live)
         # rows whose cache was built (not a sequence's first round) count as lookups
-        built = [self.rows[s_].fed for s_ in live]
-        hit = ans.hit.tolist()
+        built = [self.rows[outcome.slots[i]].fed for i in live]
+        hit = [outcome.choice[i] == Choice.CACHE for i in live]
         hs = [h for h, f in zip(hit, built) if f]
         self.lookups += len(hs)
         self.hits += sum(hs)
         if self.estimator is not None and hs:
             fan = self._fanout_used
-            self.estimator.observe_lookups([fan[k] for k, f in zip(ks, built) if f], hs)
-        missed = [j for j, h in enumerate(hit) if not h]
-        self.timer.mark("lookup")
-        if missed:
-            kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_round,
-                                         self.estimator)
-            self.fallbacks.fill(kind, [self.rows[live[j]] for j in missed], missed, ans)
-        self.timer.mark("fallback")
+            self.estimator.observe_lookups(
+                [fan[outcome.accepted[i]] for i, f in zip(live, built) if f], hs)
+        if ans.q is not None and any(hit):  # the hit rows' q, gathered here on the device
+            rows = [outcome.slots[i] for i, h in zip(live, hit) if h]
+            loc = torch.tensor([j for j, h in enumerate(hit) if h], device=self.device)
+            ans.q[loc] = self.cache.gather_q(torch.tensor(rows, device=self.device),
+                                             ans.branch[ans.hit].to(self.device))
         return ans
+
+    def draft_now(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
+        self.fallbacks.jit(rows, ans, loc)  # timed: Thm 17 weighs jit's cost
 
     def after_answer(self) -> None:
         # rows whose new speculation is not in the draft's KV yet (the ones just answered)
@@ -215,19 +241,24 @@ class Speculator(SpeculatorLoop):
         fan = self.fanout()
         self._fanout_used = fan
         self.reused += self.builder.build(rows, fan, self.sampling)
-        self.cache.publish()  # lands in the host mirror while the verifier verifies
+        self.timer.mark("build")
+        self.push_cache(self.answered)
+        self.timer.mark("push")
+
+    def push_cache(self, outcome: Outcome) -> None:
+        """CACHE: the built rows' keys and tokens for the leader's lookup, in ``outcome``'s order
+        of rows, with the backup for the next round's misses (Thm 17's choice)."""
+        kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_round,
+                                     self.estimator)
+        dev = self.device
+        rows = torch.tensor(outcome.slots, device=dev)
+        live = torch.tensor(outcome.active, device=dev)
+        self.link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
 
 
 class JitSpeculator(SpeculatorLoop):
     """Plain SD's draft on its own rank: no cache; every speculation is drafted just in time
     after its outcome (the verifier waits for it)."""
-
-    def answer(self, live: list[int], ks: list[int], bonus: list[int]) -> Answer:
-        ans = Answer.blank(len(live), self.K, self.V, self.device, self.sampling)
-        answer_jit(self.drafter, [self.rows[s_] for s_ in live], self.K, ans,
-                   torch.arange(len(live)))
-        self.timer.mark("fallback")  # no cache: the whole drafting is the fallback's
-        return ans
 
 
 def serve_speculator(cfg, world, target_ck) -> None:
@@ -240,5 +271,6 @@ def serve_speculator(cfg, world, target_ck) -> None:
                          cfg.max_len + cfg.k + 2, tree_len=role.tree_len(cfg),
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
-                    target_ck.config.vocab_size, staged=world.spec_staged)
+                    target_ck.config.vocab_size, staged=world.spec_staged,
+                    branches=role.cache_branches(cfg))
     role(cfg, runner, link, target_ck.config.vocab_size).run()

@@ -1,9 +1,11 @@
 """The verifier side (leader rank) of a leader <-> speculator link: verify the speculation in hand,
-send the outcome, receive the next speculation.
+take the next one, send the outcome (with where the next speculation came from).
 
 Two roles share the loop (:class:`LinkVerifier`): :class:`SSDVerifier` (mode ``ssd``: the next
-speculation comes at once on a cache hit) and :class:`SeparateDraftVerifier` (mode ``sd`` with
-``--draft-placement separate``: plain SD, the draft drafts every speculation after the outcome).
+speculation comes from the leader's copy of the speculation cache at once on a hit, or from a
+fallback: n-gram / random drawn here, or the speculator's jit draft) and
+:class:`SeparateDraftVerifier` (mode ``sd`` with ``--draft-placement separate``: plain SD, the
+draft drafts every speculation after the outcome).
 
 Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
 exchange) and leave (an inactive outcome) at any time.
@@ -17,15 +19,18 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.engine.ar_loop import admit_with_first_token
+from ssdlib.engine.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
 from ssdlib.engine.metrics import (record_acceptance, record_lookup, record_source,
                                    speculation_source)
-from ssdlib.engine.protocol import Admit, AdmitRow, Outcome, SpeculatorStats
+from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
+from ssdlib.speculative.fanout import cache_branches
+from ssdlib.speculative.rng import RowStream
 
 
 @dataclass
@@ -49,6 +54,10 @@ class LinkVerifier:
         self.lookahead = k + 1
         self.limit: int | None = None  # set by the Leader
         self.spec: dict[int, SpecInHand] = {}  # the speculation in hand per slot
+        self.mirror: CacheMirror | None = None  # the leader's copy of the speculation cache
+        # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
+        self._cache_due: list[int] | None = None
+        self._streams: dict[int, RowStream] = {}  # per slot: the local fallbacks' draws
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         # the STATS received since the batch metrics were last read, summed
         self._stats: SpeculatorStats | None = None
@@ -56,9 +65,15 @@ class LinkVerifier:
         self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
+        self._take_cache()  # the link's order: the last build's CACHE before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}
         self._leaving = [s for s in self._leaving if s not in taken]
+        for q in seqs:
+            if self.mirror is not None:
+                self.mirror.forget(q.slot)
+                self._streams[q.slot] = RowStream.from_seed(
+                    q.params.seed, FALLBACK_STREAM + q.request.stream_salt)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
@@ -71,24 +86,54 @@ class LinkVerifier:
     def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
         """A speculation answering outcome k arrived (not a sequence's first)."""
 
+    def _take_cache(self) -> None:
+        """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
+        for the build's end if it outlasted the verify)."""
+        if self._cache_due is not None:
+            slots, self._cache_due = self._cache_due, None
+            self.mirror.update(slots, self.link.recv_cache(len(slots)))
+
+    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
+        """Row ``q``'s next speculation after outcome (k, t*): (Choice, arg, tokens)."""
+        if self.mirror is None:
+            return int(Choice.JIT), 0, [0] * self.k
+        branch, tokens, fallback = self.mirror.lookup(q.slot, k, bonus)
+        if branch is not None:
+            return int(Choice.CACHE), branch, tokens
+        if fallback == "jit":
+            return int(Choice.JIT), 0, [0] * self.k
+        tokens, kind = local_fallback(fallback, q.tokens, self._streams[q.slot], self.k,
+                                      self.link.vocab_size)
+        return int(Choice.LOCAL), kind, tokens
+
     def _exchange(self, seqs, outcomes, first: bool = False) -> None:
-        """Send (slot, k, t*, active) per row and receive the next speculation of the live ones."""
+        """Take each live row's next speculation (cache, local fallback, or the speculator's jit
+        draft), send (slot, k, t*, active, choice) per row, receive the SPEC if one is due."""
+        self._take_cache()
         alive = [self._alive(q) for q in seqs]
         leaving, self._leaving = self._leaving, []
         gone = [0] * len(leaving)
+        chosen = [self._choose(q, k, t) if a and not first else (int(Choice.JIT), 0, [0] * self.k)
+                  for q, (k, t), a in zip(seqs, outcomes, alive)]
+        nothing = (int(Choice.JIT), 0, [0] * self.k)
+        chosen += [nothing] * len(leaving)
         msg = Outcome([q.slot for q in seqs] + leaving, [k for k, _ in outcomes] + gone,
                       [t for _, t in outcomes] + gone, alive + [False] * len(leaving),
-                      sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)))
+                      sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
+                      k=self.k, choice=[c for c, _, _ in chosen], arg=[g for _, g, _ in chosen],
+                      tokens=[t for _, _, t in chosen])
         self.link.send_outcome(msg)
         for q, a in zip(seqs, alive):
             if not a:
                 self.spec.pop(q.slot, None)
+                self._streams.pop(q.slot, None)
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
+        if self.mirror is not None:
+            self._cache_due = msg.slots
         t0 = time.perf_counter()
-        spec = self.link.recv_spec(len(msg.slots), msg.sampling)
-        kinds, hits = spec.kinds.tolist(), spec.hit.tolist()  # on the host already
+        spec = self.link.recv_spec(len(msg.slots), msg.sampling) if msg.wants_spec() else None
         if first:  # admission (a round's wait is timed by the round's timer)
             waited = time.perf_counter() - t0
             for q in seqs:
@@ -96,11 +141,18 @@ class LinkVerifier:
         for i, (q, (k, _), a) in enumerate(zip(seqs, outcomes, alive)):
             if not a:
                 continue
-            source = "first" if first else speculation_source(bool(hits[i]), kinds[i])
-            self.spec[q.slot] = SpecInHand(spec.tokens[i], kinds[i],
-                                           None if spec.q is None else spec.q[i], source)
+            choice, arg, tokens = chosen[i]
+            qi = None if spec is None or spec.q is None else spec.q[i]
+            if choice == Choice.JIT:
+                hand = SpecInHand(spec.tokens[i], int(spec.kinds[i]), qi, "first" if first
+                                  else "jit")
+            else:
+                kind = int(QKind.DENSE) if choice == Choice.CACHE else arg
+                hand = SpecInHand(torch.tensor(tokens, dtype=torch.int64), kind, qi,
+                                  speculation_source(choice == Choice.CACHE, kind))
+            self.spec[q.slot] = hand
             if not first:  # a first speculation cannot come from the cache
-                self._record_lookup(q, k, bool(hits[i]), kinds[i])
+                self._record_lookup(q, k, choice == Choice.CACHE, hand.kind)
 
     def _take_stats(self, stats: SpeculatorStats) -> None:
         """Keep the STATS since the batch metrics were last read (a call that empties the
@@ -139,11 +191,15 @@ class LinkVerifier:
         for q, accepted in zip(active, result.accepted):
             record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
+        if self._cache_due is not None:
+            self._take_cache()
+            timer.mark("cache")  # the speculator's build outlasting the verify shows here
         self._exchange(active, list(zip(result.accepted, result.bonus)))
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
         timer.add_to(active)
 
     def release(self, seq) -> None:
+        self._streams.pop(seq.slot, None)
         if self.spec.pop(seq.slot, None) is not None:
             self._leaving.append(seq.slot)  # tell the speculator with the next outcome
 
@@ -152,6 +208,7 @@ class LinkVerifier:
         is idle too (it answers an outcome without active rows with STATS)."""
         if self._leaving:
             self._exchange([], [])
+        self._take_cache()
 
     def batch_metrics(self) -> dict:
         """The speculator's metrics over the STATS since the last read (the next STATS starts
@@ -170,11 +227,16 @@ class LinkVerifier:
                                         for p, t in stats.phase_s.items()}}
 
     def close(self) -> None:
+        self._take_cache()
         self.link.send_shutdown()
 
 
 class SSDVerifier(LinkVerifier):
     """Mode ``ssd``: each speculation comes from the speculation cache (hit) or a fallback."""
+
+    def __init__(self, target, link: SpecLink, k: int, device):
+        super().__init__(target, link, k, device)
+        self.mirror = CacheMirror()
 
     def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
         record_lookup(q.metrics, k, hit, kind)
@@ -185,14 +247,15 @@ class SeparateDraftVerifier(LinkVerifier):
     the outcome (no cache, so no lookups to record)."""
 
 
-def _link(cfg, world, target_ck) -> SpecLink:
+def _link(cfg, world, target_ck, branches: int = 0) -> SpecLink:
     check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
     return SpecLink(world.spec_group, world.speculator_rank, world.device, cfg.max_batch, cfg.k,
-                    target_ck.config.vocab_size, staged=world.spec_staged)
+                    target_ck.config.vocab_size, staged=world.spec_staged, branches=branches)
 
 
 def build_ssd_verifier(cfg, world, target, target_ck):
-    loop = SSDVerifier(target, _link(cfg, world, target_ck), cfg.k, world.device)
+    link = _link(cfg, world, target_ck, cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k))
+    loop = SSDVerifier(target, link, cfg.k, world.device)
     return loop, loop.close
 
 

@@ -104,6 +104,13 @@ def parse_fanout(spec: str | Sequence[int], K: int) -> list[int] | Literal["auto
     return values
 
 
+def cache_branches(spec: str | Sequence[int], budget: int, K: int) -> int:
+    """Branches per row of the speculation cache for fan-out ``spec``: the budget under
+    ``auto``, else the list's sum."""
+    fan = parse_fanout(spec, K)
+    return budget if fan == "auto" else sum(fan)
+
+
 class FanoutEstimator:
     """Online estimates of a_p and r, and the Thm 12 allocation they imply (constant total B).
 

@@ -1,19 +1,34 @@
-"""Speculation cache keys/lookup against a plain reference, and the wire protocol: every message
-through its pack/unpack (in process), then through SpecLink between two spawned ranks (gloo,
-direct and ``staged``)."""
+"""Speculation cache keys pushed to the leader and looked up there, against a plain reference;
+the leader's local fallbacks; and the wire protocol: every message through its pack/unpack (in
+process), then through SpecLink between two spawned ranks (gloo, direct and ``staged``)."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
-from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, ControlFrame, Header, Op,
-                                    Outcome, Speculation, SpeculatorStats)
+from ssdlib.engine.cache_mirror import CacheMirror, local_fallback
+from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, CacheRows, Choice,
+                                    ControlFrame, Header, Op, Outcome, Speculation,
+                                    SpeculatorStats)
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.sampling import SamplingParams
+from ssdlib.speculative.acceptance import QKind
+from ssdlib.speculative.ngram import random_tokens_host
+from ssdlib.speculative.rng import RowStream
 
 
-def test_cache_lookup_matches_reference():
+def _pushed(cache, rows, live, fallback=1):
+    """The CACHE message for cache rows ``rows`` as the leader receives it."""
+    dev = cache.device
+    msg = cache.pushed_rows(torch.tensor(rows, device=dev), torch.tensor(live, device=dev),
+                            fallback)
+    return CacheRows.unpack(msg.cpu(), cache.B, cache.K)
+
+
+def test_mirror_lookup_matches_reference():
+    """Keys stored in the speculator's cache, pushed (CACHE), looked up on the leader's mirror:
+    the first branch whose (k, t*) matches answers, with its tokens; anything else misses."""
     g = torch.Generator().manual_seed(0)
     b, B, K, V = 5, 7, 3, 11
     cache = SpeculationCache(8, B, K, V, torch.device("cpu"))
@@ -23,62 +38,73 @@ def test_cache_lookup_matches_reference():
     tokens = torch.randint(0, V, (b, B, K), generator=g)
     cache.tokens[rows] = tokens
     cache.store_keys(rows, fork, bonus)
-    hit, _, _ = cache.lookup(rows.tolist(), fork[:, 0].tolist(), bonus[:, 0].tolist())
-    assert not bool(hit.any())  # stored but not published: the host mirror is still empty
-    cache.publish()
+    mirror = CacheMirror()
+    assert mirror.lookup(0, int(fork[0, 0]), int(bonus[0, 0])) == (None, None, "jit")  # no push
+    mirror.update(rows.tolist(), _pushed(cache, rows.tolist(), [True] * b, fallback=1))
     for trial in range(200):
         k = torch.randint(0, K + 1, (b,), generator=g)
         t = torch.randint(0, V, (b,), generator=g)
         if trial % 3 == 0:  # make some lookups hit a stored branch
             pick = torch.randint(0, B, (b,), generator=g)
             k, t = fork[torch.arange(b), pick], bonus[torch.arange(b), pick]
-        hit, branch, found = cache.lookup(rows.tolist(), k.tolist(), t.tolist())
-        assert hit.device.type == branch.device.type == found.device.type == "cpu"
         for i in range(b):
+            branch, found, fallback = mirror.lookup(int(rows[i]), int(k[i]), int(t[i]))
+            assert fallback == "ngram"  # FALLBACKS[1], as pushed
             matches = [j for j in range(B) if fork[i, j] == k[i] and bonus[i, j] == t[i]]
-            assert bool(hit[i]) == bool(matches)
             if matches:
-                assert int(branch[i]) == matches[0]
-                assert found[i].tolist() == tokens[i, matches[0]].tolist()
+                assert branch == matches[0] and found == tokens[i, matches[0]].tolist()
             else:
-                assert found[i].tolist() == [0] * K
-    # rows never stored never hit
-    hit, _, _ = cache.lookup([1], [0], [0])
-    assert not bool(hit[0])
-    # a new sequence in a slot: its row misses at once, on the host mirror too
+                assert branch is None and found is None
+    # a slot never pushed misses, with jit
+    assert mirror.lookup(1, 0, 0) == (None, None, "jit")
+    # a row pushed as not live, or invalidated and pushed again, misses
     cache.invalidate([2])
-    hit, _, _ = cache.lookup([2, 3], [int(fork[1, 0]), int(fork[2, 0])],
-                             [int(bonus[1, 0]), int(bonus[2, 0])])
-    assert hit.tolist() == [False, True]
-    cache.invalidate(rows.tolist())
-    hit, _, _ = cache.lookup(rows.tolist(), fork[:, 0].tolist(), bonus[:, 0].tolist())
-    assert not bool(hit.any())
+    mirror.update([2, 3], _pushed(cache, [2, 3], [True, False]))
+    assert mirror.lookup(2, int(fork[1, 0]), int(bonus[1, 0]))[0] is None
+    assert mirror.lookup(3, int(fork[2, 0]), int(bonus[2, 0]))[0] is None
+    assert mirror.lookup(5, int(fork[3, 0]), int(bonus[3, 0]))[0] is not None
+    mirror.forget(5)  # a new sequence in the slot
+    assert mirror.lookup(5, int(fork[3, 0]), int(bonus[3, 0]))[0] is None
+
+
+def test_local_fallbacks_draw_on_the_leader():
+    """n-gram where a suffix recurs (one-hot q), random elsewhere (uniform q); K draws of the
+    row's stream either way, so the same stream gives the same tokens."""
+    K, V = 3, 50
+    seq = [5, 6, 7, 8, 9, 5, 6]  # the suffix [5, 6] recurs: n-gram proposes 7, 8, 9
+    toks, kind = local_fallback("ngram", seq, RowStream.from_seed(1), K, V)
+    assert toks == [7, 8, 9] and kind == int(QKind.ONEHOT)
+    toks, kind = local_fallback("ngram", [1, 2, 3], RowStream.from_seed(1), K, V)
+    assert kind == int(QKind.UNIFORM) and toks == random_tokens_host([RowStream.from_seed(1)],
+                                                                     K, V)[0]
+    s1, s2 = RowStream.from_seed(3), RowStream.from_seed(3)
+    a = local_fallback("random", seq, s1, K, V)
+    assert a == local_fallback("random", seq, s2, K, V) and a[1] == int(QKind.UNIFORM)
+    assert s1.counter == K and local_fallback("random", seq, s1, K, V) != a  # the stream moved
+    with pytest.raises(ValueError, match="jit"):
+        local_fallback("jit", seq, s1, K, V)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cache_host_mirror_on_cuda():
-    """The asynchronous path: keys stored on the GPU, published to pinned memory, looked up at
-    once (the lookup waits for the copy), then a row invalidated on both sides."""
+def test_pushed_rows_on_cuda():
+    """The CACHE built on the GPU (no read-back there) reaches the mirror intact, round after
+    round, while the stream is still busy."""
     dev = torch.device("cuda")
     B, K, V = 4, 3, 50
     cache = SpeculationCache(6, B, K, V, dev)
-    assert cache.host_fork.is_pinned() and cache.host_tokens.is_pinned()
     rows = torch.tensor([0, 3], device=dev)
     fork = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], device=dev)
     bonus = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]], device=dev)
     tokens = torch.arange(2 * B * K, device=dev).view(2, B, K)
-    for _ in range(3):  # several rounds: every publish lands before its lookup
-        torch.cuda._sleep(10_000_000)  # keep the stream busy so the copy is still queued
+    mirror = CacheMirror()
+    for _ in range(3):
+        torch.cuda._sleep(10_000_000)  # keep the stream busy
         cache.tokens[rows] = tokens
         cache.store_keys(rows, fork, bonus)
-        cache.publish()
-        hit, branch, found = cache.lookup([0, 3], [2, 0], [7, 12])
-        assert hit.tolist() == [True, True] and branch.tolist() == [2, 3]
-        assert found.tolist() == tokens[[0, 1], [2, 3]].cpu().tolist()
+        mirror.update([0, 3], _pushed(cache, [0, 3], [True, True], fallback=2))
+        assert mirror.lookup(0, 2, 7)[:2] == (2, tokens[0, 2].tolist())
+        assert mirror.lookup(3, 0, 12) == (3, tokens[1, 3].tolist(), "random")
         tokens = tokens + 100
-    cache.invalidate([3])
-    hit, _, _ = cache.lookup([0, 3], [2, 0], [7, 12])
-    assert hit.tolist() == [True, False]
 
 
 # ---- messages -------------------------------------------------------------------------------
@@ -93,13 +119,22 @@ def _admit() -> Admit:
 
 
 def _outcome() -> Outcome:
-    return Outcome([0, 3, 1], [2, 0, 0], [5, 4, 0], [True, True, False], sampling=True)
+    return Outcome([0, 3, 1], [2, 0, 0], [5, 4, 0], [True, True, False], sampling=True, k=K,
+                   choice=[int(Choice.CACHE), int(Choice.LOCAL), int(Choice.JIT)],
+                   arg=[4, int(QKind.ONEHOT), 0], tokens=[[1, 2, 3], [3, 2, 1], [0, 0, 0]])
 
 
 def _spec() -> Speculation:
     q = torch.rand(3, K, V, generator=torch.Generator().manual_seed(1))
     return Speculation(torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]]), torch.tensor([0, 2, 0]),
-                       torch.tensor([True, False, False]), q)
+                       q)
+
+
+def _cache_rows() -> torch.Tensor:
+    """A CACHE of 2 rows, 2 branches: ready, fallback, forks, bonuses, tokens [2, K]."""
+    return CacheRows.pack_device(torch.tensor([True, False]), 2,
+                                 torch.tensor([[0, 3], [1, 1]]), torch.tensor([[4, 5], [1, 2]]),
+                                 torch.arange(2 * 2 * K).view(2, 2, K))
 
 
 def _same_admit(a: Admit, b: Admit) -> bool:
@@ -110,20 +145,19 @@ def _same_admit(a: Admit, b: Admit) -> bool:
 
 def _same_spec(a: Speculation, b: Speculation) -> bool:
     return (torch.equal(a.tokens, b.tokens) and torch.equal(a.kinds, b.kinds)
-            and torch.equal(a.hit, b.hit)
             and (a.q is None) == (b.q is None) and (a.q is None or torch.equal(a.q, b.q)))
 
 
 def test_control_frame_carries_header_and_outcome_rows():
-    frame = torch.full((ControlFrame.size(4),), -7, dtype=torch.int64)
-    assert frame.shape == (8 + 4 * 4,)
+    frame = torch.full((ControlFrame.size(4, K),), -7, dtype=torch.int64)
+    assert frame.shape == (8 + (6 + K) * 4,)
     msg = _outcome()
     ControlFrame.pack(frame, msg.header(), msg)
-    header, rows = ControlFrame.unpack(frame)
-    assert header == msg.header() and Outcome.unpack(rows[:header.b], header) == msg
-    assert rows[3].tolist() == [0, 0, 0, 0]  # rows beyond b are zeros, not stale data
+    header, rows = ControlFrame.unpack(frame, K)
+    assert header == msg.header() and Outcome.unpack(rows[:header.b], header, K) == msg
+    assert rows[3].tolist() == [0] * (6 + K)  # rows beyond b are zeros, not stale data
     ControlFrame.pack(frame, Header(Op.SHUTDOWN))
-    header, rows = ControlFrame.unpack(frame)
+    header, rows = ControlFrame.unpack(frame, K)
     assert header == Header(Op.SHUTDOWN) and not bool(rows.any())
 
 
@@ -151,36 +185,63 @@ def test_admit_pack_unpack():
 def test_outcome_pack_unpack():
     msg = _outcome()
     assert msg.header() == Header(Op.OUTCOME, 3, 0, True)
-    buf = torch.full((5, Outcome.WIDTH), -9, dtype=torch.int64)  # preallocated, max_batch rows
+    buf = torch.full((5, Outcome.width(K)), -9, dtype=torch.int64)  # max_batch rows
     rows = msg.pack(buf)
-    assert rows.tolist() == [[0, 2, 5, 1], [3, 0, 4, 1], [1, 0, 0, 0]] and buf[3, 0] == -9
-    assert Outcome.unpack(rows, msg.header()) == msg
+    assert rows.tolist() == [[0, 2, 5, 1, 1, 4, 1, 2, 3], [3, 0, 4, 1, 2, 1, 3, 2, 1],
+                             [1, 0, 0, 0, 0, 0, 0, 0, 0]] and buf[3, 0] == -9
+    assert Outcome.unpack(rows, msg.header(), K) == msg
+    # defaults: every row asks for a jit draft
+    plain = Outcome([2], [1], [3], [True], sampling=False, k=K)
+    assert plain.choice == [int(Choice.JIT)] and plain.tokens == [[0] * K]
+    with pytest.raises(ValueError, match="one entry per row"):
+        Outcome([2, 4], [1], [3, 3], [True, True], sampling=False, k=K)
+
+
+@pytest.mark.parametrize("choice,active,sampling,want", [
+    (Choice.JIT, True, False, True), (Choice.CACHE, True, False, False),
+    (Choice.LOCAL, True, False, False), (Choice.CACHE, True, True, True),
+    (Choice.JIT, False, False, False), (Choice.JIT, False, True, True)])
+def test_outcome_says_when_a_spec_is_due(choice, active, sampling, want):
+    msg = Outcome([0, 1], [0, 2], [1, 2], [active, True], sampling=sampling, k=K,
+                  choice=[int(choice), int(Choice.CACHE)])
+    assert msg.wants_spec() == want
+    gone = Outcome([0], [0], [0], [False], sampling=sampling, k=K)  # no live row: STATS
+    assert not gone.wants_spec()
+
+
+def test_cache_rows_pack_unpack():
+    rows = _cache_rows()
+    assert rows.shape == (2, CacheRows.width(2, K)) == (2, 2 + 2 * (K + 2))
+    msg = CacheRows.unpack(rows, 2, K)
+    assert msg.ready == [True, False] and msg.fallback == [2, 2]
+    assert msg.fork == [[0, 3], [1, 1]] and msg.bonus == [[4, 5], [1, 2]]
+    assert msg.tokens == [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10, 11]]]
 
 
 def test_speculation_pack_unpack():
     msg = _spec()
-    buf = torch.zeros(5, K + 2, dtype=torch.int64)
+    buf = torch.zeros(5, K + 1, dtype=torch.int64)
     q_buf = torch.zeros(5, K, V)
     parts = msg.pack(buf, q_buf)
-    assert [p.shape for p in parts] == [(3, K + 2), (3, K, V)]
-    assert parts[0].tolist() == [[1, 2, 3, 0, 1], [4, 5, 0, 2, 0], [0, 0, 0, 0, 0]]
+    assert [p.shape for p in parts] == [(3, K + 1), (3, K, V)]
+    assert parts[0].tolist() == [[1, 2, 3, 0], [4, 5, 0, 2], [0, 0, 0, 0]]
     back = Speculation.unpack(*parts)
     buf.zero_()
     q_buf.zero_()  # the receive buffers are reused: unpack copies out of them
     assert _same_spec(back, msg)
-    greedy = Speculation(msg.tokens, msg.kinds, msg.hit, None)
+    greedy = Speculation(msg.tokens, msg.kinds, None)
     parts = greedy.pack(buf, None)
     assert len(parts) == 1 and _same_spec(Speculation.unpack(parts[0], None), greedy)
 
 
 def test_stats_pack_unpack():
-    phases = {"commit": 0.01, "lookup": 0.02, "fallback": 0.5, "send": 0.03, "build": 1.25}
+    phases = {"commit": 0.01, "fallback": 0.5, "send": 0.03, "build": 1.25, "push": 0.02}
     msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases)
     t = msg.pack()
-    assert SPEC_PHASES == ("commit", "lookup", "fallback", "send", "build")
+    assert SPEC_PHASES == ("commit", "fallback", "send", "build", "push")
     assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (11,)
     # the layout of docs/PROTOCOL.md: counters, rounds, then seconds in SPEC_PHASES order
-    assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.02, 0.5, 0.03, 1.25]
+    assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.5, 0.03, 1.25, 0.02]
     back = SpeculatorStats.unpack(t)
     assert back == msg and back.rounds == 40 and back.phase_s == phases
     # a STATS without rounds (no OUTCOME answered since the last) has every phase at 0
@@ -192,11 +253,11 @@ def test_stats_pack_unpack():
 
 
 def test_stats_plus_sums_every_field():
-    a = SpeculatorStats(1.0, 2.0, 3, 4, 1, 5, {"lookup": 0.5, "build": 1.0})
+    a = SpeculatorStats(1.0, 2.0, 3, 4, 1, 5, {"push": 0.5, "build": 1.0})
     b = SpeculatorStats(0.5, 1.0, 1, 2, 0, 3, {"build": 0.25, "send": 0.125})
     total = a.plus(b)
     assert total == SpeculatorStats(1.5, 3.0, 4, 6, 1, 8,
-                                    {"lookup": 0.5, "build": 1.25, "send": 0.125})
+                                    {"push": 0.5, "build": 1.25, "send": 0.125})
 
 
 def _protocol_rank(results) -> None:
@@ -206,17 +267,20 @@ def _protocol_rank(results) -> None:
 
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))
     for staged in (False, True):
-        link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged)
+        link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged,
+                        branches=2)
         spec = _spec()
-        stats = SpeculatorStats(0.5, 2.0, 3, 4, 1, 7, {"lookup": 0.25, "build": 1.5})
+        stats = SpeculatorStats(0.5, 2.0, 3, 4, 1, 7, {"push": 0.25, "build": 1.5})
         if world.rank == 0:  # the leader
             link.send_admit(_admit())
             link.send_outcome(_outcome())
             assert _same_spec(link.recv_spec(3, sampling=True), spec)
-            link.send_outcome(Outcome([0], [1], [2], [True], sampling=False))
+            assert link.recv_cache(2) == CacheRows.unpack(_cache_rows(), 2, K)
+            link.send_outcome(Outcome([0], [1], [2], [True], sampling=False, k=K))
             got = link.recv_spec(1, sampling=False)
             assert got.q is None and torch.equal(got.tokens, spec.tokens[:1])
-            link.send_outcome(Outcome([0, 3], [0, 0], [0, 0], [False, False], sampling=False))
+            link.send_outcome(Outcome([0, 3], [0, 0], [0, 0], [False, False], sampling=False,
+                                      k=K))
             assert link.recv_stats() == stats
             link.send_shutdown()
         else:  # the speculator
@@ -226,9 +290,11 @@ def _protocol_rank(results) -> None:
             header = link.recv_header()
             assert header == _outcome().header() and link.recv_outcome(header) == _outcome()
             link.send_spec(spec)
+            link.send_cache(_cache_rows())
             header = link.recv_header()
-            assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False)
-            link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], spec.hit[:1], None))
+            assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False,
+                                                        k=K)
+            link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], None))
             assert not any(link.recv_outcome(link.recv_header()).active)
             link.send_stats(stats)
             assert link.recv_header() == Header(Op.SHUTDOWN)

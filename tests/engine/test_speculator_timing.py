@@ -29,8 +29,8 @@ class StatsLink:
 
 
 def test_verifier_sums_the_stats_of_a_call_and_starts_afresh_after_a_read():
-    a = SpeculatorStats(1.0, 1.0, 2, 4, 1, 4, {"lookup": 0.004, "build": 0.04})
-    b = SpeculatorStats(3.0, 1.0, 2, 2, 1, 6, {"lookup": 0.001, "build": 0.01})
+    a = SpeculatorStats(1.0, 1.0, 2, 4, 1, 4, {"push": 0.004, "build": 0.04})
+    b = SpeculatorStats(3.0, 1.0, 2, 2, 1, 6, {"push": 0.001, "build": 0.01})
     c = SpeculatorStats(0.0, 1.0, 0, 0, 0, 2, {"build": 0.002})
     ver = SSDVerifier(None, StatsLink([a, b, c]), 3, torch.device("cpu"))
     for slot in (0, 1):  # one row at a time: the batch empties twice in one call
@@ -39,7 +39,7 @@ def test_verifier_sums_the_stats_of_a_call_and_starts_afresh_after_a_read():
     m = ver.batch_metrics()
     assert m["speculator_rounds"] == 10
     assert m["speculator_ms_per_round"] == pytest.approx(
-        {"commit": 0.0, "lookup": 0.5, "fallback": 0.0, "send": 0.0, "build": 5.0})
+        {"commit": 0.0, "fallback": 0.0, "send": 0.0, "build": 5.0, "push": 0.5})
     assert m["speculator_idle_frac"] == pytest.approx(4 / 6)
     assert m["branch_kv_reused_frac"] == pytest.approx(0.5)
     m["speculator_ms_per_round"]["build"] = -1.0  # each read is a copy
@@ -60,9 +60,9 @@ def test_run_reports_the_speculators_phases(tiny_dirs, mode, extra):
     assert set(ms) == set(SPEC_PHASES) and all(v >= 0 for v in ms.values()), ms
     assert ms["fallback"] > 0  # first speculations are drafted just in time
     if mode == "ssd":
-        assert ms["build"] > 0 and ms["lookup"] > 0
-    else:  # no cache: nothing looked up or built
-        assert ms["lookup"] == 0 and ms["build"] < ms["fallback"]
+        assert ms["build"] > 0 and ms["push"] > 0
+    else:  # no cache: nothing built or pushed
+        assert ms["build"] == ms["push"] == 0
     # b = 1: the speculator answers each sequence's admission and every round but its last
     # (answered with STATS), as many as the verifier's rounds, over both sequences
     assert run["rounds"] == sum(o.metrics["rounds"] for o in outs) > len(PROMPTS)

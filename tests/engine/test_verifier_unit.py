@@ -1,15 +1,17 @@
 """The verifier side of the link with a fake target and link: a greedy row whose speculation
 arrived without q (an exchange with no sampling rows) is verified correctly next to a sampled row;
-only the SSD verifier records cache lookups (the separate-draft SD verifier has no cache)."""
+only the SSD verifier records cache lookups (the separate-draft SD verifier has no cache); the
+SSD verifier takes a hit from its cache mirror and a local fallback without waiting for a SPEC."""
 
 import pytest
 import torch
 
-from ssdlib.engine.protocol import Outcome, Speculation
+from ssdlib.engine.protocol import CacheRows, Choice, Outcome, Speculation
 from ssdlib.engine.sequence import Request, Sequence
 from ssdlib.engine.verifier import SeparateDraftVerifier, SpecInHand, SSDVerifier
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
+from ssdlib.speculative.rng import RowStream
 
 K, V = 3, 7
 
@@ -26,16 +28,22 @@ class FakeTarget:
 class FakeLink:
     vocab_size = V
 
-    def __init__(self):
+    def __init__(self, cache: CacheRows | None = None):
         self.sent: list[Outcome] = []
+        self.cache = cache  # what each CACHE brings
+        self.specs = self.caches = 0  # SPECs and CACHEs received
 
     def send_outcome(self, msg: Outcome):
         self.sent.append(msg)
 
     def recv_spec(self, b, sampling):
+        self.specs += 1
         return Speculation(torch.full((b, K), 2), torch.zeros(b, dtype=torch.int64),
-                           torch.ones(b, dtype=torch.bool),
                            torch.full((b, K, V), 1.0 / V) if sampling else None)
+
+    def recv_cache(self, b):
+        self.caches += 1
+        return self.cache
 
 
 def _greedy_and_sampled(ver):
@@ -65,3 +73,41 @@ def test_greedy_row_without_q_next_to_sampled_row(cls):
     # each round's accepted tokens are kept by where its speculation came from
     assert g.metrics["accepted_by_source"] == {"cache": [1, K]}
     assert list(s.metrics["accepted_by_source"]) == ["jit"]
+
+
+def _two_greedy(ver):
+    rows = [Sequence(Request(i, [1, 1], SamplingParams(max_new_tokens=50)), i, [], None, "cpu")
+            for i in (0, 1)]
+    for q in rows:
+        q.commit([2])
+        ver.spec[q.slot] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), None, "cache")
+    ver._streams = {q.slot: RowStream.from_seed(0, q.slot) for q in rows}
+    return rows
+
+
+def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
+    """Both rows accept all K (outcome (K, 2)): row 0's pushed cache has that outcome in branch
+    1 (a hit: its tokens, no SPEC); row 1's has not, and its fallback is n-gram (drawn here)."""
+    cache = CacheRows([True, True], [1, 1], [[0, K], [0, 1]], [[4, 2], [4, 2]],
+                      [[[9, 9, 9], [5, 6, 4]], [[1, 1, 1], [3, 3, 3]]])
+    link = FakeLink(cache)
+    ver = SSDVerifier(FakeTarget(), link, K, torch.device("cpu"))
+    rows = _two_greedy(ver)
+    ver._cache_due = [0, 1]  # the CACHE pushed after the last exchange
+    ver.step(rows)
+    assert link.caches == 1 and link.specs == 0  # nothing waited for but the CACHE
+    msg = link.sent[-1]
+    assert msg.choice == [int(Choice.CACHE), int(Choice.LOCAL)] and msg.arg[0] == 1
+    assert msg.tokens[0] == [5, 6, 4] and ver.spec[0].tokens.tolist() == [5, 6, 4]
+    assert ver.spec[0].source == "cache" and rows[0].metrics["hits"] == 1
+    # row 1 (tokens [1, 1, 2, 2, 2, 2, 2]): the suffix recurs, n-gram proposes its continuation
+    assert msg.arg[1] == int(QKind.ONEHOT) and msg.tokens[1] == [2, 2, 2]
+    assert ver.spec[1].source == "ngram" and ver.spec[1].tokens.tolist() == msg.tokens[1]
+    assert not msg.wants_spec() and ver._cache_due == [0, 1]
+    # the next round: nothing cached for its outcome and the CACHE names jit -> a SPEC
+    link.cache = CacheRows([True, False], [0, 0], [[0, 0], [0, 0]], [[0, 0], [0, 0]],
+                           [[[0] * K] * 2] * 2)
+    ver.step(rows)
+    assert link.caches == 2 and link.specs == 1
+    assert link.sent[-1].choice == [int(Choice.JIT)] * 2
+    assert ver.spec[0].source == ver.spec[1].source == "jit"
