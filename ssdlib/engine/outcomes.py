@@ -52,6 +52,7 @@ class Answer:
         hit, branch, tokens = self.hit.tolist(), self.branch.tolist(), self.tokens.tolist()
         for row, h, br, toks, kind in zip(rows, hit, branch, tokens, self.kinds.tolist()):
             row.reuse = br if h and row.fed else None
+            row.hit = bool(h)
             row.sent = toks
             row.fed = False
             row.kind = kind
@@ -123,11 +124,23 @@ class Fallbacks:
         self.K, self.V = k, vocab_size
         self.t_jit: float | None = None  # measured cost of a jit draft, seconds
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
+        self.jit_accepted = self.jit_tried = 0  # and of jit drafts (rows that missed, firsts)
 
     def observe_ngram(self, k: int) -> None:
         """An n-gram speculation had k tokens accepted: learn its per-token acceptance."""
         self.ngram_accepted += k
         self.ngram_tried += k + (1 if k < self.K else 0)
+
+    def observe_jit(self, k: int) -> None:
+        """A jit speculation had k tokens accepted."""
+        self.jit_accepted += k
+        self.jit_tried += k + (1 if k < self.K else 0)
+
+    def jit_acceptance(self, prior: float) -> float:
+        """Measured per-token acceptance of jit drafts, shrunk towards ``prior``: the draft
+        accepts less on the rows that missed the cache than on average."""
+        prior_tries = 10
+        return (self.jit_accepted + prior * prior_tries) / (self.jit_tried + prior_tries)
 
     def ngram_acceptance(self) -> float:
         """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
@@ -135,17 +148,19 @@ class Fallbacks:
         return ((self.ngram_accepted + NGRAM_ACCEPTANCE_PRIOR * prior_tries)
                 / (self.ngram_tried + prior_tries))
 
-    def choose(self, n_rows: int, hits: int, lookups: int, t_round: float | None,
+    def choose(self, n_rows: int, hits: int, lookups: int, t_verify: float | None,
                estimator) -> str:
         """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
-        rounds, ``t_round`` seconds each) and the batch size; jit until there are measurements."""
+        forwards of the leader, ``t_verify`` seconds each), the backups' measured acceptance and
+        the batch size; jit until there are measurements."""
         if self.configured != "auto":
             return self.configured
-        if self.t_jit is None or not t_round or lookups < MIN_LOOKUPS_FOR_AUTO:
+        if self.t_jit is None or not t_verify or lookups < MIN_LOOKUPS_FOR_AUTO:
             return "jit"
         a_p = estimator.a_p if estimator is not None else A_P_PRIOR
-        return choose_fallback(n_rows, hits / lookups, a_p, self.K, self.t_jit / t_round,
-                               NGRAM_COST, self.ngram_acceptance())
+        return choose_fallback(n_rows, hits / lookups, a_p, self.K, self.t_jit / t_verify,
+                               NGRAM_COST, self.ngram_acceptance(),
+                               a_jit=self.jit_acceptance(a_p))
 
     def jit(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
         """Draft ``rows`` (positions ``loc`` of ``ans``) now, timing it for :meth:`choose`."""

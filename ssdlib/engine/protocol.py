@@ -41,24 +41,26 @@ OP_ADMIT, OP_OUTCOME, OP_SHUTDOWN = Op.ADMIT, Op.OUTCOME, Op.SHUTDOWN
 
 @dataclass(frozen=True)
 class Header:
-    """int64 [8] = (op, b, n_tokens, sampling, 0, 0, 0, 0): what follows and its sizes."""
+    """int64 [8] = (op, b, n_tokens, sampling, verify_us, 0, 0, 0): what follows and its
+    sizes."""
 
     op: int
     b: int = 0  # rows of the message
     n_tokens: int = 0  # ADMIT: prompt tokens, all rows together
     sampling: bool = False  # OUTCOME: the SPEC answer carries q
+    verify_us: int = 0  # OUTCOME: the leader's last verify forward, µs (0: none yet)
 
     SIZE: ClassVar[int] = 8
 
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """Write into ``out`` (int64 [8]) and return it."""
         return out.copy_(torch.tensor([int(self.op), self.b, self.n_tokens, int(self.sampling),
-                                       0, 0, 0, 0]))
+                                       self.verify_us, 0, 0, 0]))
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "Header":
-        op, b, n_tokens, sampling = buf.tolist()[:4]
-        return cls(op, b, n_tokens, bool(sampling))
+        op, b, n_tokens, sampling, verify_us = buf.tolist()[:5]
+        return cls(op, b, n_tokens, bool(sampling), verify_us)
 
 
 class ControlFrame:
@@ -161,6 +163,8 @@ class Outcome:
     choice: list[int] = field(default_factory=list)  # Choice per row (default: all JIT)
     arg: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)  # [b][K]
+    verify_us: int = 0  # the leader's last verify forward, µs: a jit draft's cost is weighed
+    # against it (Thm 17); in the header
 
     def __post_init__(self):
         n = len(self.slots)
@@ -176,13 +180,13 @@ class Outcome:
         return 6 + k
 
     def header(self) -> Header:
-        return Header(Op.OUTCOME, len(self.slots), 0, self.sampling)
+        return Header(Op.OUTCOME, len(self.slots), 0, self.sampling, self.verify_us)
 
-    def wants_spec(self) -> bool:
-        """The speculator answers with a SPEC: a live row asked for a jit draft, or q must
-        travel (the exchange samples)."""
+    def spec_parts(self) -> tuple[bool, bool]:
+        """Which parts of a SPEC answer this OUTCOME: (tokens: a live row asked for a jit
+        draft, q: a live row and the exchange samples)."""
         live = [c for c, a in zip(self.choice, self.active) if a]
-        return bool(live) and (self.sampling or int(Choice.JIT) in live)
+        return int(Choice.JIT) in live, bool(live) and self.sampling
 
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """Write into the first b rows of ``out`` (int64 [>= b, 6 + K]) and return them."""
@@ -197,15 +201,16 @@ class Outcome:
         host = rows.tolist()  # one read
         return cls([r[0] for r in host], [r[1] for r in host], [r[2] for r in host],
                    [bool(r[3]) for r in host], header.sampling, k, [r[4] for r in host],
-                   [r[5] for r in host], [r[6:] for r in host])
+                   [r[5] for r in host], [r[6:] for r in host], header.verify_us)
 
 
 @dataclass
 class Speculation:
-    """SPEC (S -> L), sent when :meth:`Outcome.wants_spec`; rows in the OUTCOME's order (only
-    its JIT rows' tokens and kinds are read; the others are zeros). int64 [b, K + 1] =
-    (s_1..s_K, q kind); then, only when the OUTCOME said ``sampling``, float32 [b, K, V] = the
-    q each live row's tokens were drawn from (a CACHE row's from the cache, zeros for LOCAL)."""
+    """SPEC (S -> L), in the parts :meth:`Outcome.spec_parts` names; rows in the OUTCOME's order.
+    Tokens: int64 [b, K + 1] = (s_1..s_K, q kind), read for the JIT rows (the others are
+    zeros). q: float32 [b, K, V] = the q each live row's tokens were drawn from (a CACHE row's
+    from the cache, zeros for LOCAL); the leader receives it after launching its verify
+    forward, so it travels during the forward."""
 
     tokens: torch.Tensor  # [b, K] int64
     kinds: torch.Tensor  # [b] int64 QKind of q

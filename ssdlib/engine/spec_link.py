@@ -96,12 +96,13 @@ class SpecLink:
             raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
         self._send_frame(msg.header(), msg)
 
-    def recv_spec(self, b: int, sampling: bool) -> Speculation:
-        """The int64 part is read back here (one copy, the round's wait); q stays on the
-        device."""
-        host = self._recv_to_host(self.spec_buf[:b])
-        q = self._recv(self.q_buf()[:b]) if sampling else None
-        return Speculation.unpack(host, q)
+    def recv_spec_tokens(self, b: int) -> Speculation:
+        """A SPEC's tokens part, read back here (one copy; q, if due, follows: ``recv_q``)."""
+        return Speculation.unpack(self._recv_to_host(self.spec_buf[:b]), None)
+
+    def recv_q(self, b: int) -> torch.Tensor:
+        """A SPEC's q part [b, K, V] on the device (a copy: the buffer is reused)."""
+        return self._recv(self.q_buf()[:b]).clone()
 
     def recv_cache(self, b: int) -> CacheRows:
         """The CACHE pushed after the build for the last OUTCOME's ``b`` rows (one read-back)."""
@@ -132,13 +133,14 @@ class SpecLink:
         rows = ControlFrame.unpack(self._frame_in, self.k)[1][:header.b]
         return Outcome.unpack(rows, header, self.k)
 
-    def send_spec(self, spec: Speculation) -> None:
-        """tokens and kinds may be host tensors (packed on the host, one copy); q is a
-        device tensor."""
+    def send_spec(self, spec: Speculation, tokens: bool = True) -> None:
+        """The tokens part (when ``tokens``; tokens and kinds may be host tensors: packed on the
+        host, one copy), then q (a device tensor) when the speculation has one."""
         b = spec.tokens.shape[0]
         q_out = self.q_buf() if spec.q is not None else None
         parts = spec.pack(self._host_buffer(self.spec_host), q_out)
-        self._send_host(parts[0], self.spec_buf[:b])
+        if tokens:
+            self._send_host(parts[0], self.spec_buf[:b])
         if len(parts) > 1:
             self._send(parts[1])
 

@@ -27,6 +27,7 @@ class SpecRow:
         self.fed = False  # the speculation's tokens are in the slot (cache was built)
         self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
         self.kind = int(QKind.DENSE)
+        self.hit = False  # the speculation in flight came from the cache
 
     @classmethod
     def admitted(cls, row: AdmitRow, device: torch.device) -> "SpecRow":

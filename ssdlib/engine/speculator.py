@@ -49,8 +49,7 @@ class SpeculatorLoop:
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
         # cache counters since the last STATS (zero without a cache)
         self.hits = self.lookups = self.reused = 0
-        self.t_round: float | None = None  # a verify round as seen from here, seconds
-        self.answered: Outcome | None = None  # the OUTCOME of the round in progress
+        self.t_verify: float | None = None  # the leader's last verify forward, seconds
         # each OUTCOME round's phases (SPEC_PHASES), marked on this rank's device; seconds
         # and rounds since the last STATS
         self.timer = RoundTimer(self.device)
@@ -68,7 +67,6 @@ class SpeculatorLoop:
         return 0
 
     def run(self) -> None:
-        t_last = None  # when the last OUTCOME round's frame arrived
         while True:
             t0 = time.perf_counter()
             header = self.link.recv_header()
@@ -78,21 +76,17 @@ class SpeculatorLoop:
                 return
             if header.op == Op.ADMIT:
                 self.admit(self.link.recv_admit(header))
-                t_last = None
             elif header.op == Op.OUTCOME:
-                if t_last is not None:  # one verify round (and its exchange) on the leader
-                    self.t_round = t1 - t_last
+                if header.verify_us > 0:
+                    self.t_verify = header.verify_us / 1e6
                 self.timer.start()
                 outcome = self.link.recv_outcome(header)
                 self.sampling = outcome.sampling
-                self.answered = outcome
                 if self.respond(outcome):
-                    t_last = t1
                     self.after_answer()
                     self.end_round()
                 else:
                     self.send_stats()
-                    t_last = None
             else:
                 raise RuntimeError(f"speculator: unknown op {header.op}")
             self.stats["busy_s"] += time.perf_counter() - t1
@@ -129,8 +123,9 @@ class SpeculatorLoop:
         slots = [outcome.slots[i] for i in live]
         answer = self.answer(outcome, live)
         self.timer.mark("fallback")
-        if outcome.wants_spec():
-            self.link.send_spec(answer.in_order(slots, outcome.slots))
+        tokens, q = outcome.spec_parts()
+        if tokens or q:
+            self.link.send_spec(answer.in_order(slots, outcome.slots), tokens)
         self.timer.mark("send")
         answer.record([self.rows[s_] for s_ in slots])  # bookkeeping, after the verifier has it
         return True
@@ -212,8 +207,15 @@ class Speculator(SpeculatorLoop):
             self.estimator.observe_verify([k], [self.K])
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
             self.fallbacks.observe_ngram(k)
+        elif row.kind == int(QKind.DENSE) and not row.hit:  # a jit draft: its a_p on misses
+            self.fallbacks.observe_jit(k)
 
     def answer(self, outcome: Outcome, live: list[int]) -> Answer:
+        # the CACHE's rows, on the device now: the push after the build launches without a
+        # host copy that would wait for the build
+        dev = self.device
+        self._push_rows = (torch.tensor(outcome.slots).to(dev, non_blocking=True),
+                           torch.tensor(outcome.active).to(dev, non_blocking=True))
         ans = super().answer(outcome, live)
         # rows whose cache was built (not a sequence's first round) count as lookups
         built = [self.rows[outcome.slots[i]].fed for i in live]
@@ -242,17 +244,16 @@ class Speculator(SpeculatorLoop):
         self._fanout_used = fan
         self.reused += self.builder.build(rows, fan, self.sampling)
         self.timer.mark("build")
-        self.push_cache(self.answered)
+        self.push_cache()
         self.timer.mark("push")
 
-    def push_cache(self, outcome: Outcome) -> None:
-        """CACHE: the built rows' keys and tokens for the leader's lookup, in ``outcome``'s order
-        of rows, with the backup for the next round's misses (Thm 17's choice)."""
-        kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_round,
+    def push_cache(self) -> None:
+        """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered
+        OUTCOME's order of rows, with the backup for the next round's misses (Thm 17's
+        choice)."""
+        kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_verify,
                                      self.estimator)
-        dev = self.device
-        rows = torch.tensor(outcome.slots, device=dev)
-        live = torch.tensor(outcome.active, device=dev)
+        rows, live = self._push_rows
         self.link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
 
 

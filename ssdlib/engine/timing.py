@@ -50,8 +50,11 @@ class RoundTimer:
             out[name] = out.get(name, 0.0) + dt
         return out
 
-    def add_to(self, seqs) -> None:
-        for name, dt in self.phases().items():
+    def add_to(self, seqs) -> dict[str, float]:
+        """Add the round's phases to ``seqs``' metrics; returns them (seconds)."""
+        phases = self.phases()
+        for name, dt in phases.items():
             key = name + "_s"
             for q in seqs:
                 q.metrics[key] = q.metrics.get(key, 0.0) + dt
+        return phases

@@ -39,7 +39,8 @@ class SpecInHand:
 
     tokens: torch.Tensor  # [K] int64, host
     kind: int  # QKind of q
-    q: torch.Tensor | None  # [K, V] float32 on the device, when the exchange sampled
+    q: torch.Tensor | None  # [K, V] float32 on the device, when the exchange sampled (it
+    # arrives after the tokens: ``LinkVerifier._take_q``)
     source: str  # "cache", the fallback's name, or "first" (a sequence's first speculation)
 
 
@@ -57,7 +58,9 @@ class LinkVerifier:
         self.mirror: CacheMirror | None = None  # the leader's copy of the speculation cache
         # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
         self._cache_due: list[int] | None = None
+        self._q_due: list[int] | None = None  # likewise, for the q of a sampling exchange
         self._streams: dict[int, RowStream] = {}  # per slot: the local fallbacks' draws
+        self._verify_us = 0  # the last round's verify forward (told to the speculator)
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         # the STATS received since the batch metrics were last read, summed
         self._stats: SpeculatorStats | None = None
@@ -86,9 +89,20 @@ class LinkVerifier:
     def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
         """A speculation answering outcome k arrived (not a sequence's first)."""
 
+    def _take_q(self) -> None:
+        """Receive the q of the last sampling exchange's speculations (the SPEC's q part; on
+        GPU the receive is queued on the stream, after the verify forward launched before)."""
+        if self._q_due is not None:
+            slots, self._q_due = self._q_due, None
+            q = self.link.recv_q(len(slots))
+            for i, slot in enumerate(slots):
+                if slot in self.spec:
+                    self.spec[slot].q = q[i]
+
     def _take_cache(self) -> None:
         """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
-        for the build's end if it outlasted the verify)."""
+        for the build's end if it outlasted the verify); a due q comes before it."""
+        self._take_q()
         if self._cache_due is not None:
             slots, self._cache_due = self._cache_due, None
             self.mirror.update(slots, self.link.recv_cache(len(slots)))
@@ -121,7 +135,7 @@ class LinkVerifier:
                       [t for _, t in outcomes] + gone, alive + [False] * len(leaving),
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
                       k=self.k, choice=[c for c, _, _ in chosen], arg=[g for _, g, _ in chosen],
-                      tokens=[t for _, _, t in chosen])
+                      tokens=[t for _, _, t in chosen], verify_us=self._verify_us)
         self.link.send_outcome(msg)
         for q, a in zip(seqs, alive):
             if not a:
@@ -132,8 +146,11 @@ class LinkVerifier:
             return
         if self.mirror is not None:
             self._cache_due = msg.slots
+        want_tokens, want_q = msg.spec_parts()
+        if want_q:  # received after the next verify forward is launched (``_take_q``)
+            self._q_due = msg.slots
         t0 = time.perf_counter()
-        spec = self.link.recv_spec(len(msg.slots), msg.sampling) if msg.wants_spec() else None
+        spec = self.link.recv_spec_tokens(len(msg.slots)) if want_tokens else None
         if first:  # admission (a round's wait is timed by the round's timer)
             waited = time.perf_counter() - t0
             for q in seqs:
@@ -142,13 +159,12 @@ class LinkVerifier:
             if not a:
                 continue
             choice, arg, tokens = chosen[i]
-            qi = None if spec is None or spec.q is None else spec.q[i]
             if choice == Choice.JIT:
-                hand = SpecInHand(spec.tokens[i], int(spec.kinds[i]), qi, "first" if first
+                hand = SpecInHand(spec.tokens[i], int(spec.kinds[i]), None, "first" if first
                                   else "jit")
             else:
                 kind = int(QKind.DENSE) if choice == Choice.CACHE else arg
-                hand = SpecInHand(torch.tensor(tokens, dtype=torch.int64), kind, qi,
+                hand = SpecInHand(torch.tensor(tokens, dtype=torch.int64), kind, None,
                                   speculation_source(choice == Choice.CACHE, kind))
             self.spec[q.slot] = hand
             if not first:  # a first speculation cannot come from the cache
@@ -165,6 +181,7 @@ class LinkVerifier:
         """The q of the speculations in hand (None when every row is greedy)."""
         if all(q.params.greedy for q in active):
             return None
+        self._take_q()
         kinds, probs = [], []
         for q in active:
             hand = self.spec[q.slot]
@@ -183,7 +200,9 @@ class LinkVerifier:
         timer = self.timer
         timer.start()
         tokens = torch.stack([self.spec[q.slot].tokens for q in active])  # [b, K]
-        outcome = verify_round(self.target, active, tokens, self._draft_q(active), self.device)
+        # q is taken once the forward is launched: its receive overlaps the forward
+        outcome = verify_round(self.target, active, tokens, lambda: self._draft_q(active),
+                               self.device)
         result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(active, result)
@@ -196,7 +215,7 @@ class LinkVerifier:
             timer.mark("cache")  # the speculator's build outlasting the verify shows here
         self._exchange(active, list(zip(result.accepted, result.bonus)))
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
-        timer.add_to(active)
+        self._verify_us = int(1e6 * timer.add_to(active).get("verify", 0.0))
 
     def release(self, seq) -> None:
         self._streams.pop(seq.slot, None)

@@ -7,6 +7,7 @@ exact acceptance rule from :mod:`ssdlib.speculative.acceptance`, and the commit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -15,9 +16,11 @@ from ssdlib.engine.sampler import reserve_streams, row_distributions
 from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, verify_sampled
 
 
-def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | None,
-                 device) -> VerifyOutcome:
-    """draft_tokens [b, K] -> outcome (k accepted, bonus t*) per row. Does not commit."""
+def verify_round(target, seqs, draft_tokens: torch.Tensor,
+                 draft_q: DraftQ | Callable[[], DraftQ | None] | None, device) -> VerifyOutcome:
+    """draft_tokens [b, K] -> outcome (k accepted, bonus t*) per row. Does not commit.
+    ``draft_q`` may be a callable, called once the target forward is launched (so that
+    receiving q overlaps the forward)."""
     b, k = draft_tokens.shape
     last, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
     pos = pos + torch.arange(k + 1)                                      # [b, K+1]
@@ -27,6 +30,8 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor, draft_q: DraftQ | Non
     if all(q.params.greedy for q in seqs):
         return verify_greedy(draft_tokens, logits)
     p = row_distributions(logits, seqs)
+    if callable(draft_q):
+        draft_q = draft_q()
     if draft_q is None:
         raise ValueError("sampling rows need the draft q")
     streams = reserve_streams(seqs, k + 1, logits.device)  # K accept tests + the bonus draw

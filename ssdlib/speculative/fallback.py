@@ -89,15 +89,19 @@ def expected_speedup(p_hit: float, e_hit: float, e_miss: float, t_p: float, t_b:
 def fallback_speedups(batch_size: int, p_hit: float, a_p: float, K: int, t_jit: float,
                       t_ngram: float, a_ngram: float, *, t_p: float | None = None,
                       t_random: float = 0.0, a_random: float = 0.0,
+                      a_jit: float | None = None,
                       per_row_fallback: bool = True) -> dict[Fallback, float]:
     """Expected speedup over AR with each backup at this batch size (Thm 17).
 
-    t_p: the primary draft's time for K tokens on the hit path (default t_jit).
+    t_p: the primary draft's time for K tokens on the hit path (default t_jit). a_jit: the
+    draft's acceptance when it drafts a row that missed (default a_p; measured, it is lower:
+    misses are the outcomes the draft did not foresee).
     """
     x = batch_hit_rate(p_hit, batch_size)
     t_p = t_jit if t_p is None else t_p
     e_hit = expected_tokens(a_p, K)
-    backups = {"jit": (t_jit, a_p), "ngram": (t_ngram, a_ngram), "random": (t_random, a_random)}
+    a_jit = a_p if a_jit is None else _check_prob("a_jit", a_jit)
+    backups = {"jit": (t_jit, a_jit), "ngram": (t_ngram, a_ngram), "random": (t_random, a_random)}
     out: dict[Fallback, float] = {}
     for name, (t_b, a_b) in backups.items():
         p_tokens = p_hit if per_row_fallback else x

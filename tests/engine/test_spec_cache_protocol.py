@@ -198,15 +198,18 @@ def test_outcome_pack_unpack():
 
 
 @pytest.mark.parametrize("choice,active,sampling,want", [
-    (Choice.JIT, True, False, True), (Choice.CACHE, True, False, False),
-    (Choice.LOCAL, True, False, False), (Choice.CACHE, True, True, True),
-    (Choice.JIT, False, False, False), (Choice.JIT, False, True, True)])
-def test_outcome_says_when_a_spec_is_due(choice, active, sampling, want):
+    (Choice.JIT, True, False, (True, False)), (Choice.CACHE, True, False, (False, False)),
+    (Choice.LOCAL, True, False, (False, False)), (Choice.CACHE, True, True, (False, True)),
+    (Choice.JIT, True, True, (True, True)),
+    (Choice.JIT, False, False, (False, False)), (Choice.JIT, False, True, (False, True))])
+def test_outcome_says_which_spec_parts_are_due(choice, active, sampling, want):
+    """Row 0 as given next to a live cache hit: the tokens part is due for a live jit row, q
+    whenever the exchange samples."""
     msg = Outcome([0, 1], [0, 2], [1, 2], [active, True], sampling=sampling, k=K,
                   choice=[int(choice), int(Choice.CACHE)])
-    assert msg.wants_spec() == want
+    assert msg.spec_parts() == want
     gone = Outcome([0], [0], [0], [False], sampling=sampling, k=K)  # no live row: STATS
-    assert not gone.wants_spec()
+    assert gone.spec_parts() == (False, False)
 
 
 def test_cache_rows_pack_unpack():
@@ -274,11 +277,16 @@ def _protocol_rank(results) -> None:
         if world.rank == 0:  # the leader
             link.send_admit(_admit())
             link.send_outcome(_outcome())
-            assert _same_spec(link.recv_spec(3, sampling=True), spec)
+            got = link.recv_spec_tokens(3)
+            got.q = link.recv_q(3)
+            assert _same_spec(got, spec)
             assert link.recv_cache(2) == CacheRows.unpack(_cache_rows(), 2, K)
             link.send_outcome(Outcome([0], [1], [2], [True], sampling=False, k=K))
-            got = link.recv_spec(1, sampling=False)
+            got = link.recv_spec_tokens(1)
             assert got.q is None and torch.equal(got.tokens, spec.tokens[:1])
+            link.send_outcome(Outcome([0], [1], [2], [True], sampling=True, k=K,
+                                      choice=[int(Choice.CACHE)]))
+            assert torch.equal(link.recv_q(1), spec.q[:1])  # q alone: no tokens part
             link.send_outcome(Outcome([0, 3], [0, 0], [0, 0], [False, False], sampling=False,
                                       k=K))
             assert link.recv_stats() == stats
@@ -295,6 +303,10 @@ def _protocol_rank(results) -> None:
             assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False,
                                                         k=K)
             link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], None))
+            header = link.recv_header()
+            assert link.recv_outcome(header).spec_parts() == (False, True)
+            link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], spec.q[:1]),
+                           tokens=False)
             assert not any(link.recv_outcome(link.recv_header()).active)
             link.send_stats(stats)
             assert link.recv_header() == Header(Op.SHUTDOWN)

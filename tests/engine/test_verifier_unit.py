@@ -31,18 +31,23 @@ class FakeLink:
     def __init__(self, cache: CacheRows | None = None):
         self.sent: list[Outcome] = []
         self.cache = cache  # what each CACHE brings
-        self.specs = self.caches = 0  # SPECs and CACHEs received
+        self.specs = self.caches = self.qs = 0  # SPEC tokens, CACHEs and q received
 
     def send_outcome(self, msg: Outcome):
         self.sent.append(msg)
 
-    def recv_spec(self, b, sampling):
+    def recv_spec_tokens(self, b):
         self.specs += 1
-        return Speculation(torch.full((b, K), 2), torch.zeros(b, dtype=torch.int64),
-                           torch.full((b, K, V), 1.0 / V) if sampling else None)
+        return Speculation(torch.full((b, K), 2), torch.zeros(b, dtype=torch.int64), None)
+
+    def recv_q(self, b):
+        self.qs += 1
+        return torch.full((b, K, V), 1.0 / V)
 
     def recv_cache(self, b):
         self.caches += 1
+        if self.cache is None:  # nothing built: every row misses (with jit)
+            return CacheRows([False] * b, [0] * b, [[]] * b, [[]] * b, [[]] * b)
         return self.cache
 
 
@@ -73,6 +78,11 @@ def test_greedy_row_without_q_next_to_sampled_row(cls):
     # each round's accepted tokens are kept by where its speculation came from
     assert g.metrics["accepted_by_source"] == {"cache": [1, K]}
     assert list(s.metrics["accepted_by_source"]) == ["jit"]
+    assert ver._q_due == [0, 1] and link.qs == 0  # q is taken with the next verify
+    assert ver.spec[1].q is None
+    ver.step([g, s])
+    assert link.qs == 1  # taken during that verify (and the next one is due)
+    assert ver._q_due == [0, 1] and ver.spec[1].q is None
 
 
 def _two_greedy(ver):
@@ -103,7 +113,7 @@ def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
     # row 1 (tokens [1, 1, 2, 2, 2, 2, 2]): the suffix recurs, n-gram proposes its continuation
     assert msg.arg[1] == int(QKind.ONEHOT) and msg.tokens[1] == [2, 2, 2]
     assert ver.spec[1].source == "ngram" and ver.spec[1].tokens.tolist() == msg.tokens[1]
-    assert not msg.wants_spec() and ver._cache_due == [0, 1]
+    assert msg.spec_parts() == (False, False) and ver._cache_due == [0, 1]
     # the next round: nothing cached for its outcome and the CACHE names jit -> a SPEC
     link.cache = CacheRows([True, False], [0, 0], [[0, 0], [0, 0]], [[0, 0], [0, 0]],
                            [[[0] * K] * 2] * 2)

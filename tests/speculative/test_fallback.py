@@ -91,3 +91,30 @@ def test_expected_speedup_validates():
         expected_speedup(0.5, 0.5, 1.0, 1.0, 1.0)                      # < 1 token per round
     with pytest.raises(ConfigError):
         expected_speedup(0.5, 2.0, 1.0, math.inf, 1.0)
+
+
+def test_jit_weighs_its_own_acceptance_on_misses():
+    """a_jit (the draft's acceptance on the rows that missed) replaces a_p in jit's miss term
+    only; low enough, a free n-gram wins even at b = 1."""
+    s = fallback_speedups(1, **BASE, a_jit=0.3)
+    x, e_hit = 0.9, expected_tokens(0.8, 5)
+    assert s["jit"] == pytest.approx((x * e_hit + (1 - x) * expected_tokens(0.3, 5))
+                                     / (x * 1.0 + (1 - x) * 1.5))
+    assert s["ngram"] == fallback_speedups(1, **BASE)["ngram"]
+    assert fallback_speedups(1, **BASE, a_jit=0.8) == pytest.approx(fallback_speedups(1, **BASE))
+    assert choose_fallback(1, **BASE) == "jit"
+    assert choose_fallback(1, **BASE, a_jit=0.1) == "ngram"
+    with pytest.raises(ConfigError, match="a_jit"):
+        fallback_speedups(1, **BASE, a_jit=1.5)
+
+
+def test_speculator_measures_jit_acceptance():
+    from ssdlib.engine.outcomes import Fallbacks
+
+    fb = Fallbacks(None, "auto", 3, 10)
+    assert fb.jit_acceptance(0.6) == pytest.approx(0.6)  # the prior until measured
+    for k in (0, 0, 1, 0):  # mostly rejected at once: 1 accepted of 5 + 4 tried
+        fb.observe_jit(k)
+    assert fb.jit_acceptance(0.6) == pytest.approx((1 + 6) / (5 + 10))
+    fb.observe_jit(3)  # all K accepted: no rejected position to count
+    assert fb.jit_acceptance(0.6) == pytest.approx((4 + 6) / (8 + 10))

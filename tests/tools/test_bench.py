@@ -66,7 +66,7 @@ def test_breakdown_is_generic_over_phase_keys():
 
 
 def test_breakdown_and_table_carry_the_speculators_phases(capsys):
-    spec = {"commit": 0.1, "lookup": 0.2, "fallback": 0.5, "send": 0.2, "build": 2.0}
+    spec = {"commit": 0.1, "fallback": 0.5, "send": 0.2, "build": 2.0, "push": 0.2}
     run = {"tokens": 22, "requests": 2, "rounds": 10, "verify_s": 0.02, "wait_s": 0.03,
            "tokens_per_round": 2.0, "speculator_rounds": 12, "speculator_ms_per_round": spec}
     b = breakdown("ssd", run)
@@ -79,10 +79,10 @@ def test_breakdown_and_table_carry_the_speculators_phases(capsys):
     lines = out[out.index("per-round time"):].splitlines()
     head = next(line for line in lines if line.startswith("mode"))
     cols = [c for c in head.split() if c != "ms"]
-    assert cols[-6:] == ["spec.commit", "spec.lookup", "spec.fallback", "spec.send",
-                         "spec.build", "spec.total"]
+    assert cols[-6:] == ["spec.commit", "spec.fallback", "spec.send", "spec.build",
+                         "spec.push", "spec.total"]
     ssd = next(line for line in lines if line.startswith("ssd")).split()
-    assert [float(v) for v in ssd[-6:]] == pytest.approx([0.1, 0.2, 0.5, 0.2, 2.0, 3.0])
+    assert [float(v) for v in ssd[-6:]] == pytest.approx([0.1, 0.5, 0.2, 2.0, 0.2, 3.0])
     assert next(line for line in lines if line.startswith("ar")).split()[-6:] == ["-"] * 6
 
 
