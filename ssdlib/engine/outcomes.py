@@ -115,6 +115,17 @@ def answer_jit(drafter, rows: list[SpecRow], k: int, ans: Answer, loc: torch.Ten
         ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
 
 
+def _tries(k: int, K: int) -> int:
+    """Tokens a speculation of K put to the test when k were accepted (the first rejected one
+    too, if any)."""
+    return k + (1 if k < K else 0)
+
+
+def _shrunk(accepted: int, tried: int, prior: float, prior_tries: int = 10) -> float:
+    """Per-token acceptance accepted / tried, shrunk towards ``prior`` as ``prior_tries``."""
+    return (accepted + prior * prior_tries) / (tried + prior_tries)
+
+
 class Fallbacks:
     """The backups for rows whose outcome missed the cache, and the choice among them."""
 
@@ -129,24 +140,21 @@ class Fallbacks:
     def observe_ngram(self, k: int) -> None:
         """An n-gram speculation had k tokens accepted: learn its per-token acceptance."""
         self.ngram_accepted += k
-        self.ngram_tried += k + (1 if k < self.K else 0)
+        self.ngram_tried += _tries(k, self.K)
 
     def observe_jit(self, k: int) -> None:
         """A jit speculation had k tokens accepted."""
         self.jit_accepted += k
-        self.jit_tried += k + (1 if k < self.K else 0)
+        self.jit_tried += _tries(k, self.K)
 
     def jit_acceptance(self, prior: float) -> float:
         """Measured per-token acceptance of jit drafts, shrunk towards ``prior``: the draft
         accepts less on the rows that missed the cache than on average."""
-        prior_tries = 10
-        return (self.jit_accepted + prior * prior_tries) / (self.jit_tried + prior_tries)
+        return _shrunk(self.jit_accepted, self.jit_tried, prior)
 
     def ngram_acceptance(self) -> float:
         """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
-        prior_tries = 10
-        return ((self.ngram_accepted + NGRAM_ACCEPTANCE_PRIOR * prior_tries)
-                / (self.ngram_tried + prior_tries))
+        return _shrunk(self.ngram_accepted, self.ngram_tried, NGRAM_ACCEPTANCE_PRIOR)
 
     def choose(self, n_rows: int, hits: int, lookups: int, t_verify: float | None,
                estimator) -> str:

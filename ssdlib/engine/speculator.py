@@ -21,7 +21,7 @@ from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit
-from ssdlib.engine.protocol import SPEC_PHASES, Admit, Choice, Op, Outcome, SpeculatorStats
+from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
@@ -219,7 +219,7 @@ class Speculator(SpeculatorLoop):
         ans = super().answer(outcome, live)
         # rows whose cache was built (not a sequence's first round) count as lookups
         built = [self.rows[outcome.slots[i]].fed for i in live]
-        hit = [outcome.choice[i] == Choice.CACHE for i in live]
+        hit = ans.hit.tolist()
         hs = [h for h, f in zip(hit, built) if f]
         self.lookups += len(hs)
         self.hits += sum(hs)

@@ -107,15 +107,19 @@ class LinkVerifier:
             slots, self._cache_due = self._cache_due, None
             self.mirror.update(slots, self.link.recv_cache(len(slots)))
 
+    def _ask_jit(self) -> tuple[int, int, list[int]]:
+        """The choice that asks the speculator for a jit draft: (Choice, arg, tokens)."""
+        return int(Choice.JIT), 0, [0] * self.k
+
     def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
         """Row ``q``'s next speculation after outcome (k, t*): (Choice, arg, tokens)."""
         if self.mirror is None:
-            return int(Choice.JIT), 0, [0] * self.k
+            return self._ask_jit()
         branch, tokens, fallback = self.mirror.lookup(q.slot, k, bonus)
         if branch is not None:
             return int(Choice.CACHE), branch, tokens
         if fallback == "jit":
-            return int(Choice.JIT), 0, [0] * self.k
+            return self._ask_jit()
         tokens, kind = local_fallback(fallback, q.tokens, self._streams[q.slot], self.k,
                                       self.link.vocab_size)
         return int(Choice.LOCAL), kind, tokens
@@ -127,10 +131,9 @@ class LinkVerifier:
         alive = [self._alive(q) for q in seqs]
         leaving, self._leaving = self._leaving, []
         gone = [0] * len(leaving)
-        chosen = [self._choose(q, k, t) if a and not first else (int(Choice.JIT), 0, [0] * self.k)
+        chosen = [self._choose(q, k, t) if a and not first else self._ask_jit()
                   for q, (k, t), a in zip(seqs, outcomes, alive)]
-        nothing = (int(Choice.JIT), 0, [0] * self.k)
-        chosen += [nothing] * len(leaving)
+        chosen += [self._ask_jit()] * len(leaving)
         msg = Outcome([q.slot for q in seqs] + leaving, [k for k, _ in outcomes] + gone,
                       [t for _, t in outcomes] + gone, alive + [False] * len(leaving),
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
@@ -140,7 +143,6 @@ class LinkVerifier:
         for q, a in zip(seqs, alive):
             if not a:
                 self.spec.pop(q.slot, None)
-                self._streams.pop(q.slot, None)
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
