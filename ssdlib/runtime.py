@@ -18,6 +18,7 @@ from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
 from ssdlib.log import get_logger, setup_logging
+from ssdlib.profiling import CallProfiler
 
 log = get_logger(__name__)
 
@@ -30,9 +31,11 @@ class LeaderRuntime:
         self.world = world
         self.leader = leader
         self._shutdown = shutdown
+        self._profiler = CallProfiler(cfg.mode)
 
     def generate(self, requests, on_event=None, interrupted=None):
-        return self.leader.generate(requests, on_event, interrupted)
+        with self._profiler.call():
+            return self.leader.generate(requests, on_event, interrupted)
 
     def serve(self, commands, on_event, on_output) -> None:
         """Serve ``("submit", Request)`` / ``("cancel", index)`` messages from ``commands`` (a

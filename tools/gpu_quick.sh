@@ -6,7 +6,9 @@
 #           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
-# 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality).
+# 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality),
+# prof / prof8 (the leader's timed call profiled, SSDLIB_PROFILE: AR + SSD at b = 1 into
+# $OUT/p1, SSD at b = 8 into $OUT/p8; see ssdlib/profiling.py).
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -39,6 +41,8 @@ for b in ${BENCHES:-b1}; do
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
     compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
+    prof) SSDLIB_PROFILE=$OUT/p1 timeout 150 $B --modes ar,ssd --n-prompts 4 --k 3 2>&1 | $F | tail -8 ;;
+    prof8) SSDLIB_PROFILE=$OUT/p8 timeout 150 $B --modes ssd --n-prompts 16 --batch 8 --k 3 2>&1 | $F | tail -8 ;;
     fp32) timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -6 ;;
     *) echo "unknown preset $b" ;;
   esac
