@@ -136,6 +136,9 @@ class Fallbacks:
         self.t_jit: float | None = None  # measured cost of a jit draft, seconds
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
         self.jit_accepted = self.jit_tried = 0  # and of jit drafts (rows that missed, firsts)
+        # cache lookups and hits over the rank's life (the STATS counters restart with every
+        # batch: with those, each new batch's first rounds fell back to jit until measured)
+        self.hits = self.lookups = 0
 
     def observe_ngram(self, k: int) -> None:
         """An n-gram speculation had k tokens accepted: learn its per-token acceptance."""
@@ -147,6 +150,10 @@ class Fallbacks:
         self.jit_accepted += k
         self.jit_tried += _tries(k, self.K)
 
+    def observe_lookups(self, lookups: int, hits: int) -> None:
+        self.lookups += lookups
+        self.hits += hits
+
     def jit_acceptance(self, prior: float) -> float:
         """Measured per-token acceptance of jit drafts, shrunk towards ``prior``: the draft
         accepts less on the rows that missed the cache than on average."""
@@ -156,17 +163,17 @@ class Fallbacks:
         """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
         return _shrunk(self.ngram_accepted, self.ngram_tried, NGRAM_ACCEPTANCE_PRIOR)
 
-    def choose(self, n_rows: int, hits: int, lookups: int, t_verify: float | None,
-               estimator) -> str:
-        """The configured backup, or Thm 17's choice from measured p_hit, jit cost (in verify
-        forwards of the leader, ``t_verify`` seconds each), the backups' measured acceptance and
-        the batch size; jit until there are measurements."""
+    def choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
+        """The configured backup, or Thm 17's choice from measured p_hit (:meth:`observe_lookups`),
+        jit cost (in verify forwards of the leader, ``t_verify`` seconds each), the backups'
+        measured acceptance and the batch size; jit until there are measurements."""
         if self.configured != "auto":
             return self.configured
-        if self.t_jit is None or not t_verify or lookups < MIN_LOOKUPS_FOR_AUTO:
+        if self.t_jit is None or not t_verify or self.lookups < MIN_LOOKUPS_FOR_AUTO:
             return "jit"
         a_p = estimator.a_p if estimator is not None else A_P_PRIOR
-        return choose_fallback(n_rows, hits / lookups, a_p, self.K, self.t_jit / t_verify,
+        return choose_fallback(n_rows, self.hits / self.lookups, a_p, self.K,
+                               self.t_jit / t_verify,
                                NGRAM_COST, self.ngram_acceptance(),
                                a_jit=self.jit_acceptance(a_p))
 

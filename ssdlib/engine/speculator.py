@@ -28,6 +28,7 @@ from ssdlib.engine.spec_row import SpecRow
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
+from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
@@ -55,6 +56,7 @@ class SpeculatorLoop:
         self.timer = RoundTimer(self.device)
         self.rounds = 0
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
+        self.profiler = RoundProfiler(f"{cfg.mode}-speculator")  # SSDLIB_PROFILE (off: no-op)
 
     @staticmethod
     def tree_len(cfg) -> int:
@@ -73,12 +75,14 @@ class SpeculatorLoop:
             t1 = time.perf_counter()
             self.stats["idle_s"] += t1 - t0
             if header.op == Op.SHUTDOWN:
+                self.profiler.close()
                 return
             if header.op == Op.ADMIT:
                 self.admit(self.link.recv_admit(header))
             elif header.op == Op.OUTCOME:
                 if header.verify_us > 0:
                     self.t_verify = header.verify_us / 1e6
+                self.profiler.tick()
                 self.timer.start()
                 outcome = self.link.recv_outcome(header)
                 self.sampling = outcome.sampling
@@ -223,6 +227,7 @@ class Speculator(SpeculatorLoop):
         hs = [h for h, f in zip(hit, built) if f]
         self.lookups += len(hs)
         self.hits += sum(hs)
+        self.fallbacks.observe_lookups(len(hs), sum(hs))
         if self.estimator is not None and hs:
             fan = self._fanout_used
             self.estimator.observe_lookups(
@@ -251,8 +256,7 @@ class Speculator(SpeculatorLoop):
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered
         OUTCOME's order of rows, with the backup for the next round's misses (Thm 17's
         choice)."""
-        kind = self.fallbacks.choose(len(self.rows), self.hits, self.lookups, self.t_verify,
-                                     self.estimator)
+        kind = self.fallbacks.choose(len(self.rows), self.t_verify, self.estimator)
         rows, live = self._push_rows
         self.link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
 

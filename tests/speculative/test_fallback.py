@@ -118,3 +118,18 @@ def test_speculator_measures_jit_acceptance():
     assert fb.jit_acceptance(0.6) == pytest.approx((1 + 6) / (5 + 10))
     fb.observe_jit(3)  # all K accepted: no rejected position to count
     assert fb.jit_acceptance(0.6) == pytest.approx((4 + 6) / (8 + 10))
+
+
+def test_fallback_choice_keeps_its_lookups_across_batches():
+    """Thm 17's p_hit counts every lookup of the rank's life: a batch that starts after STATS
+    (whose counters restart) is not sent back to jit until re-measured."""
+    from ssdlib.engine.outcomes import MIN_LOOKUPS_FOR_AUTO, Fallbacks
+
+    fb = Fallbacks(None, "auto", 3, 1000)
+    fb.t_jit = 1e-3
+    assert fb.choose(1, 1e-3, None) == "jit"  # nothing measured yet
+    fb.observe_lookups(MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
+    for k in (0,) * 20:  # jit drafts that were all rejected: any other backup is better
+        fb.observe_jit(k)
+    assert fb.choose(1, 1e-3, None) != "jit"
+    assert (fb.lookups, fb.hits) == (MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
