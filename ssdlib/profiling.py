@@ -1,15 +1,19 @@
-"""Opt-in profile of the leader's generate calls, for finding where a round's wall time goes.
+"""Opt-in profiles for finding where a round's wall time goes (``SSDLIB_PROFILE=DIR``).
 
-``SSDLIB_PROFILE=DIR`` (environment) makes the leader profile one ``generate`` call of each
-engine (``SSDLIB_PROFILE_CALL``, default 2: the first timed call after a warm-up) with cProfile
-(``DIR/<mode>-leader.pstats``: Python time per function) and torch.profiler (CPU ops and CUDA
-kernels, ``DIR/<mode>-leader.trace.json.gz``, a Chrome trace). Off, it costs one check a call.
+- The leader profiles one ``generate`` call of each engine (``SSDLIB_PROFILE_CALL``, default 2:
+  the first timed call after a warm-up): ``DIR/<mode>-leader.trace.json.gz``.
+- The speculator rank profiles a window of its OUTCOME rounds (``SSDLIB_PROFILE_ROUNDS=W:N``,
+  default 200:100: rounds W .. W+N-1 since the rank started): ``DIR/<mode>-speculator...``.
+
+Each is a torch.profiler Chrome trace (CPU ops, CUDA runtime calls and kernels on one
+timeline). ``SSDLIB_PROFILE_PY=1`` adds a cProfile dump (``.pstats``: Python time per function;
+it slows Python down, so the trace's host gaps grow with it). Off, each costs one check a call.
 """
 
 from __future__ import annotations
 
-import contextlib
 import cProfile
+import contextlib
 import gzip
 import os
 import shutil
@@ -19,38 +23,85 @@ from ssdlib.log import get_logger
 log = get_logger(__name__)
 
 
+class _Session:
+    """One profiled span: torch.profiler (+ cProfile) from ``start`` to ``stop``."""
+
+    def __init__(self, stem: str):
+        import torch
+
+        self.stem = stem
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.torch_prof = torch.profiler.profile(activities=activities)
+        self.py_prof = cProfile.Profile() if os.environ.get("SSDLIB_PROFILE_PY") == "1" else None
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.stem) or ".", exist_ok=True)
+        self.torch_prof.start()
+        if self.py_prof is not None:
+            self.py_prof.enable()
+
+    def stop(self) -> None:
+        if self.py_prof is not None:
+            self.py_prof.disable()
+            self.py_prof.dump_stats(self.stem + ".pstats")
+        self.torch_prof.stop()
+        raw = self.stem + ".trace.json"
+        self.torch_prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+        log.warning("profile written: %s.trace.json.gz", self.stem)
+
+
 class CallProfiler:
     """``with profiler.call(): ...`` around each generate call; profiles the chosen one."""
 
     def __init__(self, mode: str):
-        self.mode = mode
         self.dir = os.environ.get("SSDLIB_PROFILE") or None
+        self.stem = None if self.dir is None else os.path.join(self.dir, f"{mode}-leader")
         self.which = int(os.environ.get("SSDLIB_PROFILE_CALL", "2"))
         self.calls = 0
 
     @contextlib.contextmanager
     def call(self):
         self.calls += 1
-        if self.dir is None or self.calls != self.which:
+        if self.stem is None or self.calls != self.which:
             yield
             return
-        import torch
+        session = _Session(self.stem)
+        session.start()
+        try:
+            yield
+        finally:
+            session.stop()
 
-        os.makedirs(self.dir, exist_ok=True)
-        stem = os.path.join(self.dir, f"{self.mode}-leader")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = cProfile.Profile()
-        with torch.profiler.profile(activities=activities) as tprof:
-            prof.enable()
-            try:
-                yield
-            finally:
-                prof.disable()
-        prof.dump_stats(stem + ".pstats")
-        tprof.export_chrome_trace(stem + ".trace.json")
-        with open(stem + ".trace.json", "rb") as src, gzip.open(stem + ".trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(stem + ".trace.json")
-        log.warning("profiled generate call %d: %s.{pstats,trace.json.gz}", self.calls, stem)
+
+class RoundProfiler:
+    """``tick()`` once per round; profiles rounds W .. W+N-1 (``SSDLIB_PROFILE_ROUNDS``)."""
+
+    def __init__(self, name: str):
+        d = os.environ.get("SSDLIB_PROFILE") or None
+        self.stem = None if d is None else os.path.join(d, name)
+        first, count = os.environ.get("SSDLIB_PROFILE_ROUNDS", "200:100").split(":")
+        self.first, self.end = int(first), int(first) + int(count)
+        self.rounds = 0
+        self._session: _Session | None = None
+
+    def tick(self) -> None:
+        if self.stem is None:
+            return
+        if self.rounds == self.first:
+            self._session = _Session(self.stem)
+            self._session.start()
+        self.rounds += 1
+        if self.rounds == self.end and self._session is not None:
+            self._session.stop()
+            self._session = None
+
+    def close(self) -> None:
+        """Write a window cut short (the rank stops before its end)."""
+        if self._session is not None:
+            self._session.stop()
+            self._session = None

@@ -7,7 +7,7 @@ import pstats
 
 import torch
 
-from ssdlib.profiling import CallProfiler
+from ssdlib.profiling import CallProfiler, RoundProfiler
 
 
 def _work():
@@ -20,6 +20,7 @@ def _work():
 def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
     monkeypatch.setenv("SSDLIB_PROFILE", str(tmp_path))
     monkeypatch.setenv("SSDLIB_PROFILE_CALL", "2")
+    monkeypatch.setenv("SSDLIB_PROFILE_PY", "1")
     prof = CallProfiler("ssd")
     with prof.call():
         _work()
@@ -27,7 +28,7 @@ def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
     with prof.call():
         _work()
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["ssd-leader.pstats", "ssd-leader.trace.json.gz"]
+    assert names == ["ssd-leader.pstats", "ssd-leader.trace.json.gz"]  # SSDLIB_PROFILE_PY=1
     stats = pstats.Stats(str(tmp_path / "ssd-leader.pstats"))
     assert any(fn[2] == "_work" for fn in stats.stats)
     with gzip.open(tmp_path / "ssd-leader.trace.json.gz") as f:
@@ -46,3 +47,26 @@ def test_off_without_the_variable(tmp_path, monkeypatch):
         with prof.call():
             _work()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_round_window(tmp_path, monkeypatch):
+    """Rounds 2..3 of a rank are profiled (a trace, no cProfile unless asked); a window cut
+    short by the rank's end is written at close."""
+    monkeypatch.setenv("SSDLIB_PROFILE", str(tmp_path / "a"))
+    monkeypatch.setenv("SSDLIB_PROFILE_ROUNDS", "2:2")
+    monkeypatch.delenv("SSDLIB_PROFILE_PY", raising=False)
+    prof = RoundProfiler("ssd-speculator")
+    for _ in range(6):
+        prof.tick()
+        _work()
+        if prof.rounds == 3:
+            assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["ssd-speculator.trace.json.gz"]
+    monkeypatch.setenv("SSDLIB_PROFILE", str(tmp_path / "b"))
+    monkeypatch.setenv("SSDLIB_PROFILE_ROUNDS", "1:10")
+    prof = RoundProfiler("x")
+    for _ in range(3):
+        prof.tick()
+        _work()
+    prof.close()
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["x.trace.json.gz"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ssdlib.engine.protocol import CacheRows
-from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
-from ssdlib.speculative.ngram import ngram_or_random, random_tokens_host
+from ssdlib.speculative.ngram import NGRAM_Q, RANDOM_Q, propose_ngram, random_tokens_host
 from ssdlib.speculative.rng import RowStream
 
 # Salt of the leader's per-row streams for local fallback draws (apart from the sequence's own
@@ -63,10 +62,12 @@ def local_fallback(kind: str, tokens: list[int], stream: RowStream, k: int,
                    vocab_size: int) -> tuple[list[int], int]:
     """A miss's speculation drawn on the leader: n-gram (random where no suffix recurs) or random
     -> (tokens [K], QKind). K draws of ``stream`` are taken either way."""
-    drawn = random_tokens_host([stream], k, vocab_size)
-    if kind == "ngram":
-        toks, dq = ngram_or_random([tokens], k, vocab_size, random_rows=drawn)
-        return toks[0].tolist(), int(dq.kinds[0])
+    drawn = random_tokens_host([stream], k, vocab_size)[0]
+    if kind == "ngram":  # ngram_or_random's rule for one row, without its tensors
+        proposal = propose_ngram(tokens, k)
+        if proposal is not None:
+            return proposal, int(NGRAM_Q)
+        return drawn, int(RANDOM_Q)
     if kind == "random":
-        return drawn[0], int(QKind.UNIFORM)
+        return drawn, int(RANDOM_Q)
     raise ValueError(f"no local fallback {kind!r} (jit is the speculator's)")

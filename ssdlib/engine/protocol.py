@@ -52,10 +52,12 @@ class Header:
 
     SIZE: ClassVar[int] = 8
 
+    def values(self) -> list[int]:
+        return [int(self.op), self.b, self.n_tokens, int(self.sampling), self.verify_us, 0, 0, 0]
+
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """Write into ``out`` (int64 [8]) and return it."""
-        return out.copy_(torch.tensor([int(self.op), self.b, self.n_tokens, int(self.sampling),
-                                       self.verify_us, 0, 0, 0]))
+        return out.copy_(torch.tensor(self.values()))
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "Header":
@@ -73,11 +75,10 @@ class ControlFrame:
 
     @staticmethod
     def pack(out: torch.Tensor, header: Header, outcome: "Outcome | None" = None) -> torch.Tensor:
-        """Write into ``out`` (a frame) and return it."""
-        out.zero_()
-        header.pack(out[:Header.SIZE])
-        if outcome is not None:
-            outcome.pack(out[Header.SIZE:].view(-1, Outcome.width(outcome.k)))
+        """Write into ``out`` (a frame) and return it (one copy: this runs every round)."""
+        flat = header.values() + ([] if outcome is None else outcome.values())
+        out[:len(flat)].copy_(torch.tensor(flat, dtype=torch.int64))
+        out[len(flat):].zero_()
         return out
 
     @staticmethod
@@ -188,12 +189,16 @@ class Outcome:
         live = [c for c, a in zip(self.choice, self.active) if a]
         return int(Choice.JIT) in live, bool(live) and self.sampling
 
+    def values(self) -> list[int]:
+        """The rows [b, 6 + K], flattened."""
+        return [v for s, k, t, a, c, g, toks in zip(self.slots, self.accepted, self.bonus,
+                                                    self.active, self.choice, self.arg,
+                                                    self.tokens)
+                for v in (s, k, t, int(a), c, g, *toks)]
+
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """Write into the first b rows of ``out`` (int64 [>= b, 6 + K]) and return them."""
-        rows = torch.tensor([[s, k, t, int(a), c, g, *toks] for s, k, t, a, c, g, toks in
-                             zip(self.slots, self.accepted, self.bonus, self.active, self.choice,
-                                 self.arg, self.tokens)],
-                            dtype=torch.int64).view(-1, self.width(self.k))
+        rows = torch.tensor(self.values(), dtype=torch.int64).view(-1, self.width(self.k))
         return out[:rows.shape[0]].copy_(rows)
 
     @classmethod

@@ -36,6 +36,7 @@ class SpecLink:
         self.cache_buf = torch.zeros(max_batch, CacheRows.width(branches, k), dtype=torch.int64,
                                      device=device)
         self._q_buf: torch.Tensor | None = None  # allocated on the first sampling batch
+        self._cache_recv = None  # (rows, work, host buffer or None) of a posted CACHE receive
         # the host buffers' last copy to the device, waited for before they are written again
         self._copied = torch.cuda.Event() if pin else None
 
@@ -104,9 +105,28 @@ class SpecLink:
         """A SPEC's q part [b, K, V] on the device (a copy: the buffer is reused)."""
         return self._recv(self.q_buf()[:b]).clone()
 
+    def post_cache(self, b: int) -> None:
+        """Post the receive of the next CACHE (``b`` rows) without waiting for it: its host
+        cost overlaps what runs meanwhile; :meth:`recv_cache` completes it."""
+        if self._cache_recv is not None:
+            raise RuntimeError("a CACHE receive is already posted")
+        buf = torch.empty(self.cache_buf[:b].shape, dtype=torch.int64) if self.staged \
+            else self.cache_buf[:b]
+        self._cache_recv = (b, dist.irecv(buf, src=self.peer, group=self.group), buf)
+
     def recv_cache(self, b: int) -> CacheRows:
-        """The CACHE pushed after the build for the last OUTCOME's ``b`` rows (one read-back)."""
-        return CacheRows.unpack(self._recv_to_host(self.cache_buf[:b]), self.branches, self.k)
+        """The CACHE pushed after the build for the last OUTCOME's ``b`` rows (one read-back),
+        through the receive :meth:`post_cache` posted if there is one."""
+        if self._cache_recv is None:
+            host = self._recv_to_host(self.cache_buf[:b])
+        else:
+            posted, work, buf = self._cache_recv
+            self._cache_recv = None
+            if posted != b:
+                raise RuntimeError(f"CACHE receive posted for {posted} rows, taken for {b}")
+            work.wait()
+            host = buf if self.staged else buf.cpu()
+        return CacheRows.unpack(host, self.branches, self.k)
 
     def recv_stats(self) -> SpeculatorStats:
         buf = torch.zeros(SpeculatorStats.SIZE, dtype=torch.float64, device=self.device)

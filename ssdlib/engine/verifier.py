@@ -37,7 +37,7 @@ from ssdlib.speculative.rng import RowStream
 class SpecInHand:
     """A row's speculation received for the next verify."""
 
-    tokens: torch.Tensor  # [K] int64, host
+    tokens: list[int]  # [K]
     kind: int  # QKind of q
     q: torch.Tensor | None  # [K, V] float32 on the device, when the exchange sampled (it
     # arrives after the tokens: ``LinkVerifier._take_q``)
@@ -55,11 +55,8 @@ class LinkVerifier:
         self.lookahead = k + 1
         self.limit: int | None = None  # set by the Leader
         self.spec: dict[int, SpecInHand] = {}  # the speculation in hand per slot
-        self.mirror: CacheMirror | None = None  # the leader's copy of the speculation cache
-        # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
-        self._cache_due: list[int] | None = None
-        self._q_due: list[int] | None = None  # likewise, for the q of a sampling exchange
-        self._streams: dict[int, RowStream] = {}  # per slot: the local fallbacks' draws
+        # the rows (slots, in order) of the last OUTCOME whose q (sampling) is still to come
+        self._q_due: list[int] | None = None
         self._verify_us = 0  # the last round's verify forward (told to the speculator)
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         # the STATS received since the batch metrics were last read, summed
@@ -73,10 +70,7 @@ class LinkVerifier:
         taken = {q.slot for q in seqs}
         self._leaving = [s for s in self._leaving if s not in taken]
         for q in seqs:
-            if self.mirror is not None:
-                self.mirror.forget(q.slot)
-                self._streams[q.slot] = RowStream.from_seed(
-                    q.params.seed, FALLBACK_STREAM + q.request.stream_salt)
+            self._admit_row(q)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
@@ -86,8 +80,32 @@ class LinkVerifier:
     def _alive(self, q) -> bool:
         return not q.finished and (self.limit is None or len(q.tokens) < self.limit)
 
+    # -- what the roles differ in (SSDVerifier has a cache; plain SD has none) ----------------
+    def _admit_row(self, q) -> None:
+        """Row ``q`` joins (its slot may have been another row's)."""
+
     def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
         """A speculation answering outcome k arrived (not a sequence's first)."""
+
+    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
+        """Row ``q``'s next speculation after outcome (k, t*): (Choice, arg, tokens)."""
+        return self._ask_jit()
+
+    def _take_cache(self) -> bool:
+        """Receive what the speculator sent after the last exchange besides a SPEC's tokens:
+        here a sampling exchange's q (an SSD speculator pushes its CACHE after it). Returns
+        whether a CACHE was due."""
+        self._take_q()
+        return False
+
+    def _expect_cache(self, slots: list[int]) -> None:
+        """An OUTCOME for ``slots`` went out with live rows (the SSD speculator builds for it)."""
+
+    def _after_launch(self) -> None:
+        """Once the verify forward is launched: receives whose host cost overlaps it."""
+        self._take_q()
+
+    # -- the loop -------------------------------------------------------------------------
 
     def _take_q(self) -> None:
         """Receive the q of the last sampling exchange's speculations (the SPEC's q part; on
@@ -99,30 +117,9 @@ class LinkVerifier:
                 if slot in self.spec:
                     self.spec[slot].q = q[i]
 
-    def _take_cache(self) -> None:
-        """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
-        for the build's end if it outlasted the verify); a due q comes before it."""
-        self._take_q()
-        if self._cache_due is not None:
-            slots, self._cache_due = self._cache_due, None
-            self.mirror.update(slots, self.link.recv_cache(len(slots)))
-
     def _ask_jit(self) -> tuple[int, int, list[int]]:
         """The choice that asks the speculator for a jit draft: (Choice, arg, tokens)."""
         return int(Choice.JIT), 0, [0] * self.k
-
-    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
-        """Row ``q``'s next speculation after outcome (k, t*): (Choice, arg, tokens)."""
-        if self.mirror is None:
-            return self._ask_jit()
-        branch, tokens, fallback = self.mirror.lookup(q.slot, k, bonus)
-        if branch is not None:
-            return int(Choice.CACHE), branch, tokens
-        if fallback == "jit":
-            return self._ask_jit()
-        tokens, kind = local_fallback(fallback, q.tokens, self._streams[q.slot], self.k,
-                                      self.link.vocab_size)
-        return int(Choice.LOCAL), kind, tokens
 
     def _exchange(self, seqs, outcomes, first: bool = False) -> None:
         """Take each live row's next speculation (cache, local fallback, or the speculator's jit
@@ -146,13 +143,13 @@ class LinkVerifier:
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
-        if self.mirror is not None:
-            self._cache_due = msg.slots
+        self._expect_cache(msg.slots)
         want_tokens, want_q = msg.spec_parts()
         if want_q:  # received after the next verify forward is launched (``_take_q``)
             self._q_due = msg.slots
         t0 = time.perf_counter()
         spec = self.link.recv_spec_tokens(len(msg.slots)) if want_tokens else None
+        jit = spec.tokens.tolist() if spec is not None else None
         if first:  # admission (a round's wait is timed by the round's timer)
             waited = time.perf_counter() - t0
             for q in seqs:
@@ -162,11 +159,10 @@ class LinkVerifier:
                 continue
             choice, arg, tokens = chosen[i]
             if choice == Choice.JIT:
-                hand = SpecInHand(spec.tokens[i], int(spec.kinds[i]), None, "first" if first
-                                  else "jit")
+                hand = SpecInHand(jit[i], int(spec.kinds[i]), None, "first" if first else "jit")
             else:
                 kind = int(QKind.DENSE) if choice == Choice.CACHE else arg
-                hand = SpecInHand(torch.tensor(tokens, dtype=torch.int64), kind, None,
+                hand = SpecInHand(tokens, kind, None,
                                   speculation_source(choice == Choice.CACHE, kind))
             self.spec[q.slot] = hand
             if not first:  # a first speculation cannot come from the cache
@@ -201,10 +197,11 @@ class LinkVerifier:
     def step(self, active) -> None:
         timer = self.timer
         timer.start()
-        tokens = torch.stack([self.spec[q.slot].tokens for q in active])  # [b, K]
-        # q is taken once the forward is launched: its receive overlaps the forward
+        tokens = torch.tensor([self.spec[q.slot].tokens for q in active],
+                              dtype=torch.int64)  # [b, K], host
+        # q (and an SSD speculator's CACHE) are received once the forward is launched
         outcome = verify_round(self.target, active, tokens, lambda: self._draft_q(active),
-                               self.device)
+                               self.device, after_launch=self._after_launch)
         result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(active, result)
@@ -212,15 +209,13 @@ class LinkVerifier:
         for q, accepted in zip(active, result.accepted):
             record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
-        if self._cache_due is not None:
-            self._take_cache()
+        if self._take_cache():
             timer.mark("cache")  # the speculator's build outlasting the verify shows here
         self._exchange(active, list(zip(result.accepted, result.bonus)))
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
         self._verify_us = int(1e6 * timer.add_to(active).get("verify", 0.0))
 
     def release(self, seq) -> None:
-        self._streams.pop(seq.slot, None)
         if self.spec.pop(seq.slot, None) is not None:
             self._leaving.append(seq.slot)  # tell the speculator with the next outcome
 
@@ -253,14 +248,63 @@ class LinkVerifier:
 
 
 class SSDVerifier(LinkVerifier):
-    """Mode ``ssd``: each speculation comes from the speculation cache (hit) or a fallback."""
+    """Mode ``ssd``: each speculation comes from the speculation cache (hit) or a fallback.
+
+    After each OUTCOME the speculator builds the cache for it and pushes the built rows (CACHE)
+    while this side verifies; the receive is posted once the verify forward is launched and
+    completed after the round's read-back. Misses are drawn here (n-gram / random, from a
+    per-row stream) or asked of the speculator (jit), as the CACHE says."""
 
     def __init__(self, target, link: SpecLink, k: int, device):
         super().__init__(target, link, k, device)
-        self.mirror = CacheMirror()
+        self.mirror = CacheMirror()  # the leader's copy of the speculation cache
+        # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
+        self._cache_due: list[int] | None = None
+        self._cache_posted = False  # its receive is posted (``SpecLink.post_cache``)
+        self._streams: dict[int, RowStream] = {}  # per slot: the local fallbacks' draws
+
+    def _admit_row(self, q) -> None:
+        self.mirror.forget(q.slot)
+        self._streams[q.slot] = RowStream.from_seed(
+            q.params.seed, FALLBACK_STREAM + q.request.stream_salt)
 
     def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
         record_lookup(q.metrics, k, hit, kind)
+
+    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
+        branch, tokens, fallback = self.mirror.lookup(q.slot, k, bonus)
+        if branch is not None:
+            return int(Choice.CACHE), branch, tokens
+        if fallback == "jit":
+            return self._ask_jit()
+        tokens, kind = local_fallback(fallback, q.tokens, self._streams[q.slot], self.k,
+                                      self.link.vocab_size)
+        return int(Choice.LOCAL), kind, tokens
+
+    def _expect_cache(self, slots: list[int]) -> None:
+        self._cache_due = slots
+
+    def _after_launch(self) -> None:
+        self._take_q()  # the link's order: a due q, then the CACHE
+        if self._cache_due is not None and not self._cache_posted:
+            self.link.post_cache(len(self._cache_due))
+            self._cache_posted = True
+
+    def _take_cache(self) -> bool:
+        """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
+        for the build's end if it outlasted the verify); a due q comes before it. Returns
+        whether one was due."""
+        self._take_q()
+        if self._cache_due is None:
+            return False
+        slots, self._cache_due = self._cache_due, None
+        self._cache_posted = False
+        self.mirror.update(slots, self.link.recv_cache(len(slots)))
+        return True
+
+    def release(self, seq) -> None:
+        self._streams.pop(seq.slot, None)
+        super().release(seq)
 
 
 class SeparateDraftVerifier(LinkVerifier):

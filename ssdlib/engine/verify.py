@@ -17,16 +17,23 @@ from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, 
 
 
 def verify_round(target, seqs, draft_tokens: torch.Tensor,
-                 draft_q: DraftQ | Callable[[], DraftQ | None] | None, device) -> VerifyOutcome:
-    """draft_tokens [b, K] -> outcome (k accepted, bonus t*) per row. Does not commit.
-    ``draft_q`` may be a callable, called once the target forward is launched (so that
-    receiving q overlaps the forward)."""
+                 draft_q: DraftQ | Callable[[], DraftQ | None] | None, device,
+                 after_launch: Callable[[], None] | None = None) -> VerifyOutcome:
+    """draft_tokens [b, K] (host or device) -> outcome (k accepted, bonus t*) per row. Does not
+    commit. ``draft_q`` may be a callable, called once the target forward is launched (so that
+    receiving q overlaps the forward); ``after_launch`` likewise, in every round (e.g. to post
+    a receive whose host cost then overlaps the forward)."""
     b, k = draft_tokens.shape
     last, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
     pos = pos + torch.arange(k + 1)                                      # [b, K+1]
-    draft_tokens = draft_tokens.to(device)
-    ids = torch.cat([last.to(device), draft_tokens], dim=1)              # no read-back of drafts
+    if draft_tokens.device.type == "cpu":  # travels with the step's other host inputs
+        ids = torch.cat([last, draft_tokens], dim=1)
+    else:  # drafted on this device: no read-back of drafts
+        ids = torch.cat([last.to(device), draft_tokens], dim=1)
     logits = target.forward(ids, pos, slots_tensor(seqs))               # [b, K+1, V]
+    if after_launch is not None:
+        after_launch()
+    draft_tokens = draft_tokens.to(device, non_blocking=True)
     if all(q.params.greedy for q in seqs):
         return verify_greedy(draft_tokens, logits)
     p = row_distributions(logits, seqs)
@@ -51,11 +58,15 @@ class RoundResult:
 def read_round(draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> RoundResult:
     """The round's outcome on the host: its only device-to-host synchronisation."""
     b, k = draft_tokens.shape
-    host = torch.cat([outcome.accepted[:, None], outcome.bonus[:, None],
-                      outcome.accepted_mask.long(), draft_tokens.to(outcome.bonus.device)],
-                     dim=1).tolist()  # [b, 2 + 2K]
+    parts = [outcome.accepted[:, None], outcome.bonus[:, None], outcome.accepted_mask.long()]
+    if draft_tokens.device.type == "cpu":  # already here
+        host = torch.cat(parts, dim=1).tolist()  # [b, 2 + K]
+        drafts = draft_tokens.tolist()
+    else:
+        host = torch.cat(parts + [draft_tokens.to(outcome.bonus.device)], dim=1).tolist()
+        drafts = [r[2 + k:] for r in host]
     return RoundResult([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host],
-                       [r[2 + k:2 + k + r[0]] + [r[1]] for r in host])
+                       [d[:r[0]] + [r[1]] for r, d in zip(host, drafts)])
 
 
 def commit_round(seqs, result: RoundResult) -> None:

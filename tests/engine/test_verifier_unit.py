@@ -32,6 +32,7 @@ class FakeLink:
         self.sent: list[Outcome] = []
         self.cache = cache  # what each CACHE brings
         self.specs = self.caches = self.qs = 0  # SPEC tokens, CACHEs and q received
+        self.posted = 0  # CACHE receives posted (during the verify forward)
 
     def send_outcome(self, msg: Outcome):
         self.sent.append(msg)
@@ -43,6 +44,10 @@ class FakeLink:
     def recv_q(self, b):
         self.qs += 1
         return torch.full((b, K, V), 1.0 / V)
+
+    def post_cache(self, b):
+        assert self.posted == self.caches, "a CACHE receive posted twice"
+        self.posted += 1
 
     def recv_cache(self, b):
         self.caches += 1
@@ -58,8 +63,8 @@ def _greedy_and_sampled(ver):
     for q in (g, s):
         q.commit([2])
     # from a greedy-only exchange, then from a sampling one
-    ver.spec[0] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), None, "cache")
-    ver.spec[1] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), torch.full((K, V), 1.0 / V),
+    ver.spec[0] = SpecInHand([2] * K, int(QKind.DENSE), None, "cache")
+    ver.spec[1] = SpecInHand([2] * K, int(QKind.DENSE), torch.full((K, V), 1.0 / V),
                              "jit")
     return g, s
 
@@ -90,7 +95,7 @@ def _two_greedy(ver):
             for i in (0, 1)]
     for q in rows:
         q.commit([2])
-        ver.spec[q.slot] = SpecInHand(torch.full((K,), 2), int(QKind.DENSE), None, "cache")
+        ver.spec[q.slot] = SpecInHand([2] * K, int(QKind.DENSE), None, "cache")
     ver._streams = {q.slot: RowStream.from_seed(0, q.slot) for q in rows}
     return rows
 
@@ -105,19 +110,20 @@ def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
     rows = _two_greedy(ver)
     ver._cache_due = [0, 1]  # the CACHE pushed after the last exchange
     ver.step(rows)
-    assert link.caches == 1 and link.specs == 0  # nothing waited for but the CACHE
+    # nothing waited for but the CACHE, whose receive was posted during the verify forward
+    assert link.posted == link.caches == 1 and link.specs == 0
     msg = link.sent[-1]
     assert msg.choice == [int(Choice.CACHE), int(Choice.LOCAL)] and msg.arg[0] == 1
-    assert msg.tokens[0] == [5, 6, 4] and ver.spec[0].tokens.tolist() == [5, 6, 4]
+    assert msg.tokens[0] == [5, 6, 4] and ver.spec[0].tokens == [5, 6, 4]
     assert ver.spec[0].source == "cache" and rows[0].metrics["hits"] == 1
     # row 1 (tokens [1, 1, 2, 2, 2, 2, 2]): the suffix recurs, n-gram proposes its continuation
     assert msg.arg[1] == int(QKind.ONEHOT) and msg.tokens[1] == [2, 2, 2]
-    assert ver.spec[1].source == "ngram" and ver.spec[1].tokens.tolist() == msg.tokens[1]
+    assert ver.spec[1].source == "ngram" and ver.spec[1].tokens == msg.tokens[1]
     assert msg.spec_parts() == (False, False) and ver._cache_due == [0, 1]
     # the next round: nothing cached for its outcome and the CACHE names jit -> a SPEC
     link.cache = CacheRows([True, False], [0, 0], [[0, 0], [0, 0]], [[0, 0], [0, 0]],
                            [[[0] * K] * 2] * 2)
     ver.step(rows)
-    assert link.caches == 2 and link.specs == 1
+    assert link.posted == link.caches == 2 and link.specs == 1
     assert link.sent[-1].choice == [int(Choice.JIT)] * 2
     assert ver.spec[0].source == ver.spec[1].source == "jit"

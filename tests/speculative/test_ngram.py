@@ -54,3 +54,32 @@ def test_ngram_or_random_batch():
     assert tokens[0].tolist() == [3, 1, 2] and tokens[2].tolist() == [4, 4, 4]
     assert q.kinds.tolist() == [QKind.ONEHOT, QKind.UNIFORM, QKind.ONEHOT]
     assert ((tokens[1] >= 0) & (tokens[1] < 10)).all()
+
+
+def _reference_ngram(seq, K, max_ngram=3, min_ngram=1):
+    """The plain rule: the most recent earlier occurrence of the longest suffix n-gram, its
+    continuation copied (overlapping past the end)."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        for j in range(L - n - 1, -1, -1):
+            if seq[j:j + n] == seq[L - n:]:
+                ext = list(seq)
+                while len(ext) < j + n + K:
+                    ext.append(ext[len(ext) - (L - j - n)])
+                return ext[j + n:j + n + K]
+    return None
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 300, 70000])
+def test_propose_ngram_matches_the_plain_rule(vocab):
+    """Random sequences (small vocabularies: many recurrences; values whose bytes repeat across
+    token boundaries, e.g. 256 = 00 01 00 ..., so a byte search must skip misaligned hits)."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(300):
+        L = int(torch.randint(0, 40, (1,), generator=g))
+        seq = torch.randint(0, vocab, (L,), generator=g).tolist()
+        if vocab == 300:  # tokens 0, 1, 256, 257: byte patterns that straddle tokens
+            seq = [[0, 1, 256, 257][t % 4] for t in seq]
+        K = int(torch.randint(0, 6, (1,), generator=g))
+        for kw in ({}, {"max_ngram": 1}, {"max_ngram": 4, "min_ngram": 2}):
+            assert propose_ngram(seq, K, **kw) == _reference_ngram(seq, K, **kw), (seq, K, kw)
