@@ -284,6 +284,10 @@ def _protocol_rank(results) -> None:
             link.send_outcome(Outcome([0], [1], [2], [True], sampling=False, k=K))
             got = link.recv_spec_tokens(1)
             assert got.q is None and torch.equal(got.tokens, spec.tokens[:1])
+            link.post_cache(2)  # posted early (as during a verify forward), completed later
+            with pytest.raises(RuntimeError, match="already posted"):
+                link.post_cache(2)
+            assert link.recv_cache(2) == CacheRows.unpack(_cache_rows(), 2, K)
             link.send_outcome(Outcome([0], [1], [2], [True], sampling=True, k=K,
                                       choice=[int(Choice.CACHE)]))
             assert torch.equal(link.recv_q(1), spec.q[:1])  # q alone: no tokens part
@@ -303,6 +307,7 @@ def _protocol_rank(results) -> None:
             assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False,
                                                         k=K)
             link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], None))
+            link.send_cache(_cache_rows())
             header = link.recv_header()
             assert link.recv_outcome(header).spec_parts() == (False, True)
             link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], spec.q[:1]),
