@@ -58,7 +58,7 @@ from ssdlib.prompts import PromptEncoder  # noqa: E402
 
 ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
             "hit_rate", "fallbacks", "accepted_by_source", "verifier_idle_frac",
-            "speculator_idle_frac")
+            "speculator_idle_frac", "prefill_s")
 # breakdown columns come first in this order; any other phase key follows, sorted
 PHASE_ORDER = ("draft", "verify", "wait", "cache_build", "host")
 

@@ -112,6 +112,12 @@ class CachedAttention(nn.Module):
             rows = meta.slots if meta.slot_start is None else rows
             keys = torch.cat([keys, tree_k[rows, :, :meta.tree_len]], dim=2)
             values = torch.cat([values, tree_v[rows, :, :meta.tree_len]], dim=2)
+        if gqa and q.device.type == "cuda":
+            # the memory-efficient kernel (below) takes no enable_gqa: give it every head
+            group = self.num_heads // self.num_kv_heads
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            gqa = False
         with _sdpa_backends(q.device):
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
@@ -119,10 +125,11 @@ class CachedAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-# SDPA's backends for the masked path, in torch's own order less cuDNN: on Hopper torch picks
-# cuDNN first, which builds an execution plan for every new (batch, length) shape, ~50 ms on
-# an H200, so every prefill of a new prompt length paid it (measured: admission 85 ms instead
-# of ~25 ms). The memory-efficient kernel takes the mask and needs no plan.
+# SDPA's backends for the masked path on CUDA (prefill): torch's order less cuDNN. On Hopper
+# torch picks cuDNN first, which builds an execution plan for every new (batch, length) shape,
+# ~50 ms on an H200, so every prefill of a new prompt length paid it (measured: an admission
+# took 85 ms instead of ~25 ms). Flash takes no mask; the memory-efficient kernel takes it and
+# needs no plan, but no enable_gqa (without it the math path ran: 0.7 ms a layer).
 _SDPA_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
