@@ -64,18 +64,19 @@ class Answer:
         CACHE and LOCAL rows filled in (q of a hit not yet); -> (answer, the positions in the
         answer of the JIT rows, to draft)."""
         n, k = len(live), outcome.k
-        hit = torch.tensor([outcome.choice[i] == Choice.CACHE for i in live], dtype=torch.bool)
-        branch = torch.tensor([outcome.arg[i] if outcome.choice[i] == Choice.CACHE else 0
-                               for i in live], dtype=torch.int64)
-        ans = cls.blank(n, k, vocab_size, device, outcome.sampling, hit, branch)
-        jit = []
-        for j, i in enumerate(live):
+        hit, branch, tokens, kinds, jit = [], [], [], [], []
+        for j, i in enumerate(live):  # lists first, then one tensor each (this runs per round)
             choice = outcome.choice[i]
+            hit.append(choice == Choice.CACHE)
+            branch.append(outcome.arg[i] if choice == Choice.CACHE else 0)
+            tokens.append(outcome.tokens[i] if choice != Choice.JIT else [0] * k)
+            kinds.append(outcome.arg[i] if choice == Choice.LOCAL else int(QKind.DENSE))
             if choice == Choice.JIT:
                 jit.append(j)
-                continue
-            ans.tokens[j] = torch.tensor(outcome.tokens[i], dtype=torch.int64)
-            ans.kinds[j] = int(QKind.DENSE) if choice == Choice.CACHE else outcome.arg[i]
+        ans = cls(torch.tensor(tokens, dtype=torch.int64).reshape(n, k),
+                  torch.tensor(kinds, dtype=torch.int64), torch.tensor(hit, dtype=torch.bool),
+                  torch.tensor(branch, dtype=torch.int64),
+                  torch.zeros(n, k, vocab_size, device=device) if outcome.sampling else None)
         return ans, jit
 
     def in_order(self, live: list[int], order: list[int]) -> Speculation:

@@ -111,6 +111,7 @@ class SpeculatorLoop:
         drafted now and sent (with q when sampling) in a SPEC, in the message's order of rows;
         False if no listed row is active (then the answer is STATS)."""
         live = []  # positions in the message
+        verified = []  # k of the rows whose speculation was verified
         for i, (slot, k, t, active) in enumerate(zip(outcome.slots, outcome.accepted,
                                                      outcome.bonus, outcome.active)):
             row = self.rows.get(slot)
@@ -120,7 +121,9 @@ class SpeculatorLoop:
                 continue
             if row.commit(k, t):
                 self.observe(row, k)
+                verified.append(k)
             live.append(i)
+        self.observe_round(verified)
         if not live:
             return False
         self.timer.mark("commit")
@@ -169,6 +172,9 @@ class SpeculatorLoop:
     def observe(self, row: SpecRow, k: int) -> None:
         """The row's speculation in flight had k tokens accepted."""
 
+    def observe_round(self, accepted: list[int]) -> None:
+        """The round's verified rows had ``accepted`` tokens accepted (one call a round)."""
+
     def after_answer(self) -> None:
         """The answer is sent; the verifier is verifying it (a role with a cache builds and
         pushes it here, marking the ``build`` and ``push`` phases)."""
@@ -206,9 +212,11 @@ class Speculator(SpeculatorLoop):
     def on_admit(self, new: list[SpecRow]) -> None:
         self.cache.invalidate([r.slot for r in new])
 
+    def observe_round(self, accepted: list[int]) -> None:
+        if self.estimator is not None and accepted:
+            self.estimator.observe_verify(accepted, [self.K] * len(accepted))
+
     def observe(self, row: SpecRow, k: int) -> None:
-        if self.estimator is not None:
-            self.estimator.observe_verify([k], [self.K])
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
             self.fallbacks.observe_ngram(k)
         elif row.kind == int(QKind.DENSE) and not row.hit:  # a jit draft: its a_p on misses
@@ -218,8 +226,9 @@ class Speculator(SpeculatorLoop):
         # the CACHE's rows, on the device now: the push after the build launches without a
         # host copy that would wait for the build
         dev = self.device
-        self._push_rows = (torch.tensor(outcome.slots).to(dev, non_blocking=True),
-                           torch.tensor(outcome.active).to(dev, non_blocking=True))
+        rows = torch.tensor([outcome.slots, outcome.active],  # one host-to-device copy
+                            dtype=torch.int64).to(dev, non_blocking=True)
+        self._push_rows = (rows[0], rows[1].bool())
         ans = super().answer(outcome, live)
         # rows whose cache was built (not a sequence's first round) count as lookups
         built = [self.rows[outcome.slots[i]].fed for i in live]

@@ -143,16 +143,14 @@ class FanoutEstimator:
     def observe_verify(self, accepted: torch.Tensor | Sequence[int],
                        num_draft: torch.Tensor | Sequence[int]) -> None:
         """Record one round's outcomes: accepted [b] tokens out of num_draft [b] per row."""
-        acc = torch.as_tensor(accepted).reshape(-1).long()
-        nd = torch.as_tensor(num_draft).reshape(-1).long()
-        self.accepted += int(acc.sum())
-        self.rejections += int((acc < nd).sum())
+        acc, nd = _host_list(accepted), _host_list(num_draft)  # runs every round: no tensor ops
+        self.accepted += sum(acc)
+        self.rejections += sum(a < n for a, n in zip(acc, nd))
 
     def observe_lookups(self, fan_out: torch.Tensor | Sequence[int],
                         hit: torch.Tensor | Sequence[bool]) -> None:
         """Record cache lookups: fan_out [n] = F at the outcome's position, hit [n] bool."""
-        fs = torch.as_tensor(fan_out).reshape(-1).tolist()
-        hits = torch.as_tensor(hit).reshape(-1).tolist()
+        fs, hits = _host_list(fan_out), _host_list(hit)
         for f, h in zip(fs, hits):
             bucket = self.lookups.setdefault(int(f), [0, 0])
             bucket[0] += 1
@@ -185,3 +183,10 @@ class FanoutEstimator:
     def allocation(self) -> list[int]:
         """The current Thm 12 fan-out (K+1 integers summing to the budget)."""
         return geometric_fanout(self.budget, self.K, self.a_p, self.r)
+
+
+def _host_list(values) -> list:
+    """A tensor's or a sequence's values as a flat list."""
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1).tolist()
+    return [int(v) for v in values]
