@@ -2,7 +2,11 @@
 
 Every forward takes host or device tensors and returns logits in the model's dtype. Forwards
 with few queries per row (decode, verify, draft and tree steps) go through :class:`StepGraphs`
-(captured CUDA graphs on GPU, the same code eagerly otherwise); prefill runs eagerly.
+(captured CUDA graphs on GPU, the same code eagerly otherwise). Longer prefills go through a
+second :class:`StepGraphs` whose rows are padded to a power-of-two length bucket
+(``prefill_bucket``; SDPA attention, the single-row buckets captured when the runner starts):
+an eager prefill of SmolLM2's 30 layers cost 15-30 ms of kernel launches on an H200.
+``SSDLIB_PREFILL_GRAPHS=0`` runs prefill eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ POSITION_SLACK = 64
 KV_BUCKET = 256
 # Forwards with at most this many queries per row are captured (decode, verify, tree steps).
 MAX_GRAPH_QUERIES = 64
+# Prefills longer than that are padded to a bucket: powers of two from this one up to the
+# cache's length (the last bucket), one captured graph per (batch bucket, length bucket).
+FIRST_PREFILL_BUCKET = 128
+
+
+def prefill_bucket(s: int, cap: int) -> int:
+    """The padded length of a prefill of ``s`` positions per row (``cap``: the cache length)."""
+    size = FIRST_PREFILL_BUCKET
+    while size < s:
+        size *= 2
+    return min(size, cap)
 # torch.compile specialisations kept per model (step shapes; dynamo's default is 8)
 COMPILE_RECOMPILE_LIMIT = 256
 
@@ -82,6 +97,7 @@ class ModelRunner:
         if compile and self.device.type == "cuda":
             self.step_model = compile_step_model(self.model)
         self.graphs: StepGraphs | None = None
+        self.prefill_graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             from ssdlib.ops.graph_pool import make_graph_pool
 
@@ -93,8 +109,26 @@ class ModelRunner:
                 cuda_graphs = False
             pool = make_graph_pool(self.device, enabled=cuda_graphs)
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
+            if cuda_graphs and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0":
+                self.prefill_graphs = StepGraphs(self, pool, n_slots, alloc, 0, kind="prefill",
+                                                 use_kernel=False)
+                self._capture_prefill(alloc)
             log.info("model runner: %s graphs, attention %s", pool.kind,
                      "slot kernel" if self.use_kernel else "sdpa")
+
+    @torch.inference_mode()
+    def _capture_prefill(self, alloc: int) -> None:
+        """Capture the single-row prefill buckets now (a row admitted alone, the usual case
+        under continuous batching, then finds its graph; more rows capture on first use)."""
+        s, pos = FIRST_PREFILL_BUCKET, None
+        while True:
+            s = min(s, alloc)
+            pos = torch.arange(s).view(1, -1)
+            self.forward(torch.zeros(1, s, dtype=torch.int64), pos,
+                         torch.tensor([self.scratch_slot]), torch.tensor([[s - 1]]))
+            if s >= alloc:
+                break
+            s *= 2
 
     def kv_bucket(self, kv_len: int) -> int:
         """Static key length for a step whose queries see at most ``kv_len`` slot keys."""
@@ -125,12 +159,35 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(b, s):
             return self.graphs.forward(input_ids, positions, slots, positions + 1, logits_index,
                                        kv_len)
+        if self._prefill_fits(input_ids, positions, logits_index):
+            return self._prefill_step(input_ids, positions, slots, logits_index)
         dev = self.device
         positions = positions.to(dev)
         meta = AttentionMetadata(positions, slots.to(dev), kv_len, kv_limit=positions + 1,
                                  slot_start=self._slot_start(slots))
         index = None if logits_index is None else logits_index.to(dev)
         return self.model(input_ids.to(dev), self.cache, meta, index)
+
+    def _prefill_fits(self, ids, positions, logits_index) -> bool:
+        """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""
+        g, cap = self.prefill_graphs, self.cache.max_len
+        return (g is not None and logits_index is not None and positions.device.type == "cpu"
+                and ids.device.type == "cpu" and g.fits(*ids.shape)
+                and int(positions[:, 0].max()) + prefill_bucket(ids.shape[1], cap) <= cap)
+
+    def _prefill_step(self, ids, positions, slots, logits_index) -> torch.Tensor:
+        """The prefill padded to its length bucket: row i's positions are start_i + 0, 1, ...
+        (``pack_rows``' layout), the padding continues them (its KV lands past the row's
+        length, never read before it is overwritten). Keys: a bucket too, past the last
+        position (a prefill from position 0 reads exactly its own bucket)."""
+        b, s = ids.shape
+        cap = self.cache.max_len
+        size = prefill_bucket(s, cap)
+        ids = torch.nn.functional.pad(ids, (0, size - s))
+        positions = positions[:, :1] + torch.arange(size).view(1, -1)
+        kv_len = prefill_bucket(int(positions[:, -1].max()) + 1, cap)
+        return self.prefill_graphs.forward(ids, positions, slots, positions + 1, logits_index,
+                                           kv_len)
 
     @torch.inference_mode()
     def greedy_chain(self, first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

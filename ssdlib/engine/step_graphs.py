@@ -37,9 +37,13 @@ class StepGraphs:
     # arena segments, each [max_rows * max_queries] int64 (slots: [max_rows])
     SEGMENTS = ("ids", "pos", "limit", "index", "tree_index")
 
-    def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int):
+    def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int,
+                 kind: str = "", use_kernel: bool | None = None):
         self.runner = runner
         self.pool = pool
+        self.kind = kind  # prefixes the keys: several StepGraphs may share one pool
+        # the in-place attention kernel (few queries per row) or SDPA (prefill graphs)
+        self.use_kernel = runner.use_kernel if use_kernel is None else use_kernel
         self.max_rows = batch_bucket(max_batch)
         self.max_queries = max_queries
         self.max_tree = max_tree
@@ -70,7 +74,7 @@ class StepGraphs:
         rows = batch_bucket(b)
         n = 0 if logits_index is None else logits_index.shape[1]
         tree = tree_index is not None
-        key = ("tree" if tree else "fwd", rows, s, n, kv_len, tree_len)
+        key = (self.kind + ("tree" if tree else "fwd"), rows, s, n, kv_len, tree_len)
         self._fill(rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
                    tree_mask, tree_len)
         return self._replay(key, lambda: self._run(key, rows, s, n, kv_len, tree, tree_len))[:b]
@@ -80,14 +84,14 @@ class StepGraphs:
         ``ModelRunner.greedy_chain``): first [b] (device), positions [b], slots [b]."""
         b = first.shape[0]
         rows = batch_bucket(b)
-        key = ("chain", rows, steps, vocab, kv_len)
+        key = (self.kind + "chain", rows, steps, vocab, kv_len)
         self._fill(rows, b, 1, 0, first.view(-1, 1), positions.view(-1, 1), slots,
                    positions.view(-1, 1) + 1, None, None, None, 0)
         def run():
             r = self.runner
             self.outputs[key] = r.chain_body(
                 self._view("ids", rows, 1)[:, 0], self._view("pos", rows, 1)[:, 0],
-                self._view("slots", rows, None), steps, vocab, kv_len, r.use_kernel)
+                self._view("slots", rows, None), steps, vocab, kv_len, self.use_kernel)
 
         return self._replay(key, run)[:b]
 
@@ -138,6 +142,6 @@ class StepGraphs:
             kv_limit=self._view("limit", rows, s),
             tree_index=self._view("tree_index", rows, s) if tree else None,
             tree_mask=self.tree_mask[:rows, :s, :tree_len] if tree else None,
-            tree_len=tree_len, use_kernel=r.use_kernel)
+            tree_len=tree_len, use_kernel=self.use_kernel)
         index = self._view("index", rows, n) if n else None
         self.outputs[key] = r.step_model(self._view("ids", rows, s), r.cache, meta, index)

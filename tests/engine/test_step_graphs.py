@@ -370,3 +370,46 @@ def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
         want = model(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
         got = compiled(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
     assert (want - got).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
+    """Prefills longer than a step graph's queries run padded to a length bucket (their own
+    StepGraphs, SDPA attention): the logits of each row's last token and the KV the rows leave
+    behind equal the eager prefill's, from position 0 and continuing a cached prefix; decode
+    steps after it agree too."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.model_runner import prefill_bucket
+    from ssdlib.ops.graph_pool import EagerPool
+
+    assert [prefill_bucket(s, 300) for s in (1, 128, 129, 256, 257, 400)] == \
+        [128, 128, 256, 256, 300, 300]
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    cap = stepped.cache.max_len  # 96 + slack
+    pool = (EagerPool() if pool_kind == "eager" else EagerPool(warmup=2) if pool_kind == "warm"
+            else stepped.graphs.pool)
+    stepped.prefill_graphs = StepGraphs(stepped, pool, 6, cap, 0, kind="prefill",
+                                        use_kernel=False)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    slots = torch.tensor([4, 0, 2])
+    calls = []
+    real = stepped._prefill_step
+    stepped._prefill_step = lambda *a: calls.append(a[0].shape) or real(*a)
+    # the second round's last row ends past the first length bucket (keys past 128 are read)
+    for starts, lens in (([0, 0, 0], [30, 23, 31]), ([30, 23, 31], [20, 29, 98])):
+        rows = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+        ids, pos = pack_rows(rows, starts)
+        a = eager.forward(ids, pos, slots, last_index(lens))
+        b = stepped.forward(ids, pos, slots, last_index(lens))
+        assert (a - b).abs().max().item() <= 1e-4
+    assert calls == [(3, 31), (3, 98)]  # both went through the prefill graphs
+    for i, n in zip(slots.tolist(), (50, 52, 129)):  # the rows' KV, up to their lengths
+        torch.testing.assert_close(eager.cache.k[:, i, :, :n], stepped.cache.k[:, i, :, :n],
+                                   atol=1e-5, rtol=1e-5)
+    new = torch.randint(0, V, (3, 1), generator=g)
+    p = torch.tensor([[50], [52], [129]])
+    assert (eager.forward(new, p, slots) - stepped.forward(new, p, slots)).abs().max() <= 1e-4
+    # too long for any bucket past its start: eager
+    ids, pos = pack_rows([[1] * 50], [cap - 40])
+    assert not stepped._prefill_fits(ids, pos, last_index([50]))
