@@ -413,32 +413,3 @@ def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
     # too long for any bucket past its start: eager
     ids, pos = pack_rows([[1] * 50], [cap - 40])
     assert not stepped._prefill_fits(ids, pos, last_index([50]))
-
-
-@pytest.mark.parametrize("device,pool_kind", kinds())
-def test_prefix_chain_equals_forward_then_steps(tiny_dirs, device, pool_kind):
-    """The draft's greedy proposal as one chain (the unseen tokens' forward, its argmax, then
-    the greedy steps) == one forward + argmax per step, for rows catching up 1 or 2 tokens."""
-    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
-    V = ck.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    lens = [10, 6, 13]
-    slots = torch.tensor([5, 1, 3])
-    from ssdlib.engine.batching import last_index, pack_rows
-
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
-    ids, pos = pack_rows(prompts, [0] * 3)
-    for r in (eager, stepped):
-        r.forward(ids, pos, slots, last_index(lens))
-    for steps in (3, 0):
-        unseen = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 2, 1)]
-        ids, pos = pack_rows(unseen, lens)
-        got = stepped.prefix_chain(ids, pos, slots, last_index([1, 2, 1]), steps, V).cpu()
-        tok = eager.forward(ids, pos, slots, last_index([1, 2, 1]))[:, 0].argmax(-1)
-        want = [tok.cpu()]
-        after = torch.tensor([n + len(u) for n, u in zip(lens, unseen)])
-        for j in range(steps):
-            tok = eager.forward(tok.view(-1, 1), (after + j).view(-1, 1), slots)[:, 0].argmax(-1)
-            want.append(tok.cpu())
-        assert got.tolist() == torch.stack(want, 1).tolist()
-        lens = [n + len(u) for n, u in zip(lens, unseen)]
