@@ -88,7 +88,7 @@ def _build_loop(cfg, world, target, target_ck):
         from ssdlib.engine.sd_loop import build_sd_loop
         return build_sd_loop(cfg, world, target, target_ck)
     if cfg.mode == "ssd":
-        from ssdlib.engine.verifier import build_ssd_verifier
+        from ssdlib.engine.ssd_verifier import build_ssd_verifier
         return build_ssd_verifier(cfg, world, target, target_ck)
     raise ConfigError(f"unknown mode {cfg.mode!r}")
 

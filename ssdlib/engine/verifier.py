@@ -1,11 +1,12 @@
 """The verifier side (leader rank) of a leader <-> speculator link: verify the speculation in hand,
 take the next one, send the outcome (with where the next speculation came from).
 
-Two roles share the loop (:class:`LinkVerifier`): :class:`SSDVerifier` (mode ``ssd``: the next
-speculation comes from the leader's copy of the speculation cache at once on a hit, or from a
-fallback: n-gram / random drawn here, or the speculator's jit draft) and
-:class:`SeparateDraftVerifier` (mode ``sd`` with ``--draft-placement separate``: plain SD, the
-draft drafts every speculation after the outcome).
+:class:`LinkVerifier` is the loop; a role says where the next speculation comes from:
+:class:`SeparateDraftVerifier` here (mode ``sd`` with ``--draft-placement separate``: plain SD,
+the draft drafts every speculation after the outcome) and
+:class:`~ssdlib.engine.ssd_verifier.SSDVerifier` (mode ``ssd``: the leader's copy of the
+speculation cache at once on a hit, or a fallback: n-gram / random drawn here, or the
+speculator's jit draft).
 
 Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
 exchange) and leave (an inactive outcome) at any time.
@@ -19,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.engine.ar_loop import admit_with_first_token
-from ssdlib.engine.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
-from ssdlib.engine.metrics import (record_acceptance, record_lookup, record_source,
+from ssdlib.engine.metrics import (record_acceptance, record_source,
                                    speculation_source)
 from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
@@ -29,8 +29,6 @@ from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
-from ssdlib.speculative.fanout import cache_branches
-from ssdlib.speculative.rng import RowStream
 
 
 @dataclass
@@ -247,83 +245,18 @@ class LinkVerifier:
         self.link.send_shutdown()
 
 
-class SSDVerifier(LinkVerifier):
-    """Mode ``ssd``: each speculation comes from the speculation cache (hit) or a fallback.
-
-    After each OUTCOME the speculator builds the cache for it and pushes the built rows (CACHE)
-    while this side verifies; the receive is posted once the verify forward is launched and
-    completed after the round's read-back. Misses are drawn here (n-gram / random, from a
-    per-row stream) or asked of the speculator (jit), as the CACHE says."""
-
-    def __init__(self, target, link: SpecLink, k: int, device):
-        super().__init__(target, link, k, device)
-        self.mirror = CacheMirror()  # the leader's copy of the speculation cache
-        # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
-        self._cache_due: list[int] | None = None
-        self._cache_posted = False  # its receive is posted (``SpecLink.post_cache``)
-        self._streams: dict[int, RowStream] = {}  # per slot: the local fallbacks' draws
-
-    def _admit_row(self, q) -> None:
-        self.mirror.forget(q.slot)
-        self._streams[q.slot] = RowStream.from_seed(
-            q.params.seed, FALLBACK_STREAM + q.request.stream_salt)
-
-    def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
-        record_lookup(q.metrics, k, hit, kind)
-
-    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
-        branch, tokens, fallback = self.mirror.lookup(q.slot, k, bonus)
-        if branch is not None:
-            return int(Choice.CACHE), branch, tokens
-        if fallback == "jit":
-            return self._ask_jit()
-        tokens, kind = local_fallback(fallback, q.tokens, self._streams[q.slot], self.k,
-                                      self.link.vocab_size)
-        return int(Choice.LOCAL), kind, tokens
-
-    def _expect_cache(self, slots: list[int]) -> None:
-        self._cache_due = slots
-
-    def _after_launch(self) -> None:
-        self._take_q()  # the link's order: a due q, then the CACHE
-        if self._cache_due is not None and not self._cache_posted:
-            self.link.post_cache(len(self._cache_due))
-            self._cache_posted = True
-
-    def _take_cache(self) -> bool:
-        """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
-        for the build's end if it outlasted the verify); a due q comes before it. Returns
-        whether one was due."""
-        self._take_q()
-        if self._cache_due is None:
-            return False
-        slots, self._cache_due = self._cache_due, None
-        self._cache_posted = False
-        self.mirror.update(slots, self.link.recv_cache(len(slots)))
-        return True
-
-    def release(self, seq) -> None:
-        self._streams.pop(seq.slot, None)
-        super().release(seq)
-
-
 class SeparateDraftVerifier(LinkVerifier):
     """Mode ``sd`` with the draft on its own rank: every speculation is drafted just in time after
     the outcome (no cache, so no lookups to record)."""
 
 
-def _link(cfg, world, target_ck, branches: int = 0) -> SpecLink:
+def link_for(cfg, world, target_ck, branches: int = 0) -> SpecLink:
+    """The leader's end of the link to the speculator rank (the draft checked first)."""
     check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
     return SpecLink(world.spec_group, world.speculator_rank, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged, branches=branches)
 
 
-def build_ssd_verifier(cfg, world, target, target_ck):
-    link = _link(cfg, world, target_ck, cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k))
-    loop = SSDVerifier(target, link, cfg.k, world.device)
-    return loop, loop.close
-
-
 def build_separate_draft_verifier(cfg, world, target, target_ck):
-    loop = SeparateDraftVerifier(target, _link(cfg, world, target_ck), cfg.k, world.device)
+    loop = SeparateDraftVerifier(target, link_for(cfg, world, target_ck), cfg.k, world.device)
     return loop, loop.close

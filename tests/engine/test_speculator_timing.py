@@ -7,7 +7,7 @@ import torch
 
 from ssdlib import Generator, SamplingParams
 from ssdlib.engine.protocol import SPEC_PHASES, SpeculatorStats
-from ssdlib.engine.verifier import SSDVerifier
+from ssdlib.engine.ssd_verifier import SSDVerifier
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)

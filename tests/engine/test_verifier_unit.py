@@ -8,7 +8,8 @@ import torch
 
 from ssdlib.engine.protocol import CacheRows, Choice, Outcome, Speculation
 from ssdlib.engine.sequence import Request, Sequence
-from ssdlib.engine.verifier import SeparateDraftVerifier, SpecInHand, SSDVerifier
+from ssdlib.engine.ssd_verifier import SSDVerifier
+from ssdlib.engine.verifier import SeparateDraftVerifier, SpecInHand
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.rng import RowStream
