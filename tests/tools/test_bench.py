@@ -63,6 +63,8 @@ def test_breakdown_is_generic_over_phase_keys():
     assert b["ms_per_round"]["verify"] == pytest.approx(50.0)
     assert b["ms_per_round"]["some_new_phase"] == pytest.approx(1.0)
     assert b["tokens_per_round"] == 2.0 and b["rounds"] == 10
+    assert b["wall_ms_per_round"] == pytest.approx(200.0)  # batch 1: wall / rounds
+    assert "wall_ms_per_round" not in breakdown("sd", run, batch=4)
 
 
 def test_breakdown_and_table_carry_the_speculators_phases(capsys):
