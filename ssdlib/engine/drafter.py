@@ -49,27 +49,24 @@ class Drafter:
         starts = [self.valid.get(q.slot, 0) for q in seqs]
         ids, pos = pack_rows(rows, starts)
         slots = slots_tensor(seqs)
-        logits = self._logits(self.runner.forward(ids, pos, slots,
-                                                  last_index([len(r) for r in rows]))[:, 0])
-        greedy = all(s.params.greedy for s in seqs)
-        next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)  # [b, 1]
-        if greedy:
-            tokens, q = self._greedy(logits, next_pos[:, 0], slots, k, want_q)
+        index = last_index([len(r) for r in rows])
+        if all(s.params.greedy for s in seqs):
+            tokens, q = self._greedy(ids, pos, slots, index, k, want_q)
         else:
+            logits = self._logits(self.runner.forward(ids, pos, slots, index)[:, 0])
+            next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)
             tokens, q = self._sampled(logits, seqs, next_pos, slots, k)
         for s in seqs:
             # KV now holds the committed tokens plus the first k-1 drafted ones
             self.valid[s.slot] = len(s.tokens) + k - 1
         return tokens, q
 
-    def _greedy(self, logits, positions, slots, k: int, want_q: bool):
-        """Argmax drafting: the other k-1 steps as one chain (one graph replay on GPU)."""
-        first = logits.argmax(-1)
-        tokens = first.view(-1, 1)
-        if k > 1:
-            v = min(self.vocab_size, self.runner.config.vocab_size)
-            rest = self.runner.greedy_chain(first, positions, slots, k - 1, v)
-            tokens = torch.cat([tokens, rest], dim=1)
+    def _greedy(self, ids, positions, slots, index, k: int, want_q: bool):
+        """Argmax drafting: the unseen tokens' forward and the k-1 steps after it as one chain
+        (one graph replay on GPU). The argmax runs over the tokens both vocabularies have (the
+        target's extra rows would be -inf, the draft's extra rows are cut)."""
+        v = min(self.vocab_size, self.runner.config.vocab_size)
+        tokens = self.runner.prefix_chain(ids, positions, slots, index, k - 1, v)
         q = None
         if want_q:  # argmax tokens were drawn from one-hot q
             q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)

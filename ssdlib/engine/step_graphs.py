@@ -95,6 +95,25 @@ class StepGraphs:
 
         return self._replay(key, run)[:b]
 
+    def prefix_chain(self, ids, positions, slots, logits_index, steps: int, vocab: int,
+                     kv_len: int) -> torch.Tensor:
+        """A forward over ``ids`` [b, s] (the committed tokens the draft has not seen), the
+        argmax at ``logits_index`` [b, 1], then ``steps`` greedy single-token steps, in one
+        graph (see ``ModelRunner.prefix_chain``) -> tokens [b, 1 + steps]."""
+        b, s = ids.shape
+        rows = batch_bucket(b)
+        key = (self.kind + "pchain", rows, s, steps, vocab, kv_len)
+        self._fill(rows, b, s, 1, ids, positions, slots, positions + 1, logits_index, None,
+                   None, 0)
+
+        def run():
+            self.outputs[key] = self.runner.prefix_chain_body(
+                self._view("ids", rows, s), self._view("pos", rows, s),
+                self._view("slots", rows, None), self._view("index", rows, 1), steps, vocab,
+                kv_len, self.use_kernel)
+
+        return self._replay(key, run)[:b]
+
     def _replay(self, key: tuple, run):
         """Capture ``run`` under ``key`` the first time, replay it, return its output."""
         if not self.pool.has(key):

@@ -413,3 +413,39 @@ def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
     # too long for any bucket past its start: eager
     ids, pos = pack_rows([[1] * 50], [cap - 40])
     assert not stepped._prefill_fits(ids, pos, last_index([50]))
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_prefix_chain_equals_forward_then_steps(tiny_dirs, device, pool_kind):
+    """The draft's greedy proposal as one chain (the unseen tokens' forward, its argmax, then
+    the greedy steps) == one forward + argmax per step, for rows catching up 1 or 2 tokens; and
+    for a catch-up too long for a step graph (forward, then the chain's graph)."""
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    lens = [10, 6, 13]
+    slots = torch.tensor([5, 1, 3])
+    from ssdlib.engine.batching import last_index, pack_rows
+
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+    ids, pos = pack_rows(prompts, [0] * 3)
+    for r in (eager, stepped):
+        r.forward(ids, pos, slots, last_index(lens))
+    chains = []  # the one-graph chain's calls
+    one = stepped.graphs.prefix_chain
+    stepped.graphs.prefix_chain = lambda *a: chains.append(a[0].shape) or one(*a)
+    # 1-2 unseen tokens fit a step graph (one chain); 20 do not (forward, then the chain)
+    for steps, n_unseen in ((3, (1, 2, 1)), (0, (1, 2, 1)), (2, (20, 3, 1))):
+        unseen = [torch.randint(0, V, (n,), generator=g).tolist() for n in n_unseen]
+        ids, pos = pack_rows(unseen, lens)
+        index = last_index(list(n_unseen))
+        got = stepped.prefix_chain(ids, pos, slots, index, steps, V).cpu()
+        tok = eager.forward(ids, pos, slots, index)[:, 0].argmax(-1)
+        want = [tok.cpu()]
+        after = torch.tensor([n + len(u) for n, u in zip(lens, unseen)])
+        for j in range(steps):
+            tok = eager.forward(tok.view(-1, 1), (after + j).view(-1, 1), slots)[:, 0].argmax(-1)
+            want.append(tok.cpu())
+        assert got.tolist() == torch.stack(want, 1).tolist()
+        lens = [n + len(u) for n, u in zip(lens, unseen)]
+    assert chains == [(3, 2), (3, 2)]  # not the 20-token catch-up
