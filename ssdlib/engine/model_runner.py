@@ -31,9 +31,13 @@ POSITION_SLACK = 64
 KV_BUCKET = 256
 # Forwards with at most this many queries per row are captured (decode, verify, tree steps).
 MAX_GRAPH_QUERIES = 64
-# Prefills longer than that are padded to a bucket: powers of two from this one up to the
-# cache's length (the last bucket), one captured graph per (batch bucket, length bucket).
+# Prefills longer than that are padded to a bucket: powers of two from this one up to
+# MAX_PREFILL_GRAPH or the cache's length (the last bucket), one captured graph per (batch
+# bucket, length bucket). Longer prefills run eagerly: their kernels are long enough that
+# launches do not matter, and a captured graph's activations (and SDPA's mask, quadratic in the
+# length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
+MAX_PREFILL_GRAPH = 2048
 
 
 def prefill_bucket(s: int, cap: int) -> int:
@@ -110,23 +114,24 @@ class ModelRunner:
             pool = make_graph_pool(self.device, enabled=cuda_graphs)
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
             if cuda_graphs and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0":
-                self.prefill_graphs = StepGraphs(self, pool, n_slots, alloc, 0, kind="prefill",
-                                                 use_kernel=False)
-                self._capture_prefill(alloc)
+                longest = min(alloc, MAX_PREFILL_GRAPH)
+                self.prefill_graphs = StepGraphs(self, pool, n_slots, longest, 0,
+                                                 kind="prefill", use_kernel=False)
+                self._capture_prefill(longest)
             log.info("model runner: %s graphs, attention %s", pool.kind,
                      "slot kernel" if self.use_kernel else "sdpa")
 
     @torch.inference_mode()
-    def _capture_prefill(self, alloc: int) -> None:
-        """Capture the single-row prefill buckets now (a row admitted alone, the usual case
-        under continuous batching, then finds its graph; more rows capture on first use)."""
-        s, pos = FIRST_PREFILL_BUCKET, None
+    def _capture_prefill(self, longest: int) -> None:
+        """Capture the single-row prefill buckets up to ``longest`` now (a row admitted alone,
+        the usual case under continuous batching, then finds its graph; more rows capture on
+        first use)."""
+        s = FIRST_PREFILL_BUCKET
         while True:
-            s = min(s, alloc)
-            pos = torch.arange(s).view(1, -1)
-            self.forward(torch.zeros(1, s, dtype=torch.int64), pos,
+            s = min(s, longest)
+            self.forward(torch.zeros(1, s, dtype=torch.int64), torch.arange(s).view(1, -1),
                          torch.tensor([self.scratch_slot]), torch.tensor([[s - 1]]))
-            if s >= alloc:
+            if s >= longest:
                 break
             s *= 2
 
@@ -170,10 +175,11 @@ class ModelRunner:
 
     def _prefill_fits(self, ids, positions, logits_index) -> bool:
         """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""
-        g, cap = self.prefill_graphs, self.cache.max_len
+        g = self.prefill_graphs
         return (g is not None and logits_index is not None and positions.device.type == "cpu"
                 and ids.device.type == "cpu" and g.fits(*ids.shape)
-                and int(positions[:, 0].max()) + prefill_bucket(ids.shape[1], cap) <= cap)
+                and int(positions[:, 0].max()) + prefill_bucket(ids.shape[1], g.max_queries)
+                <= self.cache.max_len)
 
     def _prefill_step(self, ids, positions, slots, logits_index) -> torch.Tensor:
         """The prefill padded to its length bucket: row i's positions are start_i + 0, 1, ...
@@ -181,11 +187,10 @@ class ModelRunner:
         length, never read before it is overwritten). Keys: a bucket too, past the last
         position (a prefill from position 0 reads exactly its own bucket)."""
         b, s = ids.shape
-        cap = self.cache.max_len
-        size = prefill_bucket(s, cap)
+        size = prefill_bucket(s, self.prefill_graphs.max_queries)
         ids = torch.nn.functional.pad(ids, (0, size - s))
         positions = positions[:, :1] + torch.arange(size).view(1, -1)
-        kv_len = prefill_bucket(int(positions[:, -1].max()) + 1, cap)
+        kv_len = prefill_bucket(int(positions[:, -1].max()) + 1, self.cache.max_len)
         return self.prefill_graphs.forward(ids, positions, slots, positions + 1, logits_index,
                                            kv_len)
 

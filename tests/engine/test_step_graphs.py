@@ -413,6 +413,12 @@ def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
     # too long for any bucket past its start: eager
     ids, pos = pack_rows([[1] * 50], [cap - 40])
     assert not stepped._prefill_fits(ids, pos, last_index([50]))
+    # prefill graphs capped below the cache length: longer prefills run eagerly
+    stepped.prefill_graphs = StepGraphs(stepped, pool, 6, 128, 0, kind="prefill",
+                                        use_kernel=False)
+    for n, fits in ((100, True), (128, True), (129, False)):
+        ids, pos = pack_rows([[1] * n], [0])
+        assert stepped._prefill_fits(ids, pos, last_index([n])) == fits
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
