@@ -38,16 +38,18 @@ MAX_GRAPH_QUERIES = 64
 # length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
+# torch.compile specialisations kept per model (step shapes; dynamo's default is 8)
+COMPILE_RECOMPILE_LIMIT = 256
 
 
 def prefill_bucket(s: int, cap: int) -> int:
-    """The padded length of a prefill of ``s`` positions per row (``cap``: the cache length)."""
+    """The padded length of ``s`` positions: the first power of two from FIRST_PREFILL_BUCKET
+    that holds them, at most ``cap`` (the last bucket: the prefill graphs' longest, or the
+    cache length for a key bucket)."""
     size = FIRST_PREFILL_BUCKET
     while size < s:
         size *= 2
     return min(size, cap)
-# torch.compile specialisations kept per model (step shapes; dynamo's default is 8)
-COMPILE_RECOMPILE_LIMIT = 256
 
 
 def use_slot_kernel(device: torch.device) -> bool:

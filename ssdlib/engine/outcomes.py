@@ -38,15 +38,6 @@ class Answer:
     branch: torch.Tensor  # [n] int64, host: the cache branch of a hit
     q: torch.Tensor | None  # [n, K, V] float32 on the device, when the exchange samples
 
-    @classmethod
-    def blank(cls, n: int, k: int, vocab_size: int, device, sampling: bool,
-              hit: torch.Tensor | None = None, branch: torch.Tensor | None = None) -> "Answer":
-        return cls(torch.zeros(n, k, dtype=torch.int64),
-                   torch.full((n,), int(QKind.DENSE), dtype=torch.int64),
-                   torch.zeros(n, dtype=torch.bool) if hit is None else hit,
-                   torch.zeros(n, dtype=torch.int64) if branch is None else branch,
-                   torch.zeros(n, k, vocab_size, device=device) if sampling else None)
-
     def record(self, rows: list[SpecRow]) -> None:
         """The rows' speculations in flight are now these."""
         hit, branch, tokens = self.hit.tolist(), self.branch.tolist(), self.tokens.tolist()
