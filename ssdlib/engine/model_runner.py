@@ -219,8 +219,9 @@ class ModelRunner:
 
         Unseen tokens that fit no step graph (a new sequence's whole prompt: SD's draft KV
         starts empty) take :meth:`forward` (a captured prefill where one fits) and then
-        :meth:`greedy_chain`: run as one eager chain they cost ~8 ms a sequence on an H200
-        (measured at 7560c73, SD's draft phase 1.16 -> 1.32 ms a round at b = 1)."""
+        :meth:`greedy_chain`: run as one eager chain they cost ~12 ms a sequence on an H200
+        (inferred from the increase measured at 7560c73: SD's draft phase 1.16 -> 1.32 ms a
+        round over 289 rounds and 4 sequences at b = 1)."""
         kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
         b, s = ids.shape
         if self.graphs is not None and self.graphs.fits(b, s):
