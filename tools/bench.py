@@ -375,6 +375,9 @@ def parse_args(argv):
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (default: stop at EOS)")
     p.add_argument("--json", default=None)
+    p.add_argument("--json-token-ids", action="store_true",
+                   help="keep each row's generated token ids in --json (to compare runs, e.g. "
+                        "TP 2 with TP 1)")
     args = p.parse_args(argv)
     if args.peers not in ("", "hf"):
         p.error(f"--peers: only 'hf' is known, got {args.peers!r}")
@@ -414,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                   "command": shlex.join([sys.executable, os.path.relpath(__file__), *argv]),
                   "args": dict(vars(args), dtype_resolved=dtype),
                   "prompts": {"n": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids]},
-                  "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
+                  "rows": [{k: v for k, v in r.items()
+                            if k != "token_ids" or args.json_token_ids} for r in rows],
                   "breakdown": breakdowns}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

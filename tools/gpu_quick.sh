@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# A short check of engine changes on a fresh GPU machine, without building the extension
-# (torch's CUDA graphs serve instead of csrc's pool), in two calls like tools/gpu_run.sh:
+# A short check of engine changes on a fresh GPU machine (torch's CUDA graphs, or csrc's pool
+# with EXT=1), in two calls like tools/gpu_run.sh:
 #   call 1: PART=1 bash tools/gpu_quick.sh  carry .stage/smol.part.00 .whl        (GPU step tests)
 #   call 2: PART=2 bash tools/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz
 #           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
 # 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality),
+# tp2 (AR and SD at TP 2, b = 1), tp2fp32 (TP 2 fp32 greedy tokens == TP 1's; after fp32),
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
@@ -14,12 +15,20 @@
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; ROOT=$(pwd); export PYTHONUNBUFFERED=1
+# EXT=1 (both calls): build ssdlib._C in call 1 (the README's GPU install) and use it; without
+# it SSDLIB_SKIP_EXT=1 and torch's CUDA graphs serve.
+if [ "${EXT:-}" = 1 ]; then unset SSDLIB_SKIP_EXT; else export SSDLIB_SKIP_EXT=1; fi
 if [ "${PART:-1}" = 1 ]; then
   cp .stage/smol.part.00 /tmp/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  PYTHONPATH=$ROOT:/tmp/site SSDLIB_SKIP_EXT=1 timeout 200 python3 -m pytest \
-      tests/engine/test_step_graphs.py tests/engine/test_spec_cache_protocol.py \
-      tests/ops/test_prefill_attention_cuda.py -q 2>&1 | tail -4
+  T="tests/engine/test_step_graphs.py tests/engine/test_spec_cache_protocol.py
+     tests/ops/test_prefill_attention_cuda.py tests/distributed/test_tp_cuda.py"
+  if [ "${EXT:-}" = 1 ]; then
+    python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+    tail -2 "$OUT/install.log"; python3 -m ssdlib.ops.check_ext 2>&1 | tail -6
+    T="$T tests/ops/test_graph_pool.py tests/ops/test_extension_status.py tests/ops/test_tree_mask.py"
+  fi
+  PYTHONPATH=$ROOT:/tmp/site timeout 300 python3 -m pytest $T -q 2>&1 | tail -5
   exit 0
 fi
 if [ "${PART}" = 2 ]; then
@@ -29,10 +38,11 @@ fi
 SRC=$ROOT
 if [ -d .snap ]; then
   cp ssdlib/assets/smollm2-135m-draft/model.safetensors .snap/ssdlib/assets/smollm2-135m-draft/
+  [ "${EXT:-}" = 1 ] && cp ssdlib/_C*.so .snap/ssdlib/
   SRC=$ROOT/.snap; export SSDLIB_COMMIT=$(cat .snap/COMMIT)
 fi
 cd "$SRC"
-export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$SRC:/tmp/site SSDLIB_SKIP_EXT=1
+export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$SRC:/tmp/site
 B="python3 tools/bench.py --device cuda --humaneval $ROOT/.stage/HumanEval.jsonl.gz --max-new-tokens 256"
 [ -n "${DRAFT:-}" ] && B="$B --draft $ROOT/$DRAFT"
 F="grep -v ^\[rank\|WARN"
@@ -46,7 +56,13 @@ for b in ${BENCHES:-b1}; do
     prof) SSDLIB_PROFILE=$OUT/p1 timeout 150 $B --modes ar,ssd --n-prompts 4 --k 3 2>&1 | $F | tail -8 ;;
     prof8) SSDLIB_PROFILE=$OUT/p8 timeout 150 $B --modes ssd --n-prompts 16 --batch 8 --k 3 2>&1 | $F | tail -8 ;;
     prof07) SSDLIB_PROFILE=$OUT/p07 timeout 150 $B --modes ssd --n-prompts 4 --k 3 --temperature 0.7 2>&1 | $F | tail -8 ;;
-    fp32) timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -6 ;;
+    fp32) timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json-token-ids --json "$OUT/fp32.json" 2>&1 | $F | tail -6 ;;
+    tp2) timeout 150 $B --tp 2 --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/tp2.json" 2>&1 | $F | tail -10 ;;
+    tp2fp32)  # TP 2's fp32 greedy tokens against TP 1's (run fp32 first)
+      timeout 100 $B --tp 2 --modes ar,sd --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 \
+          --json-token-ids --json "$OUT/tp2_fp32.json" 2>&1 | $F | tail -5
+      python3 -c "import json,sys; r=lambda p: {x['mode']: x['token_ids'] for x in json.load(open(p))['rows']}
+a, b = r('$OUT/fp32.json'), r('$OUT/tp2_fp32.json'); print('TP2 fp32 == TP1 AR:', {m: t == a['ar'] for m, t in b.items()})" ;;
     *) echo "unknown preset $b" ;;
   esac
 done

@@ -46,7 +46,10 @@ class TPChannel:
                 return
             payload = torch.empty(2 * b * s + b + b * n, dtype=torch.int64, device=self.device)
             self._bcast(payload)
-            ids, pos, slots, rest = payload.split([b * s, b * s, b, b * n])
+            # back on the host, as the leader holds them: the runner then takes the leader's
+            # path (captured step, captured prefill bucket or eager) and so issues the same
+            # collectives; a graph capture on one rank only would hang both
+            ids, pos, slots, rest = payload.cpu().split([b * s, b * s, b, b * n])
             index = rest.view(b, n) if n else None
             runner.forward(ids.view(b, s), pos.view(b, s), slots, index, kv_len)
 

@@ -107,12 +107,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from ssdlib.ops.graph_pool import make_graph_pool
 
-            tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-            if cuda_graphs and tp > 1:
-                # captured NCCL collectives hung in the one TP 2 run on GPU so far (2026-11-30):
-                # TP steps run the same code eagerly until that is fixed and tested
-                log.warning("CUDA graphs are off for tensor-parallel ranks (tp = %d)", tp)
-                cuda_graphs = False
+            # TP > 1: every rank captures the same steps in the same order (followers get the
+            # leader's inputs on the host, TPChannel.serve), the collectives inside them too
             pool = make_graph_pool(self.device, enabled=cuda_graphs)
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
             if cuda_graphs and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0":

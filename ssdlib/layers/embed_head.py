@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ssdlib.layers.linear import all_reduce, load_padded_block, tp_size_rank
+from ssdlib.layers.linear import all_gather_last, all_reduce, load_padded_block, tp_size_rank
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -65,11 +65,7 @@ class ParallelLMHead(_VocabShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
         logits = nn.functional.linear(x, weight)  # [..., V_local]
-        tp, _ = tp_size_rank(self.tp_group)
-        if tp > 1:
-            parts = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)
+        logits = all_gather_last(logits, self.tp_group)  # each rank's vocab block, in order
         return logits[..., : self.vocab_size]
 
     def checkpoint_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:

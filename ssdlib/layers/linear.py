@@ -30,6 +30,22 @@ def all_reduce(x: torch.Tensor, tp_group) -> torch.Tensor:
     return x
 
 
+# torch >= 2.13 names the one-buffer all-gather all_gather_single (all_gather_into_tensor is
+# deprecated there); older torch (2.11 on our GPU machines) has only the old name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_last(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """Every rank's ``x`` [..., n] side by side along the last dim -> [..., tp * n]. One flat
+    all-gather into one buffer, which a CUDA graph can capture."""
+    tp, _ = tp_size_rank(tp_group)
+    if tp == 1:
+        return x
+    gathered = x.new_empty((tp, *x.shape))
+    _all_gather_flat(gathered.view(-1), x.contiguous().view(-1), group=tp_group)
+    return torch.cat(gathered.unbind(0), dim=-1)
+
+
 def load_padded_block(weights, name: str, dim: int, start: int, stop: int, real: int,
                        shape: tuple[int, ...], dtype, device) -> torch.Tensor:
     """Read rows/cols [start, stop) of ``name`` along ``dim``; indices >= ``real`` are zeros."""

@@ -8,7 +8,7 @@ import torch
 
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.errors import RankFailure
-from tests.dist_helpers import failing_rank, tp_logits_rank
+from tests.dist_helpers import failing_rank, tp_channel_rank, tp_logits_rank
 
 
 def tp_logits(path, tp, ids):
@@ -30,6 +30,25 @@ def test_tp_logits_equal_tp1(tiny_dirs, name, tp):
     ref = fwd(m, cache, ids, [0, 0], [0, 1])
     out = tp_logits(tiny_dirs[name], tp, ids)
     assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_followers_get_the_leaders_host_inputs():
+    """A follower's runner is called exactly as the leader's (same values, on the host, same
+    kv_len): the two then take the same path (captured step, prefill bucket, eager), so with
+    CUDA graphs they capture the same collectives in the same order."""
+    import torch.multiprocessing as mp
+
+    steps = [(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), torch.tensor([0]),
+              torch.tensor([[2]])),
+             (torch.tensor([[8], [9]]), torch.tensor([[3], [40]]), torch.tensor([0, 1]), None)]
+    q = mp.get_context("spawn").Queue()
+    ranks = RankGroup(2, tp_channel_rank, (steps, q))
+    calls = dict(ranks.wait(q, timeout_s=120) for _ in range(2))
+    ranks.join()
+    assert len(calls[0]) == 2
+    assert calls[1] == calls[0]
+    assert all(dev == "cpu" for args, _ in calls[1] for a in args if a for dev in a[:1])
+    assert [kv for _, kv in calls[1]] == [3, 41]
 
 
 def test_tp_generate_equals_tp1(tiny_dirs):

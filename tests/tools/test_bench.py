@@ -123,3 +123,10 @@ def test_hf_peers(tiny_dirs, prompts_file, tmp_path):
         assert rows[name]["greedy_equals_ar"] is True
     assert [b["mode"] for b in report["breakdown"]] == ["ar"]  # HF rows have no breakdown
     assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
+
+
+def test_json_token_ids_kept_on_request(tiny_dirs, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar", "--json-token-ids") == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert [len(t) for t in row["token_ids"]] == [8, 8]
