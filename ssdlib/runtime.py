@@ -62,6 +62,7 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
     channel = TPChannel(world.tp_group, world.device) if cfg.tp > 1 else None
     if not world.is_leader:
         channel.serve(runner)
+        runner.release_graphs()
         destroy_world()
         return None
     target = TargetExecutor(runner, channel)
@@ -75,6 +76,7 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
     def shutdown():
         loop_close()
         target.shutdown()
+        runner.release_graphs()
         destroy_world()
 
     return LeaderRuntime(cfg, world, leader, shutdown)

@@ -133,6 +133,14 @@ class ModelRunner:
                 break
             s *= 2
 
+    def release_graphs(self) -> None:
+        """Drop the captured steps (after the device is idle). Before the process group is
+        destroyed: a graph that captured NCCL collectives holds on to the communicator, and
+        destroying it under a live graph hung (TP 2, nvidia-h200-x2, 2026-11-30)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.pool.clear()  # one shared pool: the second clear finds it empty
+
     def kv_bucket(self, kv_len: int) -> int:
         """Static key length for a step whose queries see at most ``kv_len`` slot keys."""
         if self.use_kernel:

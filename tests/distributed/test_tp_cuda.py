@@ -13,7 +13,7 @@ def _generate(tiny_dirs, **kw):
     # lengths that take every path: a captured decode/verify step, a captured single-row
     # prefill bucket (> 64 tokens), an eager short prefill, and a two-row prefill captured on
     # first use (admitted together)
-    prompts = [list(range(3, 3 + n)) for n in (5, 90, 12, 70)]
+    prompts = [[3 + (7 * i) % 80 for i in range(n)] for n in (5, 90, 12, 70)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     with Generator(target=tiny_dirs["smol_heads"], device="cuda", dtype="float32", max_len=256,
                    max_batch=2, **kw) as g:
