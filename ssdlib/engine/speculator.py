@@ -140,7 +140,7 @@ class SpeculatorLoop:
     def end_round(self) -> None:
         """Add the round's phases. Read back here, after the cache build, not before the answer
         is sent: the wait on the last mark costs nothing, the next step blocks on a receive."""
-        for name, dt in self.timer.phases().items():
+        for name, dt in self.timer.totals().items():
             self.phase_s[name] += dt
         self.rounds += 1
 

@@ -173,13 +173,38 @@ def uniforms(generators: Generators, rows: int, n: int,
     return torch.stack(u).to(device)
 
 
+CDF_BLOCK = 256  # tokens per block of blocked_cdf
+
+
+def blocked_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """The running sum along the last dim of probs [n, V] (non-negative), computed in blocks of
+    ``CDF_BLOCK``: each block's own running sum plus the running sum of the block totals before
+    it. Same values as ``probs.cumsum(-1)`` up to rounding (the additions are grouped per block),
+    and, like it, non-decreasing with a zero-probability token's value equal to the one before
+    it. Why: CUDA's scan along the last dim runs a few rows as one thread block walking V
+    serially (a [16, 49152] cumsum took a large part of a sampled tree build); in blocks the
+    scans are [n * V / 256, 256] and [n, V / 256], parallel over rows."""
+    n, vocab = probs.shape
+    if vocab <= CDF_BLOCK:
+        return probs.cumsum(-1)
+    blocks = -(-vocab // CDF_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))  # zeros after V
+    local = padded.view(n, blocks, CDF_BLOCK).cumsum(-1)                 # [n, blocks, BLOCK]
+    # block j's offset is the running sum of the totals of blocks < j: off_j = off_{j-1} +
+    # total_{j-1}, the very addition that gives block j-1's last value (so the join is exact)
+    ends = local[..., -1].cumsum(-1)                                     # [n, blocks]
+    offsets = torch.nn.functional.pad(ends[:, :-1], (1, 0))              # [n, blocks]
+    cdf = local + offsets.unsqueeze(-1)
+    return cdf.view(n, blocks * CDF_BLOCK)[:, :vocab].contiguous()
+
+
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: probs [n, V] (non-negative, each row with positive mass, need not be
     normalised), u [n] uniforms in [0, 1) -> token ids [n] int64. No host read.
 
     A zero-probability token is never returned: its CDF interval is empty (cumsum in float64).
     """
-    cdf = probs.double().cumsum(-1)                                      # [n, V]
+    cdf = blocked_cdf(probs.double())                                    # [n, V]
     total = cdf[:, -1:].contiguous()                                     # [n, 1]
     idx = torch.searchsorted(cdf, u.double()[:, None] * total, right=True)  # first cdf > target
     # u * total rounded up to total (float64 makes this all but impossible) finds no cdf above

@@ -166,3 +166,40 @@ def test_mixed_precision_inputs():
     out = verify_sampled(draft, DraftQ.from_probs(q), p, [3, 2, 1, 0], g)
     assert ((out.bonus >= 0) & (out.bonus < V)).all()
     assert (out.accepted <= torch.tensor([3, 2, 1, 0])).all()
+
+
+@pytest.mark.parametrize("vocab", [3, 256, 300, 49152])
+def test_blocked_cdf_is_the_running_sum(vocab):
+    """blocked_cdf (the sampler's CDF, summed per block) == cumsum up to rounding; it keeps the
+    properties inverse-CDF sampling needs: non-decreasing, and a zero-probability token's value
+    equal to its predecessor's, also where a block starts."""
+    from ssdlib.speculative.rng import CDF_BLOCK, blocked_cdf
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(4, vocab, dtype=torch.float64, generator=g) ** 6
+    probs[:, ::5] = 0.0
+    probs[:, CDF_BLOCK::CDF_BLOCK] = 0.0  # block starts
+    cdf = blocked_cdf(probs)
+    assert cdf.shape == probs.shape and cdf.is_contiguous()
+    assert torch.allclose(cdf, probs.cumsum(-1), rtol=1e-12, atol=0)
+    assert (cdf[:, 1:] >= cdf[:, :-1]).all()
+    zero = probs[:, 1:] == 0
+    assert torch.equal(cdf[:, 1:][zero], cdf[:, :-1][zero])
+
+
+def test_sample_categorical_blocks_never_return_zero_mass_tokens():
+    """Over a vocabulary of several CDF blocks: every boundary between the kept tokens' CDF
+    intervals is drawn exactly, and each lands on a token with mass."""
+    from ssdlib.speculative.rng import blocked_cdf
+
+    vocab = 1000
+    probs = torch.zeros(1, vocab, dtype=torch.float64)
+    keep = torch.tensor([5, 255, 257, 511, 999])
+    probs[0, keep] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64)
+    cdf = blocked_cdf(probs)[0]
+    total = cdf[-1]
+    u = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[keep[:-1]] / total,
+                   torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)])
+    out = sample_categorical(probs.expand(len(u), vocab), u)
+    assert set(out.tolist()) <= set(keep.tolist())
+    assert out.tolist() == [5, 255, 257, 511, 999, 999]
