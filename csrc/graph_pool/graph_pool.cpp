@@ -113,6 +113,14 @@ class GraphPool {
       fn();
     } catch (...) {
       end_capture_quietly(*graph);
+      graph.reset();
+      // The failed graph held the only reference to the memory pool when no graph was captured
+      // before it: the allocator then frees the pool, and a capture into the same id hit
+      // "use_count > 0 INTERNAL ASSERT FAILED" (nvidia-h200-x2, torch 2.11, session 7). Later
+      // captures take a fresh pool then; with graphs alive the pool lives on and stays shared.
+      if (graphs_.empty()) {
+        mempool_ = at::cuda::graph_pool_handle();
+      }
       throw;
     }
     {

@@ -167,10 +167,19 @@ class TorchGraphPool(GraphPool):
                 for _ in range(self.warmup):
                     fn()
             graph = torch.cuda.CUDAGraph()
-            # Synchronizes the device first; captures on our side stream into the shared pool.
-            with torch.cuda.graph(graph, pool=self._mempool, stream=self._stream,
-                                  capture_error_mode=self.capture_error_mode):
-                fn()
+            try:
+                # Synchronizes the device first; captures on our side stream into the shared
+                # pool.
+                with torch.cuda.graph(graph, pool=self._mempool, stream=self._stream,
+                                      capture_error_mode=self.capture_error_mode):
+                    fn()
+            except BaseException:
+                if not self._graphs:
+                    # the failed graph may hold the pool's only reference: once it is freed, a
+                    # capture into the same pool id trips the allocator's use-count assert (as
+                    # csrc's pool did); later captures take a fresh pool
+                    self._mempool = torch.cuda.graph_pool_handle()
+                raise
         self._graphs[key] = graph
 
     def replay(self, key: Hashable) -> None:

@@ -174,6 +174,11 @@ def uniforms(generators: Generators, rows: int, n: int,
 
 
 CDF_BLOCK = 256  # tokens per block of blocked_cdf
+# Rows for which sample_categorical takes blocked_cdf: one row scans fast as is (torch's 1-D scan,
+# 7 µs at V = 49152 on an H200 against 23 µs in blocks), and from ~128 rows the last-dim scan has
+# rows enough to be parallel (127 vs 138 µs); 4-16 rows: 80 vs 24-31 µs (.stage microbench,
+# nvidia-h200-x2, session 7, inside a CUDA graph). Blocks cost more launches where it runs eagerly.
+BLOCKED_CDF_ROWS = range(2, 65)
 
 
 def blocked_cdf(probs: torch.Tensor) -> torch.Tensor:
@@ -204,7 +209,8 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     A zero-probability token is never returned: its CDF interval is empty (cumsum in float64).
     """
-    cdf = blocked_cdf(probs.double())                                    # [n, V]
+    probs = probs.double()
+    cdf = blocked_cdf(probs) if probs.shape[0] in BLOCKED_CDF_ROWS else probs.cumsum(-1)  # [n, V]
     total = cdf[:, -1:].contiguous()                                     # [n, 1]
     idx = torch.searchsorted(cdf, u.double()[:, None] * total, right=True)  # first cdf > target
     # u * total rounded up to total (float64 makes this all but impossible) finds no cdf above
