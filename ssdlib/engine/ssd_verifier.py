@@ -20,8 +20,9 @@ class SSDVerifier(LinkVerifier):
     After each OUTCOME the speculator builds the cache for it and pushes the built rows (CACHE)
     while this side verifies. An OUTCOME whose rows all have their next speculation in hand (hits
     and local fallbacks) is sent once the next verify forward is launched, the CACHE's receive
-    posted after it; the receive completes after the round's read-back. Misses are drawn here (n-gram / random, from a
-    per-row stream) or asked of the speculator (jit), as the CACHE says."""
+    posted after it; the receive completes after the round's read-back. Misses are drawn here
+    (n-gram / random, from a per-row stream) or asked of the speculator (jit), as the CACHE
+    says."""
 
     def __init__(self, target, link: SpecLink, k: int, device):
         super().__init__(target, link, k, device)
