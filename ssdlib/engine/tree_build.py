@@ -136,12 +136,15 @@ class TreeBuildStep:
         """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
         of its stream per depth, in branch order); the q each was drawn from goes to the cache."""
         B, V = self.B, self.cache.V
+        # every depth's draws at once (one chain of hash kernels, not one per depth): the
+        # same values, draw j of the call is j whichever way they are computed
+        u_all = streams.uniforms(self.K * B)  # [b, K * B]
 
         def pick(d: int, logits: torch.Tensor) -> torch.Tensor:
             if logits.shape[-1] < V:  # a draft with fewer rows than the target: never those
                 logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]),
                                                  value=float("-inf"))
-            u = streams.uniforms(B, start=d * B)  # [b, B]
+            u = u_all[:, d * B:(d + 1) * B]  # [b, B]
             tok, q = sample_branches(logits, params, u, fan[d] if d < len(fan) else 0,
                                      saguaro_c)
             self.cache.q[slots, :, d] = q

@@ -193,7 +193,8 @@ def blocked_cdf(probs: torch.Tensor) -> torch.Tensor:
     if vocab <= CDF_BLOCK:
         return probs.cumsum(-1)
     blocks = -(-vocab // CDF_BLOCK)
-    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))  # zeros after V
+    extra = blocks * CDF_BLOCK - vocab
+    padded = torch.nn.functional.pad(probs, (0, extra)) if extra else probs  # zeros after V
     local = padded.view(n, blocks, CDF_BLOCK).cumsum(-1)                 # [n, blocks, BLOCK]
     # block j's offset is the running sum of the totals of blocks < j: off_j = off_{j-1} +
     # total_{j-1}, the very addition that gives block j-1's last value (so the join is exact)
