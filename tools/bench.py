@@ -121,12 +121,41 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
-    """Time one engine mode; returns its row and the run aggregate (for the breakdown)."""
+# What a mode spec may set for its own row: ``ssd:k=4:fan_out_budget=32`` runs mode ssd with
+# those values instead of the command line's (so variants are compared within one invocation)
+MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
+                "fallback": str}
+ENGINE_MODES = ("ar", "sd", "ssd")
+
+
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """'ssd' or 'ssd:k=4:fan_out_budget=32' -> (engine mode, options). ValueError if bad."""
+    mode, *parts = spec.split(":")
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"mode {spec!r}: the engine modes are {', '.join(ENGINE_MODES)}")
+    options = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or key not in MODE_OPTIONS:
+            raise ValueError(f"mode {spec!r}: {part!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(MODE_OPTIONS)}")
+        try:
+            options[key] = MODE_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"mode {spec!r}: {key} takes a {MODE_OPTIONS[key].__name__}, "
+                             f"got {value!r}") from None
+    return mode, options
+
+
+def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
+    """Time one engine mode (a spec of :func:`parse_mode`); returns its row (labelled with the
+    spec) and the run aggregate (for the breakdown)."""
+    mode, options = parse_mode(spec)
     kw = dict(target=args.target, mode=mode, tp=args.tp, device=args.device, dtype=args.dtype,
               k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
               fallback=args.fallback, cuda_graphs=args.cuda_graphs, compile=args.compile)
+    kw.update(options)
     if mode != "ar":
         kw["draft"] = args.draft
     with Generator(**kw) as gen:
@@ -140,8 +169,10 @@ def run_mode(args, mode: str, prompt_ids, params) -> tuple[dict, dict]:
         wall = time.perf_counter() - t0
         run = dict(gen.last_run_metrics)
     tokens = sum(o.metrics["tokens"] for o in outs)
-    row = {"mode": mode, "batch": args.batch, "tokens": tokens, "wall_s": wall,
+    row = {"mode": spec, "batch": args.batch, "tokens": tokens, "wall_s": wall,
            "tok_s": tokens / wall, "token_ids": [o.token_ids for o in outs]}
+    if options:
+        row["options"] = options
     row.update({key: run[key] for key in ROW_KEYS if key in run})
     return row, run
 
@@ -346,7 +377,9 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="default: the target's named default draft")
-    p.add_argument("--modes", default="ar,sd,ssd", help="engine modes, comma-separated")
+    p.add_argument("--modes", default="ar,sd,ssd",
+                   help="engine modes, comma-separated; a mode may set its own options, e.g. "
+                        "ssd:k=4:fan_out_budget=32 (keys: " + ", ".join(MODE_OPTIONS) + ")")
     p.add_argument("--peers", default="", help="'hf': add transformers eager AR and assisted rows")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -381,6 +414,11 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.peers not in ("", "hf"):
         p.error(f"--peers: only 'hf' is known, got {args.peers!r}")
+    for spec in filter(None, args.modes.split(",")):
+        try:
+            parse_mode(spec)
+        except ValueError as exc:
+            p.error(f"--modes: {exc}")
     return args
 
 
@@ -410,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(rows, breakdowns)
     if args.json:
         models = {"target": {"name": args.target, "path": os.path.abspath(resolve(args.target))}}
-        if args.draft_resolved and (args.peers or any(m != "ar" for m in modes)):
+        if args.draft_resolved and (args.peers or any(parse_mode(m)[0] != "ar" for m in modes)):
             models["draft"] = {"name": args.draft_resolved,
                                "path": os.path.abspath(resolve(args.draft_resolved))}
         report = {"machine": machine_info(), "models": models,

@@ -7,7 +7,8 @@
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
 # 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality),
-# tp2 (AR and SD at TP 2, b = 1), tp2fp32 (TP 2 fp32 greedy tokens == TP 1's; after fp32),
+# b1var (b = 1: AR, SD, SSD and SSD variants: fan-out budget 32, K = 4), tp2 (AR and SD at
+# TP 2, b = 1), tp2fp32 (TP 2 fp32 greedy tokens == TP 1's; after fp32),
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
@@ -50,6 +51,7 @@ for b in ${BENCHES:-b1}; do
   echo "== $b"
   case $b in
     b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
+    b1var) timeout 200 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
     compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;

@@ -130,3 +130,28 @@ def test_json_token_ids_kept_on_request(tiny_dirs, prompts_file, tmp_path):
     assert bench(tiny_dirs, prompts_file, out, "--modes", "ar", "--json-token-ids") == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert [len(t) for t in row["token_ids"]] == [8, 8]
+
+
+def test_mode_variants_run_in_one_invocation(tiny_dirs, prompts_file, tmp_path):
+    """``sd:k=2`` is mode sd with K = 2 for its row only: labelled by its spec, exact."""
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd,sd:k=2", "--k", "4") == 0
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["ar", "sd", "sd:k=2"]
+    assert rows["sd"]["greedy_equals_ar"] is True and rows["sd:k=2"]["greedy_equals_ar"] is True
+    assert rows["sd:k=2"]["options"] == {"k": 2} and "options" not in rows["sd"]
+    tpr = {b["mode"]: b["tokens_per_round"] for b in report["breakdown"]}
+    assert 1 <= tpr["sd:k=2"] <= 3 and 1 <= tpr["sd"] <= 5  # at most K + 1 tokens a round
+    assert tpr["sd:k=2"] != tpr["sd"]
+    assert "draft" in report["models"]
+
+
+@pytest.mark.parametrize("spec,message", [("sdx", "engine modes"), ("sd:q=1", "KEY=VALUE"),
+                                          ("sd:k", "KEY=VALUE"), ("ssd:k=two", "takes a int")])
+def test_bad_mode_spec_is_a_clear_error(spec, message, capsys):
+    from tools.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", f"ar,{spec}"])
+    assert message in capsys.readouterr().err
