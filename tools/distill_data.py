@@ -79,7 +79,7 @@ def gen_main(a: argparse.Namespace) -> dict:
     from ssdlib.loading import load_checkpoint
     from tools.distill import models
     from tools.distill.selfinstruct import GenSettings
-    from tools.distill.sources import SourceSettings, build_splits, parse_sources
+    from tools.distill.sources import OPENER_SETS, SourceSettings, build_splits, parse_sources
 
     t0 = time.perf_counter()
     device = torch.device(a.device if a.device != "auto"
@@ -100,7 +100,8 @@ def gen_main(a: argparse.Namespace) -> dict:
         docinstruct_samples=share(a.docinstruct_samples, a.shard),
         random_samples=share(a.random_samples, a.shard), random_len=a.random_len,
         pysrc_tokens=a.pysrc_tokens, eval_samples=max(1, share(a.eval_samples, a.shard)),
-        text_roots=a.text_root or default_text_roots(), seed=a.seed, gen=gen, shard=a.shard)
+        text_roots=a.text_root or default_text_roots(), seed=a.seed, gen=gen, shard=a.shard,
+        selfinstruct_openers=OPENER_SETS[a.selfinstruct_openers])
     tokenizer = ck.tokenizer if any(s != "random-target-samples" for s in sources) else None
     print(f"shard {a.shard[0]}/{a.shard[1]} on {device} ({dtype}): self-instruct "
           f"{cfg.selfinstruct_samples}, docinstruct {cfg.docinstruct_samples}, held out "
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N")
     g.add_argument("--data", default="selfinstruct,docinstruct,pysrc")
     g.add_argument("--selfinstruct-samples", type=int, default=2048, help="total, all shards")
+    g.add_argument("--selfinstruct-openers", choices=("none", "tasks"), default="tasks",
+                   help="first words of the self-instruct user turns: kinds of tasks, or none")
     g.add_argument("--docinstruct-samples", type=int, default=512, help="total, all shards")
     g.add_argument("--random-samples", type=int, default=256, help="total, all shards")
     g.add_argument("--random-len", type=int, default=128)

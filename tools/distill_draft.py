@@ -59,7 +59,8 @@ from tools.distill import evaluate, models  # noqa: E402
 from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
                                  save_splits)
 from tools.distill.selfinstruct import GenSettings  # noqa: E402
-from tools.distill.sources import SourceSettings, build_splits, parse_sources  # noqa: E402
+from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  # noqa: E402
+                                   parse_sources)
 from tools.distill.train import Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
@@ -85,6 +86,8 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
         help="comma-separated sources: selfinstruct, docinstruct, pysrc, random-target-samples")
     add("--data-from", help="reuse the data.safetensors of another run instead of generating")
     add("--selfinstruct-samples", type=int, default=2048)
+    add("--selfinstruct-openers", choices=sorted(OPENER_SETS), default="tasks",
+        help="first words of the self-instruct user turns: kinds of tasks, or none")
     add("--docinstruct-samples", type=int, default=512)
     add("--random-samples", type=int, default=256, help="random-target-samples: sequences")
     add("--random-len", type=int, default=128, help="random-target-samples: tokens each")
@@ -264,7 +267,7 @@ def prepare_data(args, ck, teacher, device):
             docinstruct_samples=args.docinstruct_samples, random_samples=args.random_samples,
             random_len=args.random_len, pysrc_tokens=args.pysrc_tokens,
             eval_samples=args.eval_samples, text_roots=args.text_root or default_text_roots(),
-            seed=args.seed,
+            seed=args.seed, selfinstruct_openers=OPENER_SETS[args.selfinstruct_openers],
             gen=GenSettings(user_max_tokens=args.user_max_tokens,
                             answer_max_tokens=args.answer_max_tokens,
                             batch_size=args.gen_batch or (512 if device.type == "cuda" else 16)))

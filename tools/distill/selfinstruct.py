@@ -2,7 +2,11 @@
 
 * ``selfinstruct`` (two stages): sample a user turn from the chat prefix up to the end-of-turn
   token (temperature 1.0), then template it and sample the assistant's answer (0.7, top-p 0.95).
-  Writing both in one pass makes an instruct model loop on its turn markers.
+  Writing both in one pass makes an instruct model loop on its turn markers. With openers
+  (``TASK_OPENERS``, the default of the tools' ``--selfinstruct-openers tasks``) most user turns
+  start with the first words of a task of one kind (writing, reasoning, math, STEM, extraction,
+  roleplay, coding, advice, ...) and the target writes the rest, so the requests spread over the
+  kinds of chat a draft serves instead of the few the target drifts to on its own.
 * ``docinstruct``: requests built from the docstrings of functions in installed packages
   ("write a function ..."), answered by the target.
 * ``random-target-samples``: continuations of a few random token ids, for targets without a
@@ -27,6 +31,31 @@ DOC_REQUESTS = (
     "Implement `{sig}` in Python.\n\n{doc}",
     "Complete this Python function:\n\n```python\ndef {sig}:\n    \"\"\"{doc}\"\"\"\n```",
     "Explain what this function does and write an implementation:\n`{sig}`: {doc}",
+)
+
+
+# First words of user turns, by kind of task; "" lets the target start the turn itself.
+TASK_OPENERS = (
+    "", "", "", "",
+    # writing
+    "Write a short story about", "Write a poem about", "Write an email to", "Draft a",
+    "Rewrite the following sentence", "Write a blog post about",
+    # reasoning and math
+    "Why does", "What would happen if", "Solve", "Calculate", "If a train", "Prove that",
+    "What is the probability that",
+    # STEM and knowledge
+    "Explain how", "What is the difference between", "How does", "Describe the process of",
+    "What are the main causes of",
+    # extraction and summarising
+    "Summarize the following text:", "Extract the", "List the key points of",
+    "Classify the following",
+    # roleplay
+    "Pretend you are", "You are a", "Act as",
+    # coding
+    "Write a Python function that", "Fix this code:", "How do I", "Write a SQL query that",
+    "What does this code do?", "Write a JavaScript function",
+    # advice, planning, comparison
+    "Give me", "Compare", "Plan a", "Recommend", "Translate", "What are some tips for",
 )
 
 
@@ -96,9 +125,12 @@ def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
 
 
 def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
-               on_batch: Callable[[int], None] | None = None, max_rounds: int = 8) -> list[str]:
+               on_batch: Callable[[int], None] | None = None, max_rounds: int = 8,
+               openers: tuple[str, ...] = ("",), seed: int = 0) -> list[str]:
     """Stage 1: ``n`` distinct user requests sampled from the chat prefix (only ones that ended
-    with the turn-end token and say something)."""
+    with the turn-end token and say something). Each sampled turn starts with an opener drawn
+    from ``openers`` (seeded), which the target continues; "" leaves the start to it."""
+    rng = random.Random(seed)
     found: list[str] = []
     seen: set[str] = set()
     for _ in range(max_rounds):
@@ -106,11 +138,15 @@ def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
         if want <= 0:
             break
         k = max(s.batch_size, int(want * 1.25) + 1)
-        outs = s.sample(model, [chat.user_prefix] * k, s.user_max_tokens, s.user_temperature,
+        starts = [rng.choice(openers) for _ in range(k)]
+        prompts = [chat.user_prefix + (chat.tok.encode(o, add_special_tokens=False) if o else [])
+                   for o in starts]
+        outs = s.sample(model, prompts, s.user_max_tokens, s.user_temperature,
                         1.0, chat.turn_end, gen, on_batch)
-        for new, stopped in outs:
-            text = chat.tok.decode(new[:-1] if stopped else new).strip()
-            if stopped and len(text) >= 8 and text not in seen:
+        for opener, (new, stopped) in zip(starts, outs):
+            said = chat.tok.decode(new[:-1] if stopped else new)
+            text = (opener + said).strip()
+            if stopped and len(said.strip()) >= 8 and text not in seen:
                 seen.add(text)
                 found.append(text)
     return found[:n]

@@ -27,6 +27,8 @@ class SourceSettings:
     text_roots: list[str]
     seed: int
     gen: GenSettings
+    # the first words of self-instruct user turns (selfinstruct.TASK_OPENERS), ("",): none
+    selfinstruct_openers: tuple[str, ...] = ("",)
     # (index, count): this run makes shard ``index`` of ``count`` (tools/distill_data.py): its
     # sampling seed differs from the others', its docstring requests are its own slice of one
     # shared list, pysrc is shard 0's only. The counts above are this shard's.
@@ -35,6 +37,9 @@ class SourceSettings:
     def sampling_seed(self) -> int:
         index, count = self.shard
         return self.seed if count == 1 else self.seed + 7919 * (index + 1)
+
+
+OPENER_SETS = {"tasks": selfinstruct.TASK_OPENERS, "none": ("",)}
 
 
 def parse_sources(spec: str) -> list[str]:
@@ -91,7 +96,9 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
     if "selfinstruct" in cfg.sources:
         n = cfg.selfinstruct_samples
         requests = selfinstruct.user_turns(teacher, chat, n + cfg.eval_samples, cfg.gen, gen,
-                                           progress("self-instruct requests", n + cfg.eval_samples))
+                                           progress("self-instruct requests", n + cfg.eval_samples),
+                                           openers=cfg.selfinstruct_openers,
+                                           seed=cfg.sampling_seed())
         generated("selfinstruct", requests, n)
     if "docinstruct" in cfg.sources:
         n = cfg.docinstruct_samples
