@@ -101,7 +101,8 @@ def gen_main(a: argparse.Namespace) -> dict:
         random_samples=share(a.random_samples, a.shard), random_len=a.random_len,
         pysrc_tokens=a.pysrc_tokens, eval_samples=max(1, share(a.eval_samples, a.shard)),
         text_roots=a.text_root or default_text_roots(), seed=a.seed, gen=gen, shard=a.shard,
-        selfinstruct_openers=OPENER_SETS[a.selfinstruct_openers])
+        selfinstruct_openers=OPENER_SETS[a.selfinstruct_openers],
+        multiturn_samples=share(a.multiturn_samples, a.shard))
     tokenizer = ck.tokenizer if any(s != "random-target-samples" for s in sources) else None
     print(f"shard {a.shard[0]}/{a.shard[1]} on {device} ({dtype}): self-instruct "
           f"{cfg.selfinstruct_samples}, docinstruct {cfg.docinstruct_samples}, held out "
@@ -164,10 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default="smollm2-135m")
     g.add_argument("--out", required=True, help="the shard's data.safetensors")
     g.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N")
-    g.add_argument("--data", default="selfinstruct,docinstruct,pysrc")
+    g.add_argument("--data", default="selfinstruct,multiturn,docinstruct,pysrc")
     g.add_argument("--selfinstruct-samples", type=int, default=2048, help="total, all shards")
     g.add_argument("--selfinstruct-openers", choices=("none", "tasks"), default="tasks",
                    help="first words of the self-instruct user turns: kinds of tasks, or none")
+    g.add_argument("--multiturn-samples", type=int, default=512, help="total, all shards")
     g.add_argument("--docinstruct-samples", type=int, default=512, help="total, all shards")
     g.add_argument("--random-samples", type=int, default=256, help="total, all shards")
     g.add_argument("--random-len", type=int, default=128)

@@ -82,12 +82,15 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--resume", action="store_true", default=False,
         help="continue from the last checkpoint in --work-dir")
     # data
-    add("--data", default="selfinstruct,docinstruct,pysrc",
-        help="comma-separated sources: selfinstruct, docinstruct, pysrc, random-target-samples")
+    add("--data", default="selfinstruct,multiturn,docinstruct,pysrc",
+        help="comma-separated sources: selfinstruct, multiturn, docinstruct, pysrc, "
+             "random-target-samples")
     add("--data-from", help="reuse the data.safetensors of another run instead of generating")
     add("--selfinstruct-samples", type=int, default=2048)
     add("--selfinstruct-openers", choices=sorted(OPENER_SETS), default="tasks",
         help="first words of the self-instruct user turns: kinds of tasks, or none")
+    add("--multiturn-samples", type=int, default=512,
+        help="two-turn conversations (request, answer, follow-up, answer)")
     add("--docinstruct-samples", type=int, default=512)
     add("--random-samples", type=int, default=256, help="random-target-samples: sequences")
     add("--random-len", type=int, default=128, help="random-target-samples: tokens each")
@@ -268,6 +271,7 @@ def prepare_data(args, ck, teacher, device):
             random_len=args.random_len, pysrc_tokens=args.pysrc_tokens,
             eval_samples=args.eval_samples, text_roots=args.text_root or default_text_roots(),
             seed=args.seed, selfinstruct_openers=OPENER_SETS[args.selfinstruct_openers],
+            multiturn_samples=args.multiturn_samples,
             gen=GenSettings(user_max_tokens=args.user_max_tokens,
                             answer_max_tokens=args.answer_max_tokens,
                             batch_size=args.gen_batch or (512 if device.type == "cuda" else 16)))

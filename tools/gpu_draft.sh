@@ -26,6 +26,8 @@
 #   one pass) that is <= ~210 s of sampling, plus ~10 s target load, ~10-20 s docstring parsing,
 #   ~10 s pysrc (shard 0) and ~10 s merge: ~4-5 min. DATA_BUDGET (300 s) caps the sampling: past
 #   it a shard keeps what it has (the data is smaller, never late); data.json says if it hit.
+#   Multi-turn conversations (MT_SAMPLES, 512 a shard: request, answer, follow-up, answer) add
+#   three more sampling passes; their cost on the GPU is not measured yet (the budget caps it).
 # * train: 4 candidates, two per GPU at once. A d576 1-3 layer draft with the target's embedding
 #   costs about 1.5x the d128 draft per step (its 576-wide tied head dominates), two sharing a GPU
 #   about 2x: ~150-200 ms a step each, so 1400 steps ~ 210-280 s, + ~30 s start-up (target, 5 M
@@ -52,6 +54,7 @@ MAX_OUT_BYTES=$((16 * 1024 * 1024))
 # data (totals over all shards)
 SI_SAMPLES=${SI_SAMPLES:-7168}
 DOC_SAMPLES=${DOC_SAMPLES:-1024}
+MT_SAMPLES=${MT_SAMPLES:-1024}  # two-turn conversations
 PYSRC_TOKENS=${PYSRC_TOKENS:-1500000}
 EVAL_SAMPLES=${EVAL_SAMPLES:-64}
 GEN_BATCH=${GEN_BATCH:-1024}
@@ -111,7 +114,8 @@ copy_out() {  # copy_out FILE: into $OUT when <= 16 MiB, else a gzip copy when t
 step_data() {
   [ -e "$TARGET" ] || [ -n "${ALLOW_NAMED_TARGET:-}" ] || { say "no target at $TARGET"; return 1; }
   local pids=() i rc=0 shards=()
-  say "data: $NGPU shard(s): self-instruct $SI_SAMPLES, docinstruct $DOC_SAMPLES, pysrc" \
+  say "data: $NGPU shard(s): self-instruct $SI_SAMPLES, multiturn $MT_SAMPLES," \
+      "docinstruct $DOC_SAMPLES, pysrc" \
       "$PYSRC_TOKENS tokens, held out $EVAL_SAMPLES per source, gen batch $GEN_BATCH," \
       "budget ${DATA_BUDGET}s"
   rm -f "$W"/shard*.safetensors "$W"/shard*.safetensors.json
@@ -120,6 +124,7 @@ step_data() {
     ( CUDA_VISIBLE_DEVICES=$i timeout -k 10 "$DATA_TIMEOUT" python tools/distill_data.py gen \
         --target "$TARGET" --shard "$i/$NGPU" --out "$W/shard$i.safetensors" \
         --selfinstruct-samples "$SI_SAMPLES" --docinstruct-samples "$DOC_SAMPLES" \
+        --multiturn-samples "$MT_SAMPLES" \
         --pysrc-tokens "$PYSRC_TOKENS" --eval-samples "$EVAL_SAMPLES" --gen-batch "$GEN_BATCH" \
         --time-budget "$DATA_BUDGET" --samples-jsonl "$W/samples$i.jsonl" $DATA_EXTRA 2>&1 \
         | sed -u "s/^/[shard $i] /" ) &

@@ -31,6 +31,7 @@ def setup(tmp_path_factory):
         (texts / f"mod{i}.py").write_text(DOC.format(name=f"smaller{i}") * 3)
     common = ["--target", target, "--device", "cpu", "--text-root", str(texts),
               "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
+              "--multiturn-samples", "16",
               "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
               "--answer-max-tokens", "24", "--gen-batch", "8"]
     shards = []
@@ -55,6 +56,7 @@ def test_shards_and_merge(setup):
     for r in (r0, r1):
         assert r["train_by_source"].get("selfinstruct", 0) > 0
         assert r["train_by_source"].get("docinstruct", 0) > 0
+        assert r["train_by_source"].get("multiturn", 0) > 0  # in the default --data
         assert r["sampler"]["forwards"] > 0 and os.path.exists(r["args"]["out"] + ".json")
     tr0, ev0 = load_splits(p0)
     tr1, ev1 = load_splits(p1)

@@ -41,7 +41,7 @@ def test_gpu_draft_dry_run(tmp_path):
         for i in range(2):
             f.write(json.dumps({"prompt": f"def f{i}(x):\n    '''add one'''\n"}) + "\n")
     env = {**os.environ, "PYTHONPATH": REPO, "WORK": str(tmp_path / "work"), "TARGET": target,
-           "NGPU": "2", "SI_SAMPLES": "12", "DOC_SAMPLES": "6", "PYSRC_TOKENS": "3000",
+           "NGPU": "2", "SI_SAMPLES": "12", "DOC_SAMPLES": "6", "MT_SAMPLES": "16", "PYSRC_TOKENS": "3000",
            "EVAL_SAMPLES": "4", "GEN_BATCH": "8", "DATA_BUDGET": "120",
            "DATA_EXTRA": f"--text-root {texts} --user-max-tokens 40 --answer-max-tokens 24 "
                          "--device cpu",
@@ -57,7 +57,7 @@ def test_gpu_draft_dry_run(tmp_path):
     run_step("data", {**env, "OUT": str(out1)})
     assert sorted(os.listdir(out1)) == ["data.json", "data.safetensors", "log"]
     data = json.loads((out1 / "data.json").read_text())
-    assert set(data["train_by_source"]) == {"selfinstruct", "docinstruct", "pysrc"}
+    assert set(data["train_by_source"]) == {"selfinstruct", "multiturn", "docinstruct", "pysrc"}
     assert len(data["shards"]) == 2
 
     out2 = tmp_path / "out2"

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import load_file, save_file
 
-SOURCES = ("selfinstruct", "docinstruct", "pysrc", "random-target-samples")
+# indices are stored in data files: append new sources, never reorder
+SOURCES = ("selfinstruct", "docinstruct", "pysrc", "random-target-samples", "multiturn")
 TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")
 # substrings (lower case) of paths and file texts that are never read: the benchmark
 BANNED = ("humaneval", "human_eval", "human-eval", "evalplus")

@@ -7,6 +7,8 @@
   start with the first words of a task of one kind (writing, reasoning, math, STEM, extraction,
   roleplay, coding, advice, ...) and the target writes the rest, so the requests spread over the
   kinds of chat a draft serves instead of the few the target drifts to on its own.
+* ``multiturn``: a self-instruct request and the target's answer, then a follow-up user turn
+  the target writes in that context, and its answer to it (scored from the second answer).
 * ``docinstruct``: requests built from the docstrings of functions in installed packages
   ("write a function ..."), answered by the target.
 * ``random-target-samples``: continuations of a few random token ids, for targets without a
@@ -96,9 +98,23 @@ class ChatFormat:
         self.turn_end = set(tokenizer.eos_token_ids) | ({suffix_ids[0]} if suffix_ids else set())
 
     def prompt(self, user_text: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": user_text}],
-                                            add_generation_prompt=True)
+        return self.conversation([user_text])
+
+    def conversation(self, turns: list[str]) -> list[int]:
+        """User and assistant turns (alternating, the user's first and last), templated with
+        the assistant's generation prompt."""
+        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
+                    for i, t in enumerate(turns)]
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
         return self.tok.encode(text, add_special_tokens=False)
+
+    def next_user_prefix(self, turns: list[str]) -> list[int]:
+        """The conversation so far (user, assistant, ...) and the start of the next user turn,
+        where its text goes."""
+        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
+                    for i, t in enumerate(turns)] + [{"role": "user", "content": MARK}]
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tok.encode(text.split(MARK, 1)[0], add_special_tokens=False)
 
 
 def answer_each(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
@@ -150,6 +166,49 @@ def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
                 seen.add(text)
                 found.append(text)
     return found[:n]
+
+
+def follow_ups(model, chat: ChatFormat, pairs: list[tuple[str, str]], s: GenSettings, gen,
+               on_batch: Callable[[int], None] | None = None) -> list[str | None]:
+    """A second user turn for each (request, answer) conversation, sampled in its context;
+    None where the turn did not end or says too little."""
+    prompts = [chat.next_user_prefix([u, a]) for u, a in pairs]
+    outs = s.sample(model, prompts, s.user_max_tokens, s.user_temperature, 1.0, chat.turn_end,
+                    gen, on_batch)
+    texts: list[str | None] = []
+    for new, stopped in outs:
+        text = chat.tok.decode(new[:-1] if stopped else new).strip()
+        texts.append(text if stopped and len(text) >= 8 else None)
+    return texts
+
+
+def multiturn(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
+              temperature: float | list[float],
+              progress: Callable[[str, int], Callable[[int], None]]
+              ) -> list[tuple[list[int], int] | None]:
+    """Two-turn conversations from ``requests``: the target's answer, a follow-up user turn it
+    writes, its answer to that (``temperature``: per request, both answers). Per request:
+    (conversation ids, first id of the second answer), or None where a stage gave nothing."""
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(requests)
+    first = answer_each(model, chat, requests, s, gen, temps,
+                        progress("multiturn answers", len(requests)))
+    pairs, keep = [], []
+    for i, item in enumerate(first):
+        if item is not None:
+            ids, start = item
+            reply = chat.tok.decode([t for t in ids[start:] if t not in chat.tok.eos_token_ids])
+            pairs.append((requests[i], reply.strip()))
+            keep.append(i)
+    asks = follow_ups(model, chat, pairs, s, gen, progress("multiturn follow-ups", len(pairs)))
+    convs = [(i, [u, a, q]) for i, (u, a), q in zip(keep, pairs, asks) if q is not None]
+    prompts = [chat.conversation(turns) for _, turns in convs]
+    outs = s.sample(model, prompts, s.answer_max_tokens, [temps[i] for i, _ in convs], s.top_p,
+                    chat.tok.eos_token_ids, gen, progress("multiturn second answers", len(convs)))
+    result: list[tuple[list[int], int] | None] = [None] * len(requests)
+    for (i, _), p, (new, _) in zip(convs, prompts, outs):
+        if new:
+            result[i] = (p + new, len(p))
+    return result
 
 
 def docstring_requests(roots: list[str], n: int, seed: int) -> list[str]:

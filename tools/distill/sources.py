@@ -12,7 +12,7 @@ from tools.distill import selfinstruct
 from tools.distill.data import SOURCES, Docs, pysrc_docs, split_held_out
 from tools.distill.selfinstruct import GenSettings
 
-NEEDS_TOKENIZER = ("selfinstruct", "docinstruct", "pysrc")
+NEEDS_TOKENIZER = ("selfinstruct", "docinstruct", "pysrc", "multiturn")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class SourceSettings:
     gen: GenSettings
     # the first words of self-instruct user turns (selfinstruct.TASK_OPENERS), ("",): none
     selfinstruct_openers: tuple[str, ...] = ("",)
+    multiturn_samples: int = 0  # two-turn conversations (source "multiturn")
     # (index, count): this run makes shard ``index`` of ``count`` (tools/distill_data.py): its
     # sampling seed differs from the others', its docstring requests are its own slice of one
     # shared list, pysrc is shard 0's only. The counts above are this shard's.
@@ -75,8 +76,12 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
         tr_req = requests[:len(requests) - n_eval][:n]
         ev_req = requests[len(requests) - n_eval:]
         temps = [cfg.gen.answer_temperature] * len(tr_req) + [0.0] * len(ev_req)
-        items = selfinstruct.answer_each(teacher, chat, tr_req + ev_req, cfg.gen, gen, temps,
-                                         progress(f"{source} answers", len(temps)))
+        if source == "multiturn":
+            items = selfinstruct.multiturn(teacher, chat, tr_req + ev_req, cfg.gen, gen, temps,
+                                           progress)
+        else:
+            items = selfinstruct.answer_each(teacher, chat, tr_req + ev_req, cfg.gen, gen,
+                                             temps, progress(f"{source} answers", len(temps)))
         tr, ev = Docs(), Docs()
         for i, item in enumerate(items):
             if item is not None:
@@ -90,7 +95,7 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
                                 "answer": tokenizer.decode(ids[start:], skip_special_tokens=False)})
 
     chat = None
-    if "selfinstruct" in cfg.sources or "docinstruct" in cfg.sources:
+    if {"selfinstruct", "docinstruct", "multiturn"} & set(cfg.sources):
         chat = selfinstruct.ChatFormat(tokenizer)
 
     if "selfinstruct" in cfg.sources:
@@ -100,6 +105,13 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
                                            openers=cfg.selfinstruct_openers,
                                            seed=cfg.sampling_seed())
         generated("selfinstruct", requests, n)
+    if "multiturn" in cfg.sources and cfg.multiturn_samples > 0:
+        n = cfg.multiturn_samples
+        requests = selfinstruct.user_turns(teacher, chat, n + cfg.eval_samples, cfg.gen, gen,
+                                           progress("multiturn requests", n + cfg.eval_samples),
+                                           openers=cfg.selfinstruct_openers,
+                                           seed=cfg.sampling_seed() + 1)
+        generated("multiturn", requests, n)
     if "docinstruct" in cfg.sources:
         n = cfg.docinstruct_samples
         # every shard lists the same requests (base seed) and takes its own slice
