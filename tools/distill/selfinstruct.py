@@ -100,33 +100,43 @@ class ChatFormat:
     def prompt(self, user_text: str) -> list[int]:
         return self.conversation([user_text])
 
+    def _templated(self, turns: list[str]) -> str:
+        """User and assistant turns (alternating, the user's first) with the assistant's
+        generation prompt, as text."""
+        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
+                    for i, t in enumerate(turns)]
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+
     def conversation(self, turns: list[str]) -> list[int]:
         """User and assistant turns (alternating, the user's first and last), templated with
         the assistant's generation prompt."""
-        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
-                    for i, t in enumerate(turns)]
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(self._templated(turns), add_special_tokens=False)
 
     def next_user_prefix(self, turns: list[str]) -> list[int]:
         """The conversation so far (user, assistant, ...) and the start of the next user turn,
         where its text goes."""
-        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
-                    for i, t in enumerate(turns)] + [{"role": "user", "content": MARK}]
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = self._templated(turns + [MARK])
         return self.tok.encode(text.split(MARK, 1)[0], add_special_tokens=False)
+
+
+def answer_prompts(model, chat: ChatFormat, prompts: list[list[int]], s: GenSettings, gen,
+                   temperature: float | list[float],
+                   on_batch: Callable[[int], None] | None = None
+                   ) -> list[tuple[list[int], int] | None]:
+    """Sample the target's answer after each templated prompt (``temperature``: one, or one per
+    prompt; 0 is greedy). Per prompt: (prompt + answer ids, first answer index), or None when
+    no answer token was sampled (the deadline passed)."""
+    outs = s.sample(model, prompts, s.answer_max_tokens, temperature, s.top_p,
+                    chat.tok.eos_token_ids, gen, on_batch)
+    return [(p + new, len(p)) if new else None for p, (new, _) in zip(prompts, outs)]
 
 
 def answer_each(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
                 temperature: float | list[float],
                 on_batch: Callable[[int], None] | None = None) -> list[tuple[list[int], int] | None]:
-    """Stage 2: template each request and sample the target's answer (``temperature``: one, or
-    one per request; 0 is greedy). Per request: (prompt + answer ids, first answer index), or
-    None when no answer token was sampled (the deadline passed)."""
-    prompts = [chat.prompt(r) for r in requests]
-    outs = s.sample(model, prompts, s.answer_max_tokens, temperature, s.top_p,
-                    chat.tok.eos_token_ids, gen, on_batch)
-    return [(p + new, len(p)) if new else None for p, (new, _) in zip(prompts, outs)]
+    """Stage 2: template each request and sample the target's answer (:func:`answer_prompts`)."""
+    return answer_prompts(model, chat, [chat.prompt(r) for r in requests], s, gen, temperature,
+                          on_batch)
 
 
 def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
@@ -138,6 +148,13 @@ def answer(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
         if item is not None:
             docs.add(item[0], item[1], source)
     return docs
+
+
+def _turn_said(chat: ChatFormat, new: list[int], stopped: bool) -> str | None:
+    """What a sampled user turn says (decoded, without its turn-end token), or None when it did
+    not end or says too little."""
+    said = chat.tok.decode(new[:-1] if stopped else new)
+    return said if stopped and len(said.strip()) >= 8 else None
 
 
 def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
@@ -160,9 +177,11 @@ def user_turns(model, chat: ChatFormat, n: int, s: GenSettings, gen,
         outs = s.sample(model, prompts, s.user_max_tokens, s.user_temperature,
                         1.0, chat.turn_end, gen, on_batch)
         for opener, (new, stopped) in zip(starts, outs):
-            said = chat.tok.decode(new[:-1] if stopped else new)
+            said = _turn_said(chat, new, stopped)
+            if said is None:
+                continue
             text = (opener + said).strip()
-            if stopped and len(said.strip()) >= 8 and text not in seen:
+            if text not in seen:
                 seen.add(text)
                 found.append(text)
     return found[:n]
@@ -175,11 +194,8 @@ def follow_ups(model, chat: ChatFormat, pairs: list[tuple[str, str]], s: GenSett
     prompts = [chat.next_user_prefix([u, a]) for u, a in pairs]
     outs = s.sample(model, prompts, s.user_max_tokens, s.user_temperature, 1.0, chat.turn_end,
                     gen, on_batch)
-    texts: list[str | None] = []
-    for new, stopped in outs:
-        text = chat.tok.decode(new[:-1] if stopped else new).strip()
-        texts.append(text if stopped and len(text) >= 8 else None)
-    return texts
+    said = [_turn_said(chat, new, stopped) for new, stopped in outs]
+    return [None if t is None else t.strip() for t in said]
 
 
 def multiturn(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
@@ -201,13 +217,12 @@ def multiturn(model, chat: ChatFormat, requests: list[str], s: GenSettings, gen,
             keep.append(i)
     asks = follow_ups(model, chat, pairs, s, gen, progress("multiturn follow-ups", len(pairs)))
     convs = [(i, [u, a, q]) for i, (u, a), q in zip(keep, pairs, asks) if q is not None]
-    prompts = [chat.conversation(turns) for _, turns in convs]
-    outs = s.sample(model, prompts, s.answer_max_tokens, [temps[i] for i, _ in convs], s.top_p,
-                    chat.tok.eos_token_ids, gen, progress("multiturn second answers", len(convs)))
+    second = answer_prompts(model, chat, [chat.conversation(turns) for _, turns in convs], s,
+                            gen, [temps[i] for i, _ in convs],
+                            progress("multiturn second answers", len(convs)))
     result: list[tuple[list[int], int] | None] = [None] * len(requests)
-    for (i, _), p, (new, _) in zip(convs, prompts, outs):
-        if new:
-            result[i] = (p + new, len(p))
+    for (i, _), item in zip(convs, second):
+        result[i] = item
     return result
 
 
