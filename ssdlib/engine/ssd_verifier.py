@@ -54,8 +54,7 @@ class SSDVerifier(LinkVerifier):
         self._cache_due = slots
 
     def _after_launch(self) -> None:
-        self._send_due()  # the last exchange's OUTCOME, now that the verify runs
-        self._take_q()  # the link's order: a due q, then the CACHE
+        super()._after_launch()  # the due OUTCOME, then its q: the link's order, then the CACHE
         if self._cache_due is not None and not self._cache_posted:
             self.link.post_cache(len(self._cache_due))
             self._cache_posted = True
@@ -64,7 +63,7 @@ class SSDVerifier(LinkVerifier):
         """Receive the CACHE the speculator pushes after building for the last OUTCOME (waits
         for the build's end if it outlasted the verify); a due q comes before it. Returns
         whether one was due."""
-        self._take_q()
+        super()._take_cache()  # a due q
         if self._cache_due is None:
             return False
         slots, self._cache_due = self._cache_due, None
