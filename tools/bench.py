@@ -122,9 +122,10 @@ def sync(device: str) -> None:
 
 
 # What a mode spec may set for its own row: ``ssd:k=4:fan_out_budget=32`` runs mode ssd with
-# those values instead of the command line's (so variants are compared within one invocation)
+# those values instead of the command line's (so variants are compared within one invocation);
+# ``ssd:draft=DIR`` compares drafts (a name or a directory without ':')
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
-                "fallback": str}
+                "fallback": str, "draft": str}
 ENGINE_MODES = ("ar", "sd", "ssd")
 
 
@@ -144,6 +145,8 @@ def parse_mode(spec: str) -> tuple[str, dict]:
         except ValueError:
             raise ValueError(f"mode {spec!r}: {key} takes a {MODE_OPTIONS[key].__name__}, "
                              f"got {value!r}") from None
+    if mode == "ar" and "draft" in options:
+        raise ValueError(f"mode {spec!r}: ar runs no draft")
     return mode, options
 
 
@@ -155,9 +158,9 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
               k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
               fallback=args.fallback, cuda_graphs=args.cuda_graphs, compile=args.compile)
-    kw.update(options)
     if mode != "ar":
         kw["draft"] = args.draft
+    kw.update(options)
     with Generator(**kw) as gen:
         # warm-up (excluded): one full batch of the same requests, so that the steps' shapes
         # (batch buckets, query counts) are captured before timing

@@ -9,7 +9,8 @@
 # Everything goes to $OUT/log as it happens (a timed-out call still returns it). Results:
 # STEP=data: $OUT/data.safetensors (or .gz) when <= 16 MiB, $OUT/data.json (counts, timings).
 # STEP=train/eval: $OUT/draft_candidates.json (all results), $OUT/cand_NAME.tar (each candidate's
-# checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir).
+# checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir;
+# on the machine each is also extracted into $WORK/packed/NAME, which gpu_quick.sh's cands benches).
 # Continuing a candidate in a later session (the machine's work dir is gone, the .tar is left):
 # extract it (mkdir -p .stage/cand/s3 && tar -xf cand_s3.tar -C .stage/cand/s3), carry that dir,
 # and give no architecture flags (they come from its config.json; a fresh optimizer):
@@ -236,7 +237,9 @@ EOF
   for name in "${evnames[@]}"; do
     [ "$name" = base ] && continue
     python -m tools.distill.candidates pack --dir "${DIRS[$name]}" --out "$OUT/cand_$name.tar" \
-      --same-as "$SAME_AS" --target "$TARGET" || say "pack $name failed"
+      --same-as "$SAME_AS" --target "$TARGET" || { say "pack $name failed"; continue; }
+    # ready for the engine on this machine (tools/gpu_quick.sh's cands presets bench these)
+    rm -rf "$W/packed/$name" && mkdir -p "$W/packed/$name" && tar -xf "$OUT/cand_$name.tar" -C "$W/packed/$name"
   done
   say "eval done"
 }

@@ -12,6 +12,8 @@
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
+# cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
+# (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -47,11 +49,18 @@ export SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$SRC:/tmp/site
 B="python3 tools/bench.py --device cuda --humaneval $ROOT/.stage/HumanEval.jsonl.gz --max-new-tokens 256"
 [ -n "${DRAFT:-}" ] && B="$B --draft $ROOT/$DRAFT"
 F="grep -v ^\[rank\|WARN"
+CANDS=${CANDS:-$(ls -d /tmp/distill/packed/*/ 2>/dev/null | sed 's:/$::' | tr '\n' ' ')}
+cand_modes() {  # cand_modes MODE...: MODE:draft=DIR for each DIR in CANDS
+  local m d out=""; for d in $CANDS; do for m in "$@"; do out="$out,$m:draft=$d"; done; done
+  echo "$out"
+}
 for b in ${BENCHES:-b1}; do
   echo "== $b"
   case $b in
     b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
     b1var) timeout 290 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
+    cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
+    cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
     compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;

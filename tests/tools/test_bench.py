@@ -147,8 +147,20 @@ def test_mode_variants_run_in_one_invocation(tiny_dirs, prompts_file, tmp_path):
     assert "draft" in report["models"]
 
 
+def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
+    """``sd:draft=DIR`` runs its row with that draft: a worse draft accepts less, still exact."""
+    out = tmp_path / "bench.json"
+    bad = tiny_dirs["smol_heads_bad_draft"]
+    assert bench(tiny_dirs, prompts_file, out, "--modes", f"ar,sd,sd:draft={bad}") == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    other = rows[f"sd:draft={bad}"]
+    assert other["options"] == {"draft": bad} and other["greedy_equals_ar"] is True
+    assert other["acceptance_rate"] < rows["sd"]["acceptance_rate"]
+
+
 @pytest.mark.parametrize("spec,message", [("sdx", "engine modes"), ("sd:q=1", "KEY=VALUE"),
-                                          ("sd:k", "KEY=VALUE"), ("ssd:k=two", "takes a int")])
+                                          ("sd:k", "KEY=VALUE"), ("ssd:k=two", "takes a int"),
+                                          ("ar:draft=x", "ar runs no draft")])
 def test_bad_mode_spec_is_a_clear_error(spec, message, capsys):
     from tools.bench import parse_args
 
