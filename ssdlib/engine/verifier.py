@@ -176,9 +176,10 @@ class LinkVerifier:
             if not first:  # a first speculation cannot come from the cache
                 self._record_lookup(q, k, choice == Choice.CACHE, hand.kind)
 
-    def _send_outcome(self, msg: Outcome) -> None:
-        """Send an OUTCOME; with live rows, its CACHE (SSD) and q (sampling) become due."""
-        self.link.send_outcome(msg)
+    def _send_outcome(self, msg: Outcome, detached: bool = False) -> None:
+        """Send an OUTCOME (``detached``: after a forward was launched, SpecLink.send_outcome);
+        with live rows, its CACHE (SSD) and q (sampling) become due."""
+        self.link.send_outcome(msg, detached)
         if any(msg.active):
             self._expect_cache(msg.slots)
             if msg.spec_parts()[1]:  # received after the next verify is launched (``_take_q``)
@@ -188,7 +189,7 @@ class LinkVerifier:
         """Send the OUTCOME made due by the last exchange, if any."""
         if self._outcome_due is not None:
             msg, self._outcome_due = self._outcome_due, None
-            self._send_outcome(msg)
+            self._send_outcome(msg, detached=True)
 
     def _take_stats(self, stats: SpeculatorStats) -> None:
         """Keep the STATS since the batch metrics were last read (a call that empties the

@@ -35,10 +35,12 @@ class FakeLink:
         self.specs = self.caches = self.qs = 0  # SPEC tokens, CACHEs and q received
         self.posted = 0  # CACHE receives posted (during the verify forward)
         self.posted_at_send: list[int] = []  # per OUTCOME sent: receives posted before it
+        self.detached: list[bool] = []  # per OUTCOME sent: sent detached from the stream
 
-    def send_outcome(self, msg: Outcome):
+    def send_outcome(self, msg: Outcome, detached: bool = False):
         self.sent.append(msg)
         self.posted_at_send.append(self.posted)
+        self.detached.append(detached)
 
     def recv_spec_tokens(self, b):
         self.specs += 1
@@ -132,6 +134,9 @@ def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
     assert link.posted == link.caches == 2 and link.specs == 1
     # the due OUTCOME went out once that verify was launched, before its CACHE receive
     assert link.sent[0] is msg and link.posted_at_send[0] == 1
+    # after the launch: detached from the stream the forward runs on (NCCL would order it
+    # after that forward); the jit OUTCOME below goes before a launch, on the stream
+    assert link.detached == [True, False]
     # this one asks for jit drafts: sent at once (the next verify needs the SPEC)
     assert len(link.sent) == 2 and ver._outcome_due is None
     assert link.sent[-1].choice == [int(Choice.JIT)] * 2
