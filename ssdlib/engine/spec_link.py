@@ -39,11 +39,6 @@ class SpecLink:
         self._cache_recv = None  # (rows, work, host buffer or None) of a posted CACHE receive
         # the host buffers' last copy to the device, waited for before they are written again
         self._copied = torch.cuda.Event() if pin else None
-        # a detached send (``send_outcome(..., detached=True)``) leaves from its own stream and
-        # frame buffer: NCCL orders a send after the work queued on the calling stream, and
-        # a forward just launched there would hold it back until that forward ends
-        self._side = torch.cuda.Stream(device=device) if pin and not staged else None
-        self._side_frame = torch.zeros_like(self.frame) if self._side is not None else None
 
     def _send(self, t: torch.Tensor) -> None:
         dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
@@ -97,17 +92,10 @@ class SpecLink:
         for part in msg.pack():
             self._send(part.to(self.device))
 
-    def send_outcome(self, msg: Outcome, detached: bool = False) -> None:
-        """Send an OUTCOME; ``detached``: without waiting for the work queued on the current
-        stream (sent after a forward was launched: on GPU from the link's side stream)."""
+    def send_outcome(self, msg: Outcome) -> None:
         if len(msg.slots) > self.max_batch:
             raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
-        if not detached or self._side is None:
-            self._send_frame(msg.header(), msg)
-            return
-        ControlFrame.pack(self._host_buffer(self.frame_host), msg.header(), msg)
-        with torch.cuda.stream(self._side):
-            self._send_host(self.frame_host, self._side_frame)
+        self._send_frame(msg.header(), msg)
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         """A SPEC's tokens part, read back here (one copy; q, if due, follows: ``recv_q``)."""

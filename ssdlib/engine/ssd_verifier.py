@@ -18,11 +18,9 @@ class SSDVerifier(LinkVerifier):
     """Mode ``ssd``: each speculation comes from the speculation cache (hit) or a fallback.
 
     After each OUTCOME the speculator builds the cache for it and pushes the built rows (CACHE)
-    while this side verifies. An OUTCOME whose rows all have their next speculation in hand (hits
-    and local fallbacks) is sent once the next verify forward is launched, the CACHE's receive
-    posted after it; the receive completes after the round's read-back. Misses are drawn here
-    (n-gram / random, from a per-row stream) or asked of the speculator (jit), as the CACHE
-    says."""
+    while this side verifies; the receive is posted once the verify forward is launched and
+    completed after the round's read-back. Misses are drawn here (n-gram / random, from a
+    per-row stream) or asked of the speculator (jit), as the CACHE says."""
 
     def __init__(self, target, link: SpecLink, k: int, device):
         super().__init__(target, link, k, device)
@@ -54,7 +52,7 @@ class SSDVerifier(LinkVerifier):
         self._cache_due = slots
 
     def _after_launch(self) -> None:
-        super()._after_launch()  # the due OUTCOME, then its q: the link's order, then the CACHE
+        super()._after_launch()  # the link's order: a due q, then the CACHE
         if self._cache_due is not None and not self._cache_posted:
             self.link.post_cache(len(self._cache_due))
             self._cache_posted = True

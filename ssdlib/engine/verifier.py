@@ -57,17 +57,12 @@ class LinkVerifier:
         self._q_due: list[int] | None = None
         self._verify_us = 0  # the last round's verify forward (told to the speculator)
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
-        # an OUTCOME that waits for nothing back before the next verify: sent once that verify
-        # is launched (``_send_due``), so its host cost overlaps the forward instead of
-        # delaying it; every other use of the link sends it first
-        self._outcome_due: Outcome | None = None
         # the STATS received since the batch metrics were last read, summed
         self._stats: SpeculatorStats | None = None
         self._stats_read = False
         self.timer = RoundTimer(device)
 
     def admit(self, seqs) -> None:
-        self._send_due()
         self._take_cache()  # the link's order: the last build's CACHE before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}
@@ -105,9 +100,7 @@ class LinkVerifier:
         """An OUTCOME for ``slots`` went out with live rows (the SSD speculator builds for it)."""
 
     def _after_launch(self) -> None:
-        """Once the verify forward is launched: the due OUTCOME and receives, whose host
-        cost overlaps it."""
-        self._send_due()
+        """Once the verify forward is launched: receives whose host cost overlaps it."""
         self._take_q()
 
     # -- the loop -------------------------------------------------------------------------
@@ -128,10 +121,7 @@ class LinkVerifier:
 
     def _exchange(self, seqs, outcomes, first: bool = False) -> None:
         """Take each live row's next speculation (cache, local fallback, or the speculator's jit
-        draft), send (slot, k, t*, active, choice) per row, receive the SPEC if one is due.
-        An OUTCOME with live rows and no SPEC tokens to wait for is only made due here: the
-        next verify's launch sends it (``_send_due``)."""
-        self._send_due()
+        draft), send (slot, k, t*, active, choice) per row, receive the SPEC if one is due."""
         self._take_cache()
         alive = [self._alive(q) for q in seqs]
         leaving, self._leaving = self._leaving, []
@@ -144,17 +134,17 @@ class LinkVerifier:
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
                       k=self.k, choice=[c for c, _, _ in chosen], arg=[g for _, g, _ in chosen],
                       tokens=[t for _, _, t in chosen], verify_us=self._verify_us)
+        self.link.send_outcome(msg)
         for q, a in zip(seqs, alive):
             if not a:
                 self.spec.pop(q.slot, None)
-        want_tokens, _ = msg.spec_parts()
-        if any(alive) and not want_tokens:
-            self._outcome_due = msg  # every live row's next speculation is in hand
-        else:
-            self._send_outcome(msg)
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
+        self._expect_cache(msg.slots)
+        want_tokens, want_q = msg.spec_parts()
+        if want_q:  # received after the next verify forward is launched (``_take_q``)
+            self._q_due = msg.slots
         t0 = time.perf_counter()
         spec = self.link.recv_spec_tokens(len(msg.slots)) if want_tokens else None
         jit = spec.tokens.tolist() if spec is not None else None
@@ -175,21 +165,6 @@ class LinkVerifier:
             self.spec[q.slot] = hand
             if not first:  # a first speculation cannot come from the cache
                 self._record_lookup(q, k, choice == Choice.CACHE, hand.kind)
-
-    def _send_outcome(self, msg: Outcome, detached: bool = False) -> None:
-        """Send an OUTCOME (``detached``: after a forward was launched, SpecLink.send_outcome);
-        with live rows, its CACHE (SSD) and q (sampling) become due."""
-        self.link.send_outcome(msg, detached)
-        if any(msg.active):
-            self._expect_cache(msg.slots)
-            if msg.spec_parts()[1]:  # received after the next verify is launched (``_take_q``)
-                self._q_due = msg.slots
-
-    def _send_due(self) -> None:
-        """Send the OUTCOME made due by the last exchange, if any."""
-        if self._outcome_due is not None:
-            msg, self._outcome_due = self._outcome_due, None
-            self._send_outcome(msg, detached=True)
 
     def _take_stats(self, stats: SpeculatorStats) -> None:
         """Keep the STATS since the batch metrics were last read (a call that empties the
@@ -247,7 +222,6 @@ class LinkVerifier:
     def settle(self) -> None:
         """No row is running: tell the speculator about the rows that left (cancelled), so it
         is idle too (it answers an outcome without active rows with STATS)."""
-        self._send_due()
         if self._leaving:
             self._exchange([], [])
         self._take_cache()
@@ -269,7 +243,6 @@ class LinkVerifier:
                                         for p, t in stats.phase_s.items()}}
 
     def close(self) -> None:
-        self._send_due()
         self._take_cache()
         self.link.send_shutdown()
 

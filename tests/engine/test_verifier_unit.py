@@ -34,13 +34,9 @@ class FakeLink:
         self.cache = cache  # what each CACHE brings
         self.specs = self.caches = self.qs = 0  # SPEC tokens, CACHEs and q received
         self.posted = 0  # CACHE receives posted (during the verify forward)
-        self.posted_at_send: list[int] = []  # per OUTCOME sent: receives posted before it
-        self.detached: list[bool] = []  # per OUTCOME sent: sent detached from the stream
 
-    def send_outcome(self, msg: Outcome, detached: bool = False):
+    def send_outcome(self, msg: Outcome):
         self.sent.append(msg)
-        self.posted_at_send.append(self.posted)
-        self.detached.append(detached)
 
     def recv_spec_tokens(self, b):
         self.specs += 1
@@ -117,27 +113,18 @@ def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
     ver.step(rows)
     # nothing waited for but the CACHE, whose receive was posted during the verify forward
     assert link.posted == link.caches == 1 and link.specs == 0
-    # every live row has its next speculation: the OUTCOME waits for the next verify's launch
-    assert link.sent == [] and ver._cache_due is None
-    msg = ver._outcome_due
+    msg = link.sent[-1]
     assert msg.choice == [int(Choice.CACHE), int(Choice.LOCAL)] and msg.arg[0] == 1
     assert msg.tokens[0] == [5, 6, 4] and ver.spec[0].tokens == [5, 6, 4]
     assert ver.spec[0].source == "cache" and rows[0].metrics["hits"] == 1
     # row 1 (tokens [1, 1, 2, 2, 2, 2, 2]): the suffix recurs, n-gram proposes its continuation
     assert msg.arg[1] == int(QKind.ONEHOT) and msg.tokens[1] == [2, 2, 2]
     assert ver.spec[1].source == "ngram" and ver.spec[1].tokens == msg.tokens[1]
-    assert msg.spec_parts() == (False, False)
+    assert msg.spec_parts() == (False, False) and ver._cache_due == [0, 1]
     # the next round: nothing cached for its outcome and the CACHE names jit -> a SPEC
     link.cache = CacheRows([True, False], [0, 0], [[0, 0], [0, 0]], [[0, 0], [0, 0]],
                            [[[0] * K] * 2] * 2)
     ver.step(rows)
     assert link.posted == link.caches == 2 and link.specs == 1
-    # the due OUTCOME went out once that verify was launched, before its CACHE receive
-    assert link.sent[0] is msg and link.posted_at_send[0] == 1
-    # after the launch: detached from the stream the forward runs on (NCCL would order it
-    # after that forward); the jit OUTCOME below goes before a launch, on the stream
-    assert link.detached == [True, False]
-    # this one asks for jit drafts: sent at once (the next verify needs the SPEC)
-    assert len(link.sent) == 2 and ver._outcome_due is None
     assert link.sent[-1].choice == [int(Choice.JIT)] * 2
     assert ver.spec[0].source == ver.spec[1].source == "jit"
