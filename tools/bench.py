@@ -123,9 +123,21 @@ def sync(device: str) -> None:
 
 # What a mode spec may set for its own row: ``ssd:k=4:fan_out_budget=32`` runs mode ssd with
 # those values instead of the command line's (so variants are compared within one invocation);
-# ``ssd:draft=DIR`` compares drafts (a name or a directory without ':')
+# ``ssd:draft=DIR`` compares drafts (a name or a directory without ':'), ``ssd:compile=1``
+# torch.compile inside the captured steps
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(value)
+
+
+_flag.__name__ = "flag (0 or 1)"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
-                "fallback": str, "draft": str}
+                "fallback": str, "draft": str, "compile": _flag}
 ENGINE_MODES = ("ar", "sd", "ssd")
 
 

@@ -12,6 +12,8 @@
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
+# cmp / cmp07: b = 1 greedy / T = 0.7, each mode with and without torch.compile inside the
+# captured steps (MODE:compile=1), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -59,6 +61,8 @@ for b in ${BENCHES:-b1}; do
   case $b in
     b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
     b1var) timeout 290 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
+    cmp) timeout 540 $B --modes ar,sd,ssd,ar:compile=1,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --json "$OUT/cmp.json" 2>&1 | $F | tail -24 ;;
+    cmp07) timeout 540 $B --modes sd,ssd,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cmp07.json" 2>&1 | $F | tail -20 ;;
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;

@@ -147,6 +147,13 @@ def test_mode_variants_run_in_one_invocation(tiny_dirs, prompts_file, tmp_path):
     assert "draft" in report["models"]
 
 
+def test_mode_option_values():
+    from tools.bench import parse_mode
+
+    assert parse_mode("ssd:compile=1:k=2") == ("ssd", {"compile": True, "k": 2})
+    assert parse_mode("ar:compile=false") == ("ar", {"compile": False})
+
+
 def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
     """``sd:draft=DIR`` runs its row with that draft: a worse draft accepts less, still exact."""
     out = tmp_path / "bench.json"
@@ -160,7 +167,8 @@ def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
 
 @pytest.mark.parametrize("spec,message", [("sdx", "engine modes"), ("sd:q=1", "KEY=VALUE"),
                                           ("sd:k", "KEY=VALUE"), ("ssd:k=two", "takes a int"),
-                                          ("ar:draft=x", "ar runs no draft")])
+                                          ("ar:draft=x", "ar runs no draft"),
+                                          ("sd:compile=maybe", "flag (0 or 1)")])
 def test_bad_mode_spec_is_a_clear_error(spec, message, capsys):
     from tools.bench import parse_args
 
