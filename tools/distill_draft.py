@@ -61,7 +61,7 @@ from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_r
 from tools.distill.selfinstruct import GenSettings  # noqa: E402
 from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  # noqa: E402
                                    parse_sources)
-from tools.distill.train import Trainer, TrainSettings  # noqa: E402
+from tools.distill.train import LOSSES, Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
 RESUME_OVERRIDES = {"steps", "eval_every", "save_every", "device", "resume", "out", "work_dir",
@@ -127,6 +127,9 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--steps", type=int, default=2000)
     add("--batch", type=int, default=32)
     add("--seq-len", type=int, default=512)
+    add("--loss", choices=tuple(LOSSES), default="kl",
+        help="per-token loss: forward KL (default), total variation distance (tvd: 1 - the "
+             "sampled acceptance, trained directly) or their sum")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=None, help="warm-up steps (default steps/20, at most 100)")
     add("--min-lr-ratio", type=float, default=0.1)
@@ -316,9 +319,10 @@ def draft_shape(args, target) -> tuple:
 
 
 def fmt_eval(r: dict) -> str:
-    parts = [f"step {r['step']:>6}  KL {r['kl']:.4f}  agreement {r['agreement']:.4f}"]
-    for src, v in sorted(r["by_source"].items()):
-        parts.append(f"{src}: {v['kl']:.3f}/{v['agreement']:.3f}")
+    parts = [f"step {r['step']:>6}  KL {r['kl']:.4f}  agreement {r['agreement']:.4f}  "
+             f"acceptance {r['acceptance']:.4f}"]
+    for src, v in sorted(r["by_source"].items()):  # KL / agreement / acceptance
+        parts.append(f"{src}: {v['kl']:.3f}/{v['agreement']:.3f}/{v['acceptance']:.3f}")
     return "  |  ".join(parts)
 
 
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
         warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
         min_lr_ratio=args.min_lr_ratio, schedule=args.schedule, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, eval_every=args.eval_every, save_every=args.save_every,
-        eval_batch=args.eval_batch, seq_len=args.seq_len,
+        eval_batch=args.eval_batch, seq_len=args.seq_len, loss=args.loss,
         amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
     trainer = Trainer(draft, teacher, batcher, held_docs, settings, args.work_dir)
     if args.resume:
@@ -435,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
         json.dump(report, f, indent=2)
     last = trainer.history[-1]
     print(f"done: step {trainer.step}, held-out KL {last['kl']:.4f}, greedy agreement "
-          f"{last['agreement']:.4f}; wrote {args.out} "
+          f"{last['agreement']:.4f}, sampled acceptance {last.get('acceptance', 0):.4f}; "
+          f"wrote {args.out} "
           f"({report['draft']['safetensors_bytes'] / 1e6:.2f} MB model.safetensors)")
     if args.eval:
         report["eval"] = evaluate.run(str(args.target), args.out, args.eval_humaneval,

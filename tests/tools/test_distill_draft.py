@@ -112,3 +112,28 @@ def test_text_sources_skip_the_benchmark(tmp_path):
     files = list_text_files([str(tmp_path)])
     assert [os.path.basename(f) for f in files] == ["mentions.md", "ok.py"]
     assert [read_text(f) is not None for f in files] == [False, True]
+
+
+def test_tvd_is_one_minus_the_sampled_acceptance():
+    from tools.distill.train import LOSSES, tvd_per_position
+
+    g = torch.Generator().manual_seed(0)
+    d, t = torch.randn(3, 5, 40, generator=g), 2 * torch.randn(3, 5, 40, generator=g)
+    p, q = t.softmax(-1), d.softmax(-1)
+    assert torch.allclose(1 - tvd_per_position(d, t), torch.minimum(p, q).sum(-1), atol=1e-6)
+    assert torch.allclose(tvd_per_position(t, t), torch.zeros(3, 5), atol=1e-6)
+    assert torch.allclose(LOSSES["kl+tvd"](d, t), LOSSES["kl"](d, t) + LOSSES["tvd"](d, t))
+
+
+def test_tvd_loss_raises_the_held_out_acceptance(target, tmp_path):
+    """--loss tvd trains the sampled acceptance itself (reported with every evaluation)."""
+    report = run(target, tmp_path / "tvd", "--data", "random-target-samples",
+                 "--random-samples", "96", "--random-len", "48", "--steps", "40", "--lr", "1e-2",
+                 "--eval-every", "40", "--save-every", "40", "--init-embeddings-from-target",
+                 "--loss", "tvd")
+    first, last = report["history"][0], report["history"][-1]
+    assert report["args"]["loss"] == "tvd"
+    assert 0 <= first["acceptance"] < last["acceptance"] <= 1, report["history"]
+    assert last["acceptance"] > first["acceptance"] + 0.05, report["history"]
+    for v in last["by_source"].values():
+        assert 0 <= v["acceptance"] <= 1

@@ -176,6 +176,8 @@ def build_report(cands: dict[str, str], evals_dir: str, probe: dict,
             last = (d.get("history") or [{}])[-1]
             r["train"] = {"step": d.get("step"), "seconds": d.get("seconds"),
                           "held_out_kl": last.get("kl"), "agreement": last.get("agreement"),
+                          "acceptance": last.get("acceptance"),
+                          "loss": d.get("args", {}).get("loss"),
                           "params": d.get("draft", {}).get("params")}
         ev_path = os.path.join(evals_dir, f"{name}.json")
         evals = []

@@ -1,8 +1,12 @@
 """Knowledge distillation: the draft learns the target's next-token distributions.
 
-Loss per position = forward KL(target || draft) over the full vocabulary (nats/token). Evaluation
-on held-out target-written documents, at the positions that predict the target's own output:
-KL and greedy agreement (draft argmax == target argmax, the per-token greedy acceptance rate).
+Loss per position (``TrainSettings.loss``, over the full vocabulary): forward KL(target || draft)
+in nats/token (``kl``, the default); the total variation distance TVD = 1/2 sum |p - q| (``tvd``),
+which is exactly 1 - the probability that speculative sampling accepts a token the draft drew
+(acceptance = sum min(p, q)), so it trains acceptance itself; or their sum (``kl+tvd``).
+Evaluation on held-out target-written documents, at the positions that predict the target's
+own output: KL, greedy agreement (draft argmax == target argmax, the per-token greedy acceptance
+rate) and sampled acceptance (1 - TVD at temperature 1).
 
 A checkpoint holds everything the next step depends on (weights, optimizer, step, RNG states, the
 batcher's position), so ``--resume`` continues the same run. Frozen parameters (a draft's shared
@@ -40,6 +44,7 @@ class TrainSettings:
     eval_batch: int = 8
     seq_len: int = 512
     amp_dtype: torch.dtype | None = None  # autocast dtype for the draft (bf16 on GPU)
+    loss: str = "kl"  # a key of LOSSES
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -57,6 +62,23 @@ def kl_per_position(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
     d = F.log_softmax(draft_logits.float(), dim=-1)
     t = F.log_softmax(teacher_logits.float(), dim=-1)
     return F.kl_div(d, t, log_target=True, reduction="none").sum(-1)
+
+
+def tvd_per_position(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Total variation distance 1/2 sum |p - q| at each position: logits [..., V] -> [...]
+    (float32). 1 - TVD = sum min(p, q) is the chance that a token the draft drew is accepted."""
+    d = F.softmax(draft_logits.float(), dim=-1)
+    t = F.softmax(teacher_logits.float(), dim=-1)
+    return 0.5 * (d - t).abs().sum(-1)
+
+
+def _kl_plus_tvd(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    return (kl_per_position(draft_logits, teacher_logits)
+            + tvd_per_position(draft_logits, teacher_logits))
+
+
+# the training losses per position (``--loss``)
+LOSSES = {"kl": kl_per_position, "tvd": tvd_per_position, "kl+tvd": _kl_plus_tvd}
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -85,11 +107,12 @@ def eval_batches(docs: Docs, seq_len: int, batch: int):
 
 @torch.no_grad()
 def evaluate(draft, teacher, held_out: Docs, s: TrainSettings) -> dict:
-    """Mean KL and greedy agreement over scored positions, overall and per source."""
+    """Mean KL, greedy agreement and sampled acceptance (1 - TVD) over scored positions,
+    overall and per source."""
     device = next(draft.parameters()).device
     was_training = draft.training
     draft.eval()
-    sums: dict[str, list[float]] = {}  # source -> [kl sum, agreements, positions]
+    sums: dict[str, list[float]] = {}  # source -> [kl sum, agreements, positions, acceptance]
     for ids, mask, source in eval_batches(held_out, s.seq_len, s.eval_batch):
         ids, mask = ids.to(device), mask.to(device)
         t_logits = teacher.forward_full(ids)
@@ -97,18 +120,22 @@ def evaluate(draft, teacher, held_out: Docs, s: TrainSettings) -> dict:
             d_logits = draft.forward_full(ids)
         kl = kl_per_position(d_logits, t_logits)
         agree = (d_logits.argmax(-1) == t_logits.argmax(-1)).float()
+        accept = 1.0 - tvd_per_position(d_logits, t_logits)
         for src in source.unique().tolist():
             m = mask & (source.to(device) == src).view(-1, 1)
-            acc = sums.setdefault(SOURCES[src], [0.0, 0.0, 0.0])
+            acc = sums.setdefault(SOURCES[src], [0.0, 0.0, 0.0, 0.0])
             acc[0] += float(kl[m].sum())
             acc[1] += float(agree[m].sum())
             acc[2] += float(m.sum())
+            acc[3] += float(accept[m].sum())
     draft.train(was_training)
-    total = [sum(v[i] for v in sums.values()) for i in range(3)]
+    total = [sum(v[i] for v in sums.values()) for i in range(4)]
     n = max(total[2], 1.0)
-    return {"kl": total[0] / n, "agreement": total[1] / n, "positions": int(total[2]),
+    return {"kl": total[0] / n, "agreement": total[1] / n, "acceptance": total[3] / n,
+            "positions": int(total[2]),
             "by_source": {k: {"kl": v[0] / max(v[2], 1), "agreement": v[1] / max(v[2], 1),
-                              "positions": int(v[2])} for k, v in sums.items()}}
+                              "acceptance": v[3] / max(v[2], 1), "positions": int(v[2])}
+                          for k, v in sums.items()}}
 
 
 class Trainer:
@@ -184,7 +211,7 @@ class Trainer:
             t_logits = self.teacher.forward_full(ids)
         with _autocast(self.device, s.amp_dtype):
             d_logits = self.draft.forward_full(ids)
-        loss = kl_per_position(d_logits, t_logits).mean()
+        loss = LOSSES[s.loss](d_logits, t_logits).mean()
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, s)
         self.opt.zero_grad(set_to_none=True)
