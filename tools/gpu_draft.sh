@@ -62,6 +62,10 @@ GEN_BATCH=${GEN_BATCH:-1024}
 DATA_BUDGET=${DATA_BUDGET:-300}
 DATA_TIMEOUT=${DATA_TIMEOUT:-420}
 DATA_EXTRA=${DATA_EXTRA:-}  # more distill_data.py gen flags
+# DATA_APPEND=1: merge the new shards with the data already at $DATA instead of replacing it
+# (more data in a later call: give a new seed, DATA_EXTRA="--seed 1", and PYSRC_TOKENS=0
+# DOC_SAMPLES=0, whose texts would repeat)
+DATA_APPEND=${DATA_APPEND:-}
 
 # candidates: one per line, NAME|distill_draft.py flags (after TRAIN_COMMON: they win)
 D576="--embedding-from-target"  # the target's widths: hidden 576, 9/3 heads, head_dim 64
@@ -138,6 +142,10 @@ step_data() {
   for f in "${shards[@]}"; do [ -s "$f" ] && have+=("$f"); done
   [ "${#have[@]}" -gt 0 ] || { say "no shard finished"; return 1; }
   [ "${#have[@]}" -eq "${#shards[@]}" ] || say "merging only ${#have[@]} of ${#shards[@]} shards"
+  if [ "$DATA_APPEND" = 1 ] && [ -s "$DATA" ]; then
+    mv "$DATA" "$W/data_prev.safetensors" && have=("$W/data_prev.safetensors" "${have[@]}")
+    say "appending to the data already at $DATA"
+  fi
   python tools/distill_data.py merge --out "$DATA" "${have[@]}" || return 1
   python - "$DATA.json" <<'EOF'
 import json, sys

@@ -60,6 +60,17 @@ def test_gpu_draft_dry_run(tmp_path):
     assert set(data["train_by_source"]) == {"selfinstruct", "multiturn", "docinstruct", "pysrc"}
     assert len(data["shards"]) == 2
 
+    # a second data call appends new answers (another seed; no texts, which would repeat)
+    out1b = tmp_path / "out1b"
+    run_step("data", {**env, "OUT": str(out1b), "DATA_APPEND": "1", "PYSRC_TOKENS": "0",
+                      "DOC_SAMPLES": "0",
+                      "DATA_EXTRA": env["DATA_EXTRA"] + " --seed 1"})
+    more = json.loads((out1b / "data.json").read_text())
+    assert len(more["inputs"]) == 3 and more["inputs"][0].endswith("data_prev.safetensors")
+    assert more["train_docs"] > data["train_docs"]
+    assert more["train_by_source"]["pysrc"] == data["train_by_source"]["pysrc"]
+    assert more["train_by_source"]["selfinstruct"] > data["train_by_source"]["selfinstruct"]
+
     out2 = tmp_path / "out2"
     run_step("train", {**env, "OUT": str(out2)})
     assert sorted(os.listdir(out2)) == ["cand_t1.tar", "cand_t2.tar", "draft_candidates.json",
@@ -73,5 +84,7 @@ def test_gpu_draft_dry_run(tmp_path):
     with tarfile.open(out2 / "cand_t1.tar") as tar:
         assert sorted(tar.getnames()) == ["MODEL_CARD.md", "config.json", "distill.json",
                                           "model.safetensors", "tokenizer_source.json"]
+    for name in ("t1", "t2"):  # ready for gpu_quick.sh's cands presets on the machine
+        assert os.path.exists(tmp_path / "work" / "packed" / name / "tokenizer_source.json")
     log = (out2 / "log").read_text()
     assert "| t1 |" in log and "STEP=train finished (rc 0)" in log
