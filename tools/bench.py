@@ -34,6 +34,7 @@ package) or its HF directory; their greedy equality with our AR is informational
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import importlib.metadata
 import json
@@ -124,7 +125,8 @@ def sync(device: str) -> None:
 # What a mode spec may set for its own row: ``ssd:k=4:fan_out_budget=32`` runs mode ssd with
 # those values instead of the command line's (so variants are compared within one invocation);
 # ``ssd:draft=DIR`` compares drafts (a name or a directory without ':'), ``ssd:compile=1``
-# torch.compile inside the captured steps
+# torch.compile inside the captured steps, ``ssd:env=SSDLIB_NAME=VALUE`` an engine environment
+# variable for that row's ranks (an experiment's switch)
 
 
 def _flag(value: str) -> bool:
@@ -136,8 +138,18 @@ def _flag(value: str) -> bool:
 
 
 _flag.__name__ = "flag (0 or 1)"
+
+
+def _env(value: str) -> tuple[str, str]:
+    name, eq, val = value.partition("=")
+    if not eq or not name.startswith("SSDLIB_"):
+        raise ValueError(value)
+    return name, val
+
+
+_env.__name__ = "SSDLIB_NAME=VALUE"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
-                "fallback": str, "draft": str, "compile": _flag}
+                "fallback": str, "draft": str, "compile": _flag, "env": _env}
 ENGINE_MODES = ("ar", "sd", "ssd")
 
 
@@ -162,6 +174,24 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     return mode, options
 
 
+@contextlib.contextmanager
+def _environment(pair: tuple[str, str] | None):
+    """``os.environ[name] = value`` inside (the ranks a Generator spawns inherit it)."""
+    if pair is None:
+        yield
+        return
+    name, value = pair
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     """Time one engine mode (a spec of :func:`parse_mode`); returns its row (labelled with the
     spec) and the run aggregate (for the breakdown)."""
@@ -173,7 +203,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     if mode != "ar":
         kw["draft"] = args.draft
     kw.update(options)
-    with Generator(**kw) as gen:
+    env = kw.pop("env", None)
+    with _environment(env), Generator(**kw) as gen:
         # warm-up (excluded): one full batch of the same requests, so that the steps' shapes
         # (batch buckets, query counts) are captured before timing
         gen.generate(prompt_ids[:args.batch], params)

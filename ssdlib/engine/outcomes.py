@@ -9,6 +9,7 @@ Every answer declares the q its tokens were drawn from (QKind), so the verifier 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 from ssdlib.engine.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.spec_row import SpecRow
+from ssdlib.errors import ConfigError
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
 
@@ -175,3 +177,13 @@ class Fallbacks:
         answer_jit(self.drafter, rows, self.K, ans, torch.tensor(loc))
         # after the read-back, so the cost includes the drafting on the device
         self.t_jit = time.perf_counter() - t0
+
+
+def q_after_build() -> bool:
+    """``SSDLIB_Q_AFTER_BUILD=1`` (experimental, default 0): a sampling SPEC's q is sent once
+    the cache build is launched (on GPU from a side stream) instead of before it, which takes
+    the send's host cost off the path to the build. Not yet measured on a GPU."""
+    raw = os.environ.get("SSDLIB_Q_AFTER_BUILD", "0").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"SSDLIB_Q_AFTER_BUILD must be 0 or 1, got {raw!r}")
+    return raw == "1"

@@ -39,6 +39,15 @@ class SpecLink:
         self._cache_recv = None  # (rows, work, host buffer or None) of a posted CACHE receive
         # the host buffers' last copy to the device, waited for before they are written again
         self._copied = torch.cuda.Event() if pin else None
+        # a SPEC's q held back by ``send_spec(..., hold_q=True)`` until ``send_held_q``: on GPU
+        # it then leaves from a side stream once q is in its buffer (``_q_ready``), not after
+        # the work queued since (NCCL orders a send after the calling stream's work); the
+        # buffer is written again only after that send (``_q_sent``)
+        self._held_q: torch.Tensor | None = None
+        gpu_side = pin and not staged
+        self._side = torch.cuda.Stream(device=device) if gpu_side else None
+        self._q_ready = torch.cuda.Event() if gpu_side else None
+        self._q_sent = torch.cuda.Event() if gpu_side else None
 
     def _send(self, t: torch.Tensor) -> None:
         dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
@@ -153,16 +162,41 @@ class SpecLink:
         rows = ControlFrame.unpack(self._frame_in, self.k)[1][:header.b]
         return Outcome.unpack(rows, header, self.k)
 
-    def send_spec(self, spec: Speculation, tokens: bool = True) -> None:
+    def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:
         """The tokens part (when ``tokens``; tokens and kinds may be host tensors: packed on the
-        host, one copy), then q (a device tensor) when the speculation has one."""
+        host, one copy), then q (a device tensor) when the speculation has one; ``hold_q``: q is
+        copied into its buffer now and sent by :meth:`send_held_q` (after the cache build is
+        launched, so that its send does not delay the build)."""
+        if self._held_q is not None:
+            raise RuntimeError("a SPEC's q is still held: send_held_q first")
         b = spec.tokens.shape[0]
         q_out = self.q_buf() if spec.q is not None else None
+        if q_out is not None and self._q_sent is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._q_sent)  # the last q left
         parts = spec.pack(self._host_buffer(self.spec_host), q_out)
         if tokens:
             self._send_host(parts[0], self.spec_buf[:b])
         if len(parts) > 1:
-            self._send(parts[1])
+            if hold_q:
+                self._held_q = parts[1]
+                if self._q_ready is not None:
+                    self._q_ready.record()
+            else:
+                self._send(parts[1])
+
+    def send_held_q(self) -> None:
+        """Send the q that :meth:`send_spec` held back, if any (on GPU from the side stream,
+        which waits only for q's copy into its buffer)."""
+        q, self._held_q = self._held_q, None
+        if q is None:
+            return
+        if self._side is None:
+            self._send(q)
+            return
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(self._q_ready)
+            self._send(q)
+            self._q_sent.record()
 
     def send_cache(self, rows: torch.Tensor) -> None:
         """CACHE: ``rows`` (int64 [b, width], :meth:`CacheRows.pack_device`) as built, on the

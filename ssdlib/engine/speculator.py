@@ -20,7 +20,7 @@ import torch
 from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit
+from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, q_after_build
 from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
@@ -57,6 +57,9 @@ class SpeculatorLoop:
         self.rounds = 0
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
         self.profiler = RoundProfiler(f"{cfg.mode}-speculator")  # SSDLIB_PROFILE (off: no-op)
+        # send a sampling SPEC's q only once the round's work that follows the answer (the
+        # cache build) is launched (``after_answer``): a role with such work sets it
+        self.hold_q = False
 
     @staticmethod
     def tree_len(cfg) -> int:
@@ -132,7 +135,8 @@ class SpeculatorLoop:
         self.timer.mark("fallback")
         tokens, q = outcome.spec_parts()
         if tokens or q:
-            self.link.send_spec(answer.in_order(slots, outcome.slots), tokens)
+            self.link.send_spec(answer.in_order(slots, outcome.slots), tokens,
+                                hold_q=self.hold_q)
         self.timer.mark("send")
         answer.record([self.rows[s_] for s_ in slots])  # bookkeeping, after the verifier has it
         return True
@@ -197,6 +201,7 @@ class Speculator(SpeculatorLoop):
             raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
                               f"{self.B} branches")
         self._fanout_used = self.fanout()
+        self.hold_q = q_after_build()
 
     @staticmethod
     def tree_len(cfg) -> int:
@@ -257,6 +262,7 @@ class Speculator(SpeculatorLoop):
         fan = self.fanout()
         self._fanout_used = fan
         self.reused += self.builder.build(rows, fan, self.sampling)
+        self.link.send_held_q()  # (with hold_q) the build is launched: q goes out beside it
         self.timer.mark("build")
         self.push_cache()
         self.timer.mark("push")

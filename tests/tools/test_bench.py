@@ -1,6 +1,7 @@
 """tools/bench.py on the tiny test checkpoints (CPU): tables, the JSON's structure, HF peers."""
 
 import json
+import os
 
 import pytest
 
@@ -154,6 +155,24 @@ def test_mode_option_values():
     assert parse_mode("ar:compile=false") == ("ar", {"compile": False})
 
 
+def test_mode_variant_sets_an_engine_environment_variable(tiny_dirs, prompts_file, tmp_path,
+                                                          monkeypatch):
+    """``ssd:env=SSDLIB_Q_AFTER_BUILD=1`` runs that row's ranks with the variable set (a bad
+    value fails that row's engine), and the bench's own environment is left as it was."""
+    monkeypatch.delenv("SSDLIB_Q_AFTER_BUILD", raising=False)
+    out = tmp_path / "bench.json"
+    spec = "ssd:env=SSDLIB_Q_AFTER_BUILD=1"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", f"ssd,{spec}", "--temperature", "1.0",
+                 "--json-token-ids") == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[spec]["options"] == {"env": ["SSDLIB_Q_AFTER_BUILD", "1"]}
+    assert rows[spec]["token_ids"] == rows["ssd"]["token_ids"]  # seeded: the same draws
+    assert "SSDLIB_Q_AFTER_BUILD" not in os.environ
+    with pytest.raises(Exception, match="SSDLIB_Q_AFTER_BUILD must be 0 or 1"):
+        bench(tiny_dirs, prompts_file, out, "--modes", "ssd:env=SSDLIB_Q_AFTER_BUILD=2")
+    assert "SSDLIB_Q_AFTER_BUILD" not in os.environ
+
+
 def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
     """``sd:draft=DIR`` runs its row with that draft: a worse draft accepts less, still exact."""
     out = tmp_path / "bench.json"
@@ -168,7 +187,8 @@ def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
 @pytest.mark.parametrize("spec,message", [("sdx", "engine modes"), ("sd:q=1", "KEY=VALUE"),
                                           ("sd:k", "KEY=VALUE"), ("ssd:k=two", "takes a int"),
                                           ("ar:draft=x", "ar runs no draft"),
-                                          ("sd:compile=maybe", "flag (0 or 1)")])
+                                          ("sd:compile=maybe", "flag (0 or 1)"),
+                                          ("ssd:env=PATH=/x", "SSDLIB_NAME=VALUE")])
 def test_bad_mode_spec_is_a_clear_error(spec, message, capsys):
     from tools.bench import parse_args
 
