@@ -87,6 +87,10 @@ EVAL_DEVICE=${EVAL_DEVICE:-cuda}
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-180}
 PROBE=${PROBE:-.stage/floor_probe.py}
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-120}
+# TARS_TO_OUT=0: the packed candidates stay on the machine ($WORK/cand_NAME.tar and
+# $WORK/packed/NAME), so the call returns at once (~15 MB a tar otherwise; a warm machine is
+# released 30 s after a call ends); a later call copies the chosen one into $OUT
+TARS_TO_OUT=${TARS_TO_OUT:-1}
 
 mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/log") 2>&1
@@ -244,10 +248,11 @@ EOF
   [ -s "$W/draft_candidates.json" ] && cp "$W/draft_candidates.json" "$OUT/"
   for name in "${evnames[@]}"; do
     [ "$name" = base ] && continue
-    python -m tools.distill.candidates pack --dir "${DIRS[$name]}" --out "$OUT/cand_$name.tar" \
+    python -m tools.distill.candidates pack --dir "${DIRS[$name]}" --out "$W/cand_$name.tar" \
       --same-as "$SAME_AS" --target "$TARGET" || { say "pack $name failed"; continue; }
+    [ "$TARS_TO_OUT" = 1 ] && cp "$W/cand_$name.tar" "$OUT/"
     # ready for the engine on this machine (tools/gpu_quick.sh's cands presets bench these)
-    rm -rf "$W/packed/$name" && mkdir -p "$W/packed/$name" && tar -xf "$OUT/cand_$name.tar" -C "$W/packed/$name"
+    rm -rf "$W/packed/$name" && mkdir -p "$W/packed/$name" && tar -xf "$W/cand_$name.tar" -C "$W/packed/$name"
   done
   say "eval done"
 }

@@ -86,5 +86,10 @@ def test_gpu_draft_dry_run(tmp_path):
                                           "model.safetensors", "tokenizer_source.json"]
     for name in ("t1", "t2"):  # ready for gpu_quick.sh's cands presets on the machine
         assert os.path.exists(tmp_path / "work" / "packed" / name / "tokenizer_source.json")
+    # TARS_TO_OUT=0: the candidates stay on the machine; the results come back
+    out3 = tmp_path / "out3"
+    run_step("eval", {**env, "OUT": str(out3), "TARS_TO_OUT": "0"})
+    assert sorted(os.listdir(out3)) == ["draft_candidates.json", "log"]
+    assert os.path.exists(tmp_path / "work" / "cand_t1.tar")
     log = (out2 / "log").read_text()
     assert "| t1 |" in log and "STEP=train finished (rc 0)" in log
