@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import last_index, pack_rows, prefill, slots_tensor
-from ssdlib.engine.sampler import draw_tokens, reserve_streams, sampling_tensors
-from ssdlib.sampling import target_distributions
+from ssdlib.engine.sampled_chain import fit_vocab, sampled_chain
+from ssdlib.sampling import SamplingTensors
 
 
 class Drafter:
@@ -24,13 +24,7 @@ class Drafter:
         self.valid[slot] = 0
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        v = logits.shape[-1]
-        if v > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        if v < self.vocab_size:
-            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
-            return torch.cat([logits, pad], dim=-1)
-        return logits
+        return fit_vocab(logits, self.vocab_size)
 
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
@@ -53,9 +47,7 @@ class Drafter:
         if all(s.params.greedy for s in seqs):
             tokens, q = self._greedy(ids, pos, slots, index, k, want_q)
         else:
-            logits = self._logits(self.runner.forward(ids, pos, slots, index)[:, 0])
-            next_pos = torch.tensor([[len(s.tokens)] for s in seqs], dtype=torch.int64)
-            tokens, q = self._sampled(logits, seqs, next_pos, slots, k)
+            tokens, q = self._sampled(ids, pos, slots, index, seqs, k)
         for s in seqs:
             # KV now holds the committed tokens plus the first k-1 drafted ones
             self.valid[s.slot] = len(s.tokens) + k - 1
@@ -73,20 +65,16 @@ class Drafter:
             q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
         return tokens, q
 
-    def _sampled(self, logits, seqs, next_pos, slots, k: int):
-        """Step by step, each token drawn from the row's target distribution and stream."""
-        params = sampling_tensors(seqs, logits.device)
-        u = reserve_streams(seqs, k, logits.device).uniforms(k)  # [b, k]: draw j for token j
-        tokens, qs = [], []
-        for j in range(k):
-            q = target_distributions(logits, params)  # [b, V] float32, one-hot on greedy rows
-            tok = draw_tokens(q, logits, params, u[:, j])  # [b], the argmax on greedy rows
-            qs.append(q)
-            tokens.append(tok)
-            if j + 1 < k:
-                logits = self._logits(self.runner.forward(tok.view(-1, 1), next_pos + j, slots,
-                                                          kv_len=int(next_pos.max()) + j + 1)[:, 0])
-        return torch.stack(tokens, 1), torch.stack(qs, 1)
+    def _sampled(self, ids, positions, slots, index, seqs, k: int):
+        """Each token drawn from the row's target distribution of the draft's logits with the
+        row's stream (draw j for token j), as one chain (``sampled_chain.py``: one graph
+        replay on GPU)."""
+        params = [s.params for s in seqs]
+        streams = torch.tensor([[s.stream.key, s.stream.reserve(k)] for s in seqs],
+                               dtype=torch.int64).reshape(-1, 2)
+        return sampled_chain(self.runner, ids, positions, slots, index, k - 1, self.vocab_size,
+                             SamplingTensors.host_table(params), streams,
+                             SamplingTensors.host_facts(params))
 
     def after_commit(self, seqs, accepted: list[int], k: int) -> None:
         """Keep draft KV only for committed tokens: prefix + accepted drafts (never the bonus)."""

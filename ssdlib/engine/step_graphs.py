@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.engine.sampled_chain import sampled_chain_body
 from ssdlib.layers.attention import AttentionMetadata
+
+# A ghost row's sampling parameters (SamplingTensors.host_table's row of a greedy row).
+GHOST_ROW = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
 
 # Batch buckets (nano-vllm's habit): 1, 2, 4, 8, then steps of 8.
 SMALL_BUCKETS = (1, 2, 4, 8)
@@ -51,7 +55,10 @@ class StepGraphs:
         n = self.max_rows * max_queries
         self.offsets = {name: i * n for i, name in enumerate(self.SEGMENTS)}
         self.offsets["slots"] = len(self.SEGMENTS) * n
-        self.arena_size = self.offsets["slots"] + self.max_rows
+        # a sampled chain's rows: parameter table [rows, 4] (float64 bits) and streams [rows, 2]
+        self.offsets["table"] = self.offsets["slots"] + self.max_rows
+        self.offsets["streams"] = self.offsets["table"] + 4 * self.max_rows
+        self.arena_size = self.offsets["streams"] + 2 * self.max_rows
         self.arena = torch.zeros(self.arena_size, dtype=torch.int64, device=dev)
         self.tree_mask = torch.zeros(self.max_rows, max_queries, max(max_tree, 1),
                                      dtype=torch.bool, device=dev)
@@ -114,6 +121,28 @@ class StepGraphs:
 
         return self._replay(key, run)[:b]
 
+    def sampled_chain(self, ids, positions, slots, logits_index, steps: int, vocab: int,
+                      kv_len: int, table, streams, facts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's sampled proposal in one graph (``sampled_chain.py``): ids [b, s],
+        positions [b, s], slots [b], logits_index [b, 1], the rows' parameter ``table``
+        [b, 4] float64 and ``streams`` [b, 2] on the host (they travel in the one copy; ghost
+        rows are greedy) -> (tokens [b, steps + 1], q [b, steps + 1, vocab])."""
+        b, s = ids.shape
+        rows = batch_bucket(b)
+        key = (self.kind + "schain", rows, s, steps, vocab, kv_len, facts)
+        self._fill(rows, b, s, 1, ids, positions, slots, positions + 1, logits_index, None,
+                   None, 0, table=table, streams=streams)
+
+        def run():
+            self.outputs[key] = sampled_chain_body(
+                self.runner, self._view("ids", rows, s), self._view("pos", rows, s),
+                self._view("slots", rows, None), self._view("index", rows, 1), steps, vocab,
+                kv_len, self.use_kernel, self._view("table", rows, 4).view(torch.float64),
+                self._view("streams", rows, 2), facts)
+
+        tokens, q = self._replay(key, run)
+        return tokens[:b], q[:b]
+
     def _replay(self, key: tuple, run):
         """Capture ``run`` under ``key`` the first time, replay it, return its output."""
         if not self.pool.has(key):
@@ -122,9 +151,15 @@ class StepGraphs:
         return self.outputs[key]
 
     def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
-              tree_mask, tree_len) -> None:
-        """Real rows first, ghost rows after: scratch slot, position 0, limit 1."""
+              tree_mask, tree_len, table=None, streams=None) -> None:
+        """Real rows first, ghost rows after: scratch slot, position 0, limit 1 (a greedy
+        parameter row, stream 0)."""
         host = torch.zeros(self.arena_size, dtype=torch.int64)
+        if table is not None:
+            tv = self._view_of(host, "table", rows, 4).view(torch.float64)
+            tv[:b] = table
+            tv[b:] = GHOST_ROW
+            self._view_of(host, "streams", rows, 2)[:b] = streams
         device_inputs = []
         parts = [("ids", ids, 0), ("pos", positions, 0), ("limit", kv_limit, 1),
                  ("slots", slots, self.runner.scratch_slot)]

@@ -455,3 +455,70 @@ def test_prefix_chain_equals_forward_then_steps(tiny_dirs, device, pool_kind):
         assert got.tolist() == torch.stack(want, 1).tolist()
         lens = [n + len(u) for n, u in zip(lens, unseen)]
     assert chains == [(3, 2), (3, 2)]  # not the 20-token catch-up
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_sampled_chain_equals_forward_then_draws(tiny_dirs, device, pool_kind):
+    """The draft's sampled proposal as one chain (``sampled_chain.py``: the unseen tokens'
+    forward, then a draw from each row's target distribution and a forward per token) == one
+    eager forward + target_distributions + draw_tokens per token with the rows' streams, for
+    a temperature row, a greedy row and a top-k / top-p row; tokens equal, q equal; a
+    target vocabulary larger than the draft's (padded with -inf: never drawn); and a catch-up
+    too long for a step graph (forward, first draw, then the chain's graph)."""
+    from types import SimpleNamespace
+
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.sampled_chain import sampled_chain
+    from ssdlib.engine.sampler import draw_tokens, sampling_tensors
+    from ssdlib.sampling import SamplingParams, SamplingTensors, target_distributions
+    from ssdlib.speculative.rng import RowStream, RowStreams
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    Vd = ck.config.vocab_size
+    V = Vd + 3  # the target's vocabulary: three tokens the draft lacks
+    g = torch.Generator().manual_seed(7)
+    lens = [10, 6, 13]
+    slots = torch.tensor([5, 1, 3])
+    params = [SamplingParams(temperature=0.8), SamplingParams(),
+              SamplingParams(temperature=1.3, top_k=7, top_p=0.9)]
+    rows = [SimpleNamespace(params=p, stream=RowStream.from_seed(3, i))
+            for i, p in enumerate(params)]
+    ref_streams = [RowStream.from_seed(3, i) for i in range(3)]
+    prompts = [torch.randint(0, Vd, (n,), generator=g).tolist() for n in lens]
+    ids, pos = pack_rows(prompts, [0] * 3)
+    for r in (eager, stepped):
+        r.forward(ids, pos, slots, last_index(lens))
+    chains = []  # the one-graph chain's calls: (rows, unseen tokens)
+    one = stepped.graphs.sampled_chain
+    stepped.graphs.sampled_chain = lambda *a: chains.append(tuple(a[0].shape)) or one(*a)
+    st = sampling_tensors(rows, device)
+    for steps, n_unseen in ((3, (1, 2, 1)), (0, (1, 2, 1)), (2, (20, 3, 1))):
+        k = steps + 1
+        unseen = [torch.randint(0, Vd, (n,), generator=g).tolist() for n in n_unseen]
+        ids, pos = pack_rows(unseen, lens)
+        index = last_index(list(n_unseen))
+        streams = torch.tensor([[r.stream.key, r.stream.reserve(k)] for r in rows])
+        tokens, q = sampled_chain(stepped, ids, pos, slots, index, steps, V,
+                                  SamplingTensors.host_table(params), streams,
+                                  SamplingTensors.host_facts(params))
+        # reference: step by step on the eager runner
+        u = RowStreams.reserve(ref_streams, k, device).uniforms(k)
+        logits = eager.forward(ids, pos, slots, index)[:, 0].float()
+        after = torch.tensor([n + len(x) for n, x in zip(lens, unseen)])
+        want_t, want_q = [], []
+        for j in range(k):
+            logits = torch.nn.functional.pad(logits, (0, V - Vd), value=float("-inf"))
+            qj = target_distributions(logits, st)
+            tok = draw_tokens(qj, logits, st, u[:, j])
+            want_t.append(tok.cpu())
+            want_q.append(qj.cpu())
+            if j < steps:
+                logits = eager.forward(tok.view(-1, 1), (after + j).view(-1, 1),
+                                       slots)[:, 0].float()
+        assert tokens.cpu().tolist() == torch.stack(want_t, 1).tolist()
+        assert torch.allclose(q.cpu(), torch.stack(want_q, 1), atol=1e-6)
+        assert q.shape == (3, k, V) and float(q[..., Vd:].abs().max()) == 0.0
+        assert torch.equal(q[1].amax(-1).cpu(), torch.ones(k))  # the greedy row: one-hot
+        lens = [n + len(x) for n, x in zip(lens, unseen)]
+    # the 20-token catch-up: its first draw after the forward, its last 2 in the chain
+    assert chains == [(3, 2), (3, 2), (3, 1)]
