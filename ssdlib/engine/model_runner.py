@@ -17,6 +17,7 @@ import torch
 
 from ssdlib.engine.kv_cache import KVCache
 from ssdlib.engine.step_graphs import StepGraphs
+from ssdlib.errors import ConfigError
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.log import get_logger
@@ -62,6 +63,18 @@ def use_slot_kernel(device: torch.device) -> bool:
     return triton_available()
 
 
+def eager_step_graphs() -> bool:
+    """``SSDLIB_STEP_GRAPHS=eager``: a CPU runner takes the GPU's captured-step code path
+    (StepGraphs: static input arena, batch buckets and ghost rows, chains, the speculator's
+    build steps) with every step run eagerly, once more at its registration as a graph pool's
+    warm-up would (``EagerPool(warmup=1)``). For tests and ``tools/op_count.py``: the GPU's
+    code path exercised end to end on a CPU."""
+    raw = os.environ.get("SSDLIB_STEP_GRAPHS", "").strip().lower()
+    if raw not in ("", "eager"):
+        raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager' or unset, got {raw!r}")
+    return raw == "eager"
+
+
 def compile_step_model(model, backend: str = "inductor"):
     """``model`` under torch.compile for the captured steps: one graph per step shape (the
     attention kernel is an opaque op, ``ssdlib::slot_attention``), compiled in the graph pool's
@@ -104,14 +117,16 @@ class ModelRunner:
             self.step_model = compile_step_model(self.model)
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: StepGraphs | None = None
-        if self.device.type == "cuda":
-            from ssdlib.ops.graph_pool import make_graph_pool
+        if self.device.type == "cuda" or eager_step_graphs():
+            from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 
             # TP > 1: every rank captures the same steps in the same order (followers get the
             # leader's inputs on the host, TPChannel.serve), the collectives inside them too
-            pool = make_graph_pool(self.device, enabled=cuda_graphs)
+            pool = (make_graph_pool(self.device, enabled=cuda_graphs)
+                    if self.device.type == "cuda" else EagerPool(warmup=1))
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
-            if cuda_graphs and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0":
+            if (cuda_graphs and self.device.type == "cuda"
+                    and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
                 longest = min(alloc, MAX_PREFILL_GRAPH)
                 self.prefill_graphs = StepGraphs(self, pool, n_slots, longest, 0,
                                                  kind="prefill", use_kernel=False)
