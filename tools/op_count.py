@@ -100,8 +100,7 @@ def torch_attention_backend():
 def _rows(b: int, params):
     from ssdlib.speculative.rng import RowStream
 
-    return [SimpleNamespace(params=params, stream=RowStream.from_seed(7, i), tokens=[1] * 40,
-                            slot=i) for i in range(b)]
+    return [SimpleNamespace(params=params, stream=RowStream.from_seed(7, i)) for i in range(b)]
 
 
 def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
@@ -111,18 +110,20 @@ def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
 
 
 def _measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
+    from ssdlib.engine.cache_builder import CacheBuilder
+    from ssdlib.engine.sampled_chain import sampled_chain_body
     from ssdlib.engine.sampler import row_distributions, reserve_streams, sample_branches
     from ssdlib.engine.sampler import sampling_tensors
     from ssdlib.engine.spec_cache import SpeculationCache
     from ssdlib.engine.tree_build import TreeBuildStep
     from ssdlib.layers.attention import AttentionMetadata
     from ssdlib.loading import load_checkpoint
-    from ssdlib.sampling import SamplingParams
+    from ssdlib.sampling import SamplingParams, SamplingTensors
     from ssdlib.speculative.acceptance import DraftQ, verify_greedy, verify_sampled
     from ssdlib.speculative.fanout import geometric_fanout
 
     out: dict = {}
-    greedy, hot = SamplingParams(), SamplingParams(temperature=0.7)
+    hot = SamplingParams(temperature=0.7)
     # -- the target: verify forward, then the acceptance -------------------------------------
     tck = load_checkpoint(target)
     V = tck.config.vocab_size
@@ -160,8 +161,6 @@ def _measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
     out[f"SD draft chain ({K} steps)"] = count(lambda: dr.chain_body(
         torch.zeros(b, dtype=torch.int64), torch.full((b,), 40), slots, K, V,
         dr.cache.max_len, True))
-    from ssdlib.engine.sampled_chain import sampled_chain_body
-    from ssdlib.sampling import SamplingTensors
     hot_rows = [hot] * b
     table = SamplingTensors.host_table(hot_rows)
     streams = torch.tensor([[1, 0]] * b, dtype=torch.int64)
@@ -173,7 +172,6 @@ def _measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
     cache = SpeculationCache(b + 1, B, K, V, "cpu")
     top = torch.zeros(b + 1, B, K, C, dtype=torch.int64)
     step = TreeBuildStep(dr, cache, top, C, V)
-    from ssdlib.engine.cache_builder import CacheBuilder
     index = CacheBuilder._branch_index(SimpleNamespace(_index_cache={}, V=V, K=K,
                                                        device=torch.device("cpu")), fan)
     cand = torch.randint(0, V, (b, K + 1, C))

@@ -12,6 +12,7 @@ import torch
 from ssdlib.engine.batching import last_index, pack_rows, prefill, slots_tensor
 from ssdlib.engine.sampled_chain import fit_vocab, sampled_chain
 from ssdlib.sampling import SamplingTensors
+from ssdlib.speculative.rng import RowStreams
 
 
 class Drafter:
@@ -70,8 +71,7 @@ class Drafter:
         row's stream (draw j for token j), as one chain (``sampled_chain.py``: one graph
         replay on GPU)."""
         params = [s.params for s in seqs]
-        streams = torch.tensor([[s.stream.key, s.stream.reserve(k)] for s in seqs],
-                               dtype=torch.int64).reshape(-1, 2)
+        streams = RowStreams.reserve_host([s.stream for s in seqs], k)
         return sampled_chain(self.runner, ids, positions, slots, index, k - 1, self.vocab_size,
                              SamplingTensors.host_table(params), streams,
                              SamplingTensors.host_facts(params))

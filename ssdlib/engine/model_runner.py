@@ -67,8 +67,8 @@ def eager_step_graphs() -> bool:
     """``SSDLIB_STEP_GRAPHS=eager``: a CPU runner takes the GPU's captured-step code path
     (StepGraphs: static input arena, batch buckets and ghost rows, chains, the speculator's
     build steps) with every step run eagerly, once more at its registration as a graph pool's
-    warm-up would (``EagerPool(warmup=1)``). For tests and ``tools/op_count.py``: the GPU's
-    code path exercised end to end on a CPU."""
+    warm-up would (``EagerPool(warmup=1)``). For tests: the GPU's code path exercised end to
+    end on a CPU."""
     raw = os.environ.get("SSDLIB_STEP_GRAPHS", "").strip().lower()
     if raw not in ("", "eager"):
         raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager' or unset, got {raw!r}")

@@ -20,9 +20,10 @@ import torch
 
 from ssdlib.engine.sampled_chain import sampled_chain_body
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.sampling import SamplingParams, SamplingTensors
 
-# A ghost row's sampling parameters (SamplingTensors.host_table's row of a greedy row).
-GHOST_ROW = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+# A ghost row's sampling parameters: a greedy row of SamplingTensors.host_table.
+GHOST_ROW = SamplingTensors.host_table([SamplingParams()])[0]
 
 # Batch buckets (nano-vllm's habit): 1, 2, 4, 8, then steps of 8.
 SMALL_BUCKETS = (1, 2, 4, 8)

@@ -238,8 +238,7 @@ class TreeBuildStep:
         b = len(sampled_rows)
         params = [r.params for r in sampled_rows] + [GHOST_PARAMS] * (rows - b)
         streams = torch.zeros(rows, 2, dtype=torch.int64)
-        streams[:b] = torch.tensor([[r.stream.key, r.stream.reserve(self.K * self.B)]
-                                    for r in sampled_rows], dtype=torch.int64)
+        streams[:b] = RowStreams.reserve_host([r.stream for r in sampled_rows], self.K * self.B)
         return SamplingTensors.host_table(params), streams, SamplingTensors.host_facts(params)
 
     def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: SamplingFacts, fan,

@@ -132,10 +132,15 @@ class RowStreams:
                 device: torch.device | str = "cpu") -> "RowStreams":
         """Reserve ``n`` draws of each row's stream (advancing its host counter) and put the
         keys and first counters on ``device`` in one host-to-device copy (no device read)."""
-        host = torch.tensor([[s.key, s.reserve(n)] for s in streams],
-                            dtype=torch.int64).reshape(-1, 2)
-        dev = host.to(device, non_blocking=True)
+        dev = cls.reserve_host(streams, n).to(device, non_blocking=True)
         return cls(dev[:, 0], dev[:, 1], n)
+
+    @staticmethod
+    def reserve_host(streams: Sequence[RowStream], n: int) -> torch.Tensor:
+        """Reserve ``n`` draws of each row's stream -> [b, 2] int64 on the host: (key, first
+        counter) per row, the table a captured step copies in with its other inputs."""
+        return torch.tensor([[s.key, s.reserve(n)] for s in streams],
+                            dtype=torch.int64).reshape(-1, 2)
 
     @property
     def batch(self) -> int:
