@@ -18,6 +18,8 @@
 # cache build's launch), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
+# steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
+# the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough).
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -68,6 +70,11 @@ for b in ${BENCHES:-b1}; do
     qab07) timeout 240 $B --modes sd,ssd,ssd:env=SSDLIB_Q_AFTER_BUILD=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/qab07.json" 2>&1 | $F | tail -16 ;;
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
+    steps)  # each hot-path step's GPU time, eager and as one graph, and the builds' kernels
+      timeout 240 python3 tools/step_times.py --profile "build, greedy,build, sampled,draw" \
+          --json "$OUT/steps.json" 2>&1 | $F | tail -60 ;;
+    sd1) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/sd1.json" 2>&1 | $F | tail -10 ;;
+    sd07) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/sd07.json" 2>&1 | $F | tail -10 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
     compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;

@@ -25,12 +25,10 @@ then measure on the GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from collections import Counter
-from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,125 +69,14 @@ def count(fn) -> OpCounter:
     return counter
 
 
-def _runner(ck, n_slots: int, tree_len: int):
-    from ssdlib.engine.model_runner import ModelRunner
-
-    r = ModelRunner(ck, None, "cpu", torch.float32, n_slots=n_slots, max_len=256,
-                    tree_len=tree_len)
-    r.use_kernel = True  # the hot path's attention: one slot-attention op a layer
-    return r
-
-
-@contextlib.contextmanager
-def torch_attention_backend():
-    """Inside: the slot-attention op runs its torch reference (the steps ask for Triton, which
-    a CPU lacks); restored after."""
-    from ssdlib.ops import slot_attention as sa
-
-    plain = sa.slot_attention
-
-    def on_cpu(*args, backend="triton", **kwargs):
-        return plain(*args, backend="torch", **kwargs)
-    sa.slot_attention = on_cpu
-    try:
-        yield
-    finally:
-        sa.slot_attention = plain
-
-
-def _rows(b: int, params):
-    from ssdlib.speculative.rng import RowStream
-
-    return [SimpleNamespace(params=params, stream=RowStream.from_seed(7, i)) for i in range(b)]
-
-
 def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
-    """{step name: OpCounter} for each hot-path step, plus "_meta"."""
+    """{step name: OpCounter} for each hot-path step (``hot_path_steps.py``), plus "_meta"."""
+    from tools.hot_path_steps import hot_path_steps, torch_attention_backend
+
     with torch_attention_backend():
-        return _measure(target, draft, b, K, budget)
-
-
-def _measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
-    from ssdlib.engine.cache_builder import CacheBuilder
-    from ssdlib.engine.sampled_chain import sampled_chain_body
-    from ssdlib.engine.sampler import row_distributions, reserve_streams, sample_branches
-    from ssdlib.engine.sampler import sampling_tensors
-    from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep
-    from ssdlib.layers.attention import AttentionMetadata
-    from ssdlib.loading import load_checkpoint
-    from ssdlib.sampling import SamplingParams, SamplingTensors
-    from ssdlib.speculative.acceptance import DraftQ, verify_greedy, verify_sampled
-    from ssdlib.speculative.fanout import geometric_fanout
-
-    out: dict = {}
-    hot = SamplingParams(temperature=0.7)
-    # -- the target: verify forward, then the acceptance -------------------------------------
-    tck = load_checkpoint(target)
-    V = tck.config.vocab_size
-    tr = _runner(tck, b, 0)
-    pos = torch.arange(40, 40 + K + 1).expand(b, K + 1).contiguous()
-    slots = torch.arange(b)
-    meta = AttentionMetadata(pos, slots, tr.cache.max_len, kv_limit=pos + 1, use_kernel=True)
-    ids = torch.randint(0, V, (b, K + 1))
-    logits = None
-
-    def verify_fwd():
-        nonlocal logits
-        logits = tr.step_model(ids, tr.cache, meta)
-    out["target verify forward"] = count(verify_fwd)
-    drafts = ids[:, 1:]
-    out["acceptance, greedy"] = count(lambda: verify_greedy(drafts, logits))
-    q = torch.softmax(torch.randn(b, K, V), -1)
-
-    def sampled():
-        rows = _rows(b, hot)
-        p = row_distributions(logits, rows)
-        verify_sampled(drafts, DraftQ.per_row([0] * b, q), p,
-                       generators=reserve_streams(rows, K + 1, "cpu"))
-    out["acceptance, sampled (T=0.7)"] = count(sampled)
-    del tr, logits
-    # -- the draft: decode step, SD's chain, the speculator's build ---------------------------
-    dck = load_checkpoint(draft)
-    fan = tuple(geometric_fanout(budget, K, 0.7, 1.0))
-    B = sum(fan)
-    dr = _runner(dck, b, B * K)
-    dpos = torch.full((b, 1), 40)
-    dmeta = AttentionMetadata(dpos, slots, dr.cache.max_len, kv_limit=dpos + 1, use_kernel=True)
-    out["draft decode step"] = count(lambda: dr.step_model(torch.zeros(b, 1, dtype=torch.int64),
-                                                           dr.cache, dmeta))
-    out[f"SD draft chain ({K} steps)"] = count(lambda: dr.chain_body(
-        torch.zeros(b, dtype=torch.int64), torch.full((b,), 40), slots, K, V,
-        dr.cache.max_len, True))
-    hot_rows = [hot] * b
-    table = SamplingTensors.host_table(hot_rows)
-    streams = torch.tensor([[1, 0]] * b, dtype=torch.int64)
-    out[f"SD draft chain, sampled ({K} steps)"] = count(lambda: sampled_chain_body(
-        dr, torch.zeros(b, 1, dtype=torch.int64), torch.full((b, 1), 40), slots,
-        torch.zeros(b, 1, dtype=torch.int64), K - 1, V, dr.cache.max_len, True, table, streams,
-        SamplingTensors.host_facts(hot_rows)))
-    C = min(B + 1, V)
-    cache = SpeculationCache(b + 1, B, K, V, "cpu")
-    top = torch.zeros(b + 1, B, K, C, dtype=torch.int64)
-    step = TreeBuildStep(dr, cache, top, C, V)
-    index = CacheBuilder._branch_index(SimpleNamespace(_index_cache={}, V=V, K=K,
-                                                       device=torch.device("cpu")), fan)
-    cand = torch.randint(0, V, (b, K + 1, C))
-    sent = torch.randint(0, V, (b, K)).tolist()
-    lengths, live = [40] * b, list(range(b))
-    for label, reuse, sampled_rows in (("greedy", None, None), ("greedy, hit rows", [0] * b, None),
-                                       ("sampled", None, _rows(b, hot)),
-                                       ("sampled, hit rows", [0] * b, _rows(b, hot))):
-        out[f"speculator build, {label}"] = count(lambda: step.run(
-            cand, sent, lengths, live, *index, 48, reuse, sampled_rows, fan, 1.0))
-    blog = torch.randn(b, B, V)
-    st = sampling_tensors(_rows(b, hot), "cpu")
-    u = torch.rand(b, B, dtype=torch.float64)
-    out["sampled build's draw, one depth"] = count(lambda: sample_branches(blog, st, u, fan[0],
-                                                                           1.0))
-    out["_meta"] = {"target": target, "draft": draft, "batch": b, "k": K, "fan_out": list(fan),
-                    "vocab": V, "target_layers": tck.config.num_hidden_layers,
-                    "draft_layers": dck.config.num_hidden_layers}
+        steps, meta = hot_path_steps(target, draft, b, K, budget)
+        out: dict = {name: count(step.fn) for name, step in steps.items()}
+    out["_meta"] = meta
     return out
 
 

@@ -1,0 +1,43 @@
+"""tools/step_times.py: every hot-path step timed (on CPU here: the GPU's graph column stays
+empty), and a clear refusal when CUDA is asked for and missing."""
+
+import json
+
+import pytest
+import torch
+
+from tools.hot_path_steps import hot_path_steps, torch_attention_backend
+from tools.step_times import main
+
+
+def test_every_step_timed_on_cpu(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "times.json"
+    assert main(["--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
+                 "--fan-out-budget", "6", "--device", "cpu", "--dtype", "float32",
+                 "--iters", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    names = list(res["steps"])
+    assert names[0] == "target verify forward" and len(names) == 11
+    for name, r in res["steps"].items():
+        assert r["eager_ms"] > 0 and r["graph_ms"] is None
+        assert f"| {name} | {r['eager_ms']:.3f} |" in printed
+
+
+def test_steps_compute_what_the_engine_computes(tiny_dirs):
+    """The acceptance step reads the verify forward's logits; the build fills the cache."""
+    with torch_attention_backend(), torch.inference_mode():
+        steps, meta = hot_path_steps(tiny_dirs["smol_heads"], tiny_dirs["smol_heads_draft"],
+                                     1, 3, 6)
+        logits = steps["target verify forward"].fn()
+        assert logits.shape == (1, 4, meta["vocab"])
+        accepted = steps["acceptance, greedy"].fn()
+        assert accepted is not None
+        builds = [s for n, s in steps.items() if n.startswith("speculator build")]
+        assert all(not s.capturable for s in builds)  # they replay the engine's own graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refuses_cuda_without_cuda(capsys):
+    assert main(["--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err

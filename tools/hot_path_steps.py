@@ -1,0 +1,152 @@
+"""The engine's hot-path steps, each as a call with the real models' shapes, on any device.
+
+Shared by ``tools/op_count.py`` (counts each step's device ops, CPU is enough) and
+``tools/step_times.py`` (times each step on a GPU, eagerly and as one graph replay, and lists
+a step's kernels). A step is what one role runs once a round: the target's verify forward
+(K + 1 queries a row) and the acceptance after it, the draft's decode step, SD's draft chain
+(greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
+continue a hit) and the sampled build's per-depth draw alone.
+
+On CPU the runners have no graph pool and the attention op runs its torch reference (one op a
+layer); on CUDA they are the engine's own runners with its graph pool, so a cache build runs as
+the speculator runs it (host preparation, one copy, its captured steps' replays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+SAMPLED = {"temperature": 0.7}  # the sampled steps' parameters
+
+
+@dataclass
+class Step:
+    fn: Callable[[], object]
+    capturable: bool  # pure device work on static inputs: can be captured as one graph
+
+
+@contextlib.contextmanager
+def torch_attention_backend():
+    """Inside: the slot-attention op runs its torch reference (the steps ask for Triton, which
+    a CPU lacks); restored after."""
+    from ssdlib.ops import slot_attention as sa
+
+    plain = sa.slot_attention
+
+    def on_cpu(*args, backend="triton", **kwargs):
+        return plain(*args, backend="torch", **kwargs)
+    sa.slot_attention = on_cpu
+    try:
+        yield
+    finally:
+        sa.slot_attention = plain
+
+
+def _runner(ck, device, dtype, n_slots: int, tree_len: int):
+    from ssdlib.engine.model_runner import ModelRunner
+
+    r = ModelRunner(ck, None, device, dtype, n_slots=n_slots, max_len=256, tree_len=tree_len,
+                    cuda_graphs=torch.device(device).type == "cuda")
+    r.use_kernel = True  # the hot path's attention: one slot-attention op a layer
+    return r
+
+
+def _rows(b: int, params):
+    from ssdlib.speculative.rng import RowStream
+
+    return [SimpleNamespace(params=params, stream=RowStream.from_seed(7, i)) for i in range(b)]
+
+
+def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
+                   device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """({step name: Step} in the engine's order, meta). The steps hold their runners and
+    inputs; call them in order (the acceptance reads the verify forward's logits)."""
+    from ssdlib.engine.cache_builder import CacheBuilder
+    from ssdlib.engine.sampled_chain import sampled_chain_body
+    from ssdlib.engine.sampler import row_distributions, reserve_streams, sample_branches
+    from ssdlib.engine.sampler import sampling_tensors
+    from ssdlib.engine.spec_cache import SpeculationCache
+    from ssdlib.engine.tree_build import TreeBuildStep
+    from ssdlib.layers.attention import AttentionMetadata
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.sampling import SamplingParams, SamplingTensors
+    from ssdlib.speculative.acceptance import DraftQ, verify_greedy, verify_sampled
+    from ssdlib.speculative.fanout import geometric_fanout
+
+    dev = torch.device(device)
+    steps: dict[str, Step] = {}
+    hot = SamplingParams(**SAMPLED)
+    # -- the target: verify forward, then the acceptance -------------------------------------
+    tck = load_checkpoint(target)
+    V = tck.config.vocab_size
+    tr = _runner(tck, dev, dtype, b, 0)
+    pos = torch.arange(40, 40 + K + 1, device=dev).expand(b, K + 1).contiguous()
+    slots = torch.arange(b, device=dev)
+    meta = AttentionMetadata(pos, slots, tr.cache.max_len, kv_limit=pos + 1, use_kernel=True)
+    ids = torch.randint(0, V, (b, K + 1), device=dev)
+    out = {}
+
+    def verify_fwd():
+        out["logits"] = tr.step_model(ids, tr.cache, meta)
+        return out["logits"]
+    steps["target verify forward"] = Step(verify_fwd, True)
+    drafts = ids[:, 1:]
+    steps["acceptance, greedy"] = Step(lambda: verify_greedy(drafts, out["logits"]), True)
+    q = torch.softmax(torch.randn(b, K, V, device=dev), -1)
+
+    def sampled():
+        rows = _rows(b, hot)
+        p = row_distributions(out["logits"], rows)
+        return verify_sampled(drafts, DraftQ.per_row([0] * b, q), p,
+                              generators=reserve_streams(rows, K + 1, dev))
+    steps["acceptance, sampled (T=0.7)"] = Step(sampled, False)  # host tables each call
+    # -- the draft: decode step, SD's chain, the speculator's build ---------------------------
+    dck = load_checkpoint(draft)
+    fan = tuple(geometric_fanout(budget, K, 0.7, 1.0))
+    B = sum(fan)
+    dr = _runner(dck, dev, dtype, b, B * K)
+    dpos = torch.full((b, 1), 40, device=dev)
+    dmeta = AttentionMetadata(dpos, slots, dr.cache.max_len, kv_limit=dpos + 1, use_kernel=True)
+    one = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    steps["draft decode step"] = Step(lambda: dr.step_model(one, dr.cache, dmeta), True)
+    first, at = torch.zeros(b, dtype=torch.int64, device=dev), torch.full((b,), 40, device=dev)
+    steps[f"SD draft chain ({K} steps)"] = Step(lambda: dr.chain_body(
+        first, at, slots, K, V, dr.cache.max_len, True), True)
+    hot_rows = [hot] * b
+    table = SamplingTensors.host_table(hot_rows).to(dev)
+    streams = torch.tensor([[1, 0]] * b, dtype=torch.int64, device=dev)
+    facts = SamplingTensors.host_facts(hot_rows)
+    steps[f"SD draft chain, sampled ({K} steps)"] = Step(lambda: sampled_chain_body(
+        dr, one, dpos, slots, torch.zeros_like(one), K - 1, V, dr.cache.max_len, True, table,
+        streams, facts), True)
+    C = min(B + 1, V)
+    cache = SpeculationCache(b + 1, B, K, V, dev)
+    top = torch.zeros(b + 1, B, K, C, dtype=torch.int64, device=dev)
+    build = TreeBuildStep(dr, cache, top, C, V)
+    index = CacheBuilder._branch_index(SimpleNamespace(_index_cache={}, V=V, K=K, device=dev),
+                                       fan)
+    cand = torch.randint(0, V, (b, K + 1, C), device=dev)
+    sent = torch.randint(0, V, (b, K)).tolist()
+    lengths, live = [40] * b, list(range(b))
+    for label, reuse, rows in (("greedy", None, None), ("greedy, hit rows", [0] * b, None),
+                               ("sampled", None, _rows(b, hot)),
+                               ("sampled, hit rows", [0] * b, _rows(b, hot))):
+        # the speculator's path: host preparation, one copy, its captured steps on a GPU
+        steps[f"speculator build, {label}"] = Step(
+            lambda reuse=reuse, rows=rows: build.run(cand, sent, lengths, live, *index, 48,
+                                                     reuse, rows, fan, 1.0), False)
+    blog = torch.randn(b, B, V, device=dev)
+    st = sampling_tensors(_rows(b, hot), dev)
+    u = torch.rand(b, B, dtype=torch.float64, device=dev)
+    steps["sampled build's draw, one depth"] = Step(
+        lambda: sample_branches(blog, st, u, fan[0], 1.0), True)
+    meta_out = {"target": target, "draft": draft, "batch": b, "k": K, "fan_out": list(fan),
+                "vocab": V, "target_layers": tck.config.num_hidden_layers,
+                "draft_layers": dck.config.num_hidden_layers, "device": str(dev),
+                "dtype": str(dtype).replace("torch.", "")}
+    return steps, meta_out
