@@ -3,7 +3,8 @@
 Shared by ``tools/op_count.py`` (counts each step's device ops, CPU is enough) and
 ``tools/step_times.py`` (times each step on a GPU, eagerly and as one graph replay, and lists
 a step's kernels). A step is what one role runs once a round: the target's verify forward
-(K + 1 queries a row) and the acceptance after it, the draft's decode step, SD's draft chain
+(K + 1 queries a row) and the acceptance after it, SD's proposal and verify round as the leader
+runs them (host inputs packed and copied, the captured steps replayed, the outcome read back), the draft's decode step, SD's draft chain
 (greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
 continue a hit) and the sampled build's per-depth draw alone.
 
@@ -105,8 +106,27 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         return verify_sampled(drafts, DraftQ.per_row([0] * b, q), p,
                               generators=reserve_streams(rows, K + 1, dev))
     steps["acceptance, sampled (T=0.7)"] = Step(sampled, False)  # host tables each call
-    # -- the draft: decode step, SD's chain, the speculator's build ---------------------------
     dck = load_checkpoint(draft)
+    # -- SD's round as the leader runs it: host inputs packed, copied, replayed, read back -----
+    from ssdlib.engine.drafter import Drafter
+    from ssdlib.engine.verify import read_round, verify_round
+
+    greedy_rows = [SimpleNamespace(tokens=list(range(1, 41)), slot=i, params=SamplingParams())
+                   for i in range(b)]
+    sd_draft = _runner(dck, dev, dtype, b, 0)
+    drafter = Drafter(sd_draft, V)
+    proposed = {}
+
+    def propose():
+        for r in greedy_rows:  # two unseen tokens a row, as after a round with one accepted
+            drafter.valid[r.slot] = len(r.tokens) - 2
+        proposed["tokens"], _ = drafter.propose(greedy_rows, K, want_q=False)
+        return proposed["tokens"]
+    steps[f"SD draft proposal, engine path ({K} tokens)"] = Step(propose, False)
+    steps["SD verify round, engine path (greedy, read back)"] = Step(
+        lambda: read_round(proposed["tokens"], verify_round(tr, greedy_rows, proposed["tokens"],
+                                                            None, dev)), False)
+    # -- the draft: decode step, SD's chain, the speculator's build ---------------------------
     fan = tuple(geometric_fanout(budget, K, 0.7, 1.0))
     B = sum(fan)
     dr = _runner(dck, dev, dtype, b, B * K)
