@@ -16,6 +16,7 @@ Outputs are the captured graph's own tensors: read them before the next replay o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ssdlib.engine.sampled_chain import sampled_chain_body
@@ -23,7 +24,7 @@ from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.sampling import SamplingParams, SamplingTensors
 
 # A ghost row's sampling parameters: a greedy row of SamplingTensors.host_table.
-GHOST_ROW = SamplingTensors.host_table([SamplingParams()])[0]
+GHOST_ROW = SamplingTensors.host_table([SamplingParams()])[0].numpy()
 
 # Batch buckets (nano-vllm's habit): 1, 2, 4, 8, then steps of 8.
 SMALL_BUCKETS = (1, 2, 4, 8)
@@ -61,6 +62,11 @@ class StepGraphs:
         self.offsets["streams"] = self.offsets["table"] + 4 * self.max_rows
         self.arena_size = self.offsets["streams"] + 2 * self.max_rows
         self.arena = torch.zeros(self.arena_size, dtype=torch.int64, device=dev)
+        # the host side of the one copy, filled with numpy (a few µs; torch's small CPU ops
+        # cost ~50 µs a step) and reused: a copy from pageable memory is staged before it
+        # returns, so the next fill cannot race it
+        self._host = np.zeros(self.arena_size, dtype=np.int64)
+        self._host_t = torch.from_numpy(self._host)
         self.tree_mask = torch.zeros(self.max_rows, max_queries, max(max_tree, 1),
                                      dtype=torch.bool, device=dev)
         self.outputs: dict[tuple, torch.Tensor] = {}
@@ -155,12 +161,13 @@ class StepGraphs:
               tree_mask, tree_len, table=None, streams=None) -> None:
         """Real rows first, ghost rows after: scratch slot, position 0, limit 1 (a greedy
         parameter row, stream 0)."""
-        host = torch.zeros(self.arena_size, dtype=torch.int64)
+        host = self._host
+        host.fill(0)
         if table is not None:
-            tv = self._view_of(host, "table", rows, 4).view(torch.float64)
-            tv[:b] = table
+            tv = self._view_of(host, "table", rows, 4).view(np.float64)
+            tv[:b] = table.numpy()
             tv[b:] = GHOST_ROW
-            self._view_of(host, "streams", rows, 2)[:b] = streams
+            self._view_of(host, "streams", rows, 2)[:b] = streams.numpy()
         device_inputs = []
         parts = [("ids", ids, 0), ("pos", positions, 0), ("limit", kv_limit, 1),
                  ("slots", slots, self.runner.scratch_slot)]
@@ -174,21 +181,21 @@ class StepGraphs:
             if ghost:
                 hv[b:] = ghost
             if src.device.type == "cpu":
-                hv[:b] = src
+                hv[:b] = src.numpy()
             else:
                 device_inputs.append((name, cols, src))
-        self.arena[:self.arena_size].copy_(host, non_blocking=True)  # one host-to-device copy
+        self.arena[:self.arena_size].copy_(self._host_t, non_blocking=True)  # one copy
         for name, cols, src in device_inputs:
             self._view(name, rows, cols)[:b].copy_(src)
         if tree_mask is not None:
             self.tree_mask[:b, :s, :tree_len].copy_(tree_mask)
             self.tree_mask[b:rows].zero_()
 
-    def _view_of(self, host: torch.Tensor, name: str, rows: int, cols: int | None):
+    def _view_of(self, host: np.ndarray, name: str, rows: int, cols: int | None) -> np.ndarray:
         start = self.offsets[name]
         if cols is None:
             return host[start:start + rows]
-        return host[start:start + rows * cols].view(rows, cols)
+        return host[start:start + rows * cols].reshape(rows, cols)
 
     def _run(self, key, rows, s, n, kv_len, tree, tree_len) -> None:
         r = self.runner

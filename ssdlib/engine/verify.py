@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
-from ssdlib.engine.batching import pack_rows, slots_tensor
+from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.sampler import reserve_streams, row_distributions
 from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, verify_sampled
 
@@ -24,12 +25,15 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor,
     receiving q overlaps the forward); ``after_launch`` likewise, in every round (e.g. to post
     a receive whose host cost then overlaps the forward)."""
     b, k = draft_tokens.shape
-    last, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
-    pos = pos + torch.arange(k + 1)                                      # [b, K+1]
+    # host inputs in numpy (a few µs; torch's small CPU ops cost tens of µs each, every round)
+    last = np.array([[q.tokens[-1]] for q in seqs], dtype=np.int64)     # [b, 1]
+    pos = torch.from_numpy(np.array([[len(q.tokens) - 1] for q in seqs], dtype=np.int64)
+                           + np.arange(k + 1, dtype=np.int64))          # [b, K+1]
     if draft_tokens.device.type == "cpu":  # travels with the step's other host inputs
-        ids = torch.cat([last, draft_tokens], dim=1)
+        ids = torch.from_numpy(np.concatenate([last, draft_tokens.numpy()], axis=1))
     else:  # drafted on this device: no read-back of drafts
-        ids = torch.cat([last.to(device), draft_tokens], dim=1)
+        ids = torch.cat([torch.from_numpy(last).to(device, non_blocking=True), draft_tokens],
+                        dim=1)
     logits = target.forward(ids, pos, slots_tensor(seqs))               # [b, K+1, V]
     if after_launch is not None:
         after_launch()
