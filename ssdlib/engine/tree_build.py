@@ -81,13 +81,19 @@ class TreeBuildStep:
         rows = graphs.max_rows if graphs is not None else 0
         C = branch_top.shape[-1]
         self.cand = torch.zeros(rows, self.K + 1, C, dtype=torch.int64, device=dev)
-        # host integers in one copy (_host_ints)
-        self.ints = torch.zeros(rows * (self.K + 3), dtype=torch.int64, device=dev)
+        # one int64 arena, one host-to-device copy a build: the host integers (_host_ints) and,
+        # for sampled builds, per row (temperature, top_k, top_p, greedy) as float64 bits and
+        # (stream key, first counter)
+        n_ints = rows * (self.K + 3)
+        self.arena = torch.zeros(n_ints + 6 * rows, dtype=torch.int64, device=dev)
+        self.ints = self.arena[:n_ints]
+        self.params = self.arena[n_ints:n_ints + 4 * rows].view(rows, 4).view(torch.float64)
+        self.streams = self.arena[n_ints + 4 * rows:].view(rows, 2)
+        self._host = torch.zeros(self.arena.shape[0], dtype=torch.int64)  # its host side
+        self._host_params = self._host[n_ints:n_ints + 4 * rows].view(rows, 4).view(torch.float64)
+        self._host_streams = self._host[n_ints + 4 * rows:].view(rows, 2)
         self.index = torch.zeros(2, self.B, dtype=torch.int64, device=dev)  # pos, rank
         self._index_src: torch.Tensor | None = None
-        # sampled builds: per row (temperature, top_k, top_p, greedy) and (stream key, counter)
-        self.params = torch.zeros(rows, 4, dtype=torch.float64, device=dev)
-        self.streams = torch.zeros(rows, 2, dtype=torch.int64, device=dev)
 
     def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None) -> None:
         """The build after the candidates, on device tensors (the captured function's body);
@@ -198,7 +204,13 @@ class TreeBuildStep:
                 self.continue_hits(cand, sent_d, n_d, slots_d, reuse_d, kv_len)
             self.body(cand, sent_d, n_d, slots_d, pos, rank, kv_len, sampler)
             return
-        self.ints[:ints.shape[0]].copy_(ints, non_blocking=True)
+        self._host[:ints.shape[0]] = ints
+        if sampled_rows is not None:
+            self._host_params[:rows] = host_params
+            self._host_streams[:rows] = host_streams
+        # one copy (reusing the host buffer is safe: a copy from pageable memory is staged
+        # before it returns)
+        self.arena.copy_(self._host, non_blocking=True)
         self.cand[:b].copy_(cand)
         self.cand[b:rows].zero_()
         if self._index_src is not pos:  # the fan-out's branch index (kept while it holds)
@@ -214,8 +226,6 @@ class TreeBuildStep:
             self.pool.replay(key)
         key = ("tree_build", rows, kv_len)
         if sampled_rows is not None:
-            self.params[:rows].copy_(host_params, non_blocking=True)
-            self.streams[:rows].copy_(host_streams, non_blocking=True)
             key = ("tree_build_sampled", rows, kv_len, facts, tuple(fan), saguaro_c)
         if not self.pool.has(key):
             if sampled_rows is not None:
