@@ -204,8 +204,18 @@ class TreeBuildStep:
                 self.continue_hits(cand, sent_d, n_d, slots_d, reuse_d, kv_len)
             self.body(cand, sent_d, n_d, slots_d, pos, rank, kv_len, sampler)
             return
+        sampling = None if sampled_rows is None else (host_params, host_streams, facts)
+        self._run_captured(cand, ints, rows, pos, rank, kv_len, hits, sampling, fan, saguaro_c)
+
+    def _run_captured(self, cand, ints, rows: int, pos, rank, kv_len: int, hits: bool,
+                      sampling, fan: tuple, saguaro_c: float) -> None:
+        """:meth:`run` with a graph pool: the host tables in one copy, then the replays
+        (captured on first use). ``sampling``: (parameter table, streams, facts) or None."""
+        b = cand.shape[0]
         self._host[:ints.shape[0]] = ints
-        if sampled_rows is not None:
+        facts = None
+        if sampling is not None:
+            host_params, host_streams, facts = sampling
             self._host_params[:rows] = host_params
             self._host_streams[:rows] = host_streams
         # one copy (reusing the host buffer is safe: a copy from pageable memory is staged
@@ -225,16 +235,16 @@ class TreeBuildStep:
                     self.cand[:rows], sent_v, n_v, slots_v, reuse_v, kv_len))
             self.pool.replay(key)
         key = ("tree_build", rows, kv_len)
-        if sampled_rows is not None:
+        if sampling is not None:
             key = ("tree_build_sampled", rows, kv_len, facts, tuple(fan), saguaro_c)
         if not self.pool.has(key):
-            if sampled_rows is not None:
+            if sampling is not None:
                 self.cache.q  # allocated now: not inside a warm-up or a capture
 
             def step():
                 # the sampler inside the body: its tensors are computed from the static tables
                 # at every replay (a sampler built once would keep the first round's values)
-                sampler = None if sampled_rows is None else self._sampler(
+                sampler = None if sampling is None else self._sampler(
                     self.params[:rows], self.streams[:rows], facts, fan, saguaro_c)
                 self.body(self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1],
                           kv_len, sampler)
