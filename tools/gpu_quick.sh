@@ -20,6 +20,8 @@
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
 # steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
 # the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough).
+# exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
+# compile presets need more than 260 s on one machine start for two modes (session 10).
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -73,6 +75,10 @@ for b in ${BENCHES:-b1}; do
     steps)  # each hot-path step's GPU time, eager and as one graph, and the builds' kernels
       timeout 240 python3 tools/step_times.py --profile "build, greedy,build, sampled,draw" \
           --json "$OUT/steps.json" 2>&1 | $F | tail -60 ;;
+    exact1)  # fp32 greedy AR / SD / SSD token equality on any GPU count (one GPU: SSD's
+      # speculator shares it through a gloo link, a correctness run, not SSD's speed)
+      timeout 150 $B --modes ar,sd,ssd --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 \
+          --json "$OUT/exact1.json" 2>&1 | $F | tail -6 ;;
     sd1) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/sd1.json" 2>&1 | $F | tail -10 ;;
     sd07) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/sd07.json" 2>&1 | $F | tail -10 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
