@@ -128,8 +128,11 @@ class ModelRunner:
             if (cuda_graphs and self.device.type == "cuda"
                     and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
                 longest = min(alloc, MAX_PREFILL_GRAPH)
+                # the plain model: a prefill runs once a request and its kernels are long,
+                # while compiling each length bucket (compile=True) cost minutes at start-up
                 self.prefill_graphs = StepGraphs(self, pool, n_slots, longest, 0,
-                                                 kind="prefill", use_kernel=False)
+                                                 kind="prefill", use_kernel=False,
+                                                 model=self.model)
                 self._capture_prefill(longest)
             log.info("model runner: %s graphs, attention %s", pool.kind,
                      "slot kernel" if self.use_kernel else "sdpa")

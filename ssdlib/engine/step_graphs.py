@@ -44,10 +44,13 @@ class StepGraphs:
     SEGMENTS = ("ids", "pos", "limit", "index", "tree_index")
 
     def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int,
-                 kind: str = "", use_kernel: bool | None = None):
+                 kind: str = "", use_kernel: bool | None = None, model=None):
         self.runner = runner
         self.pool = pool
         self.kind = kind  # prefixes the keys: several StepGraphs may share one pool
+        # the model a forward step runs: the runner's step model (torch.compile'd with
+        # compile=True) unless given (the prefill graphs run the plain one)
+        self.model = runner.step_model if model is None else model
         # the in-place attention kernel (few queries per row) or SDPA (prefill graphs)
         self.use_kernel = runner.use_kernel if use_kernel is None else use_kernel
         self.max_rows = batch_bucket(max_batch)
@@ -206,4 +209,4 @@ class StepGraphs:
             tree_mask=self.tree_mask[:rows, :s, :tree_len] if tree else None,
             tree_len=tree_len, use_kernel=self.use_kernel)
         index = self._view("index", rows, n) if n else None
-        self.outputs[key] = r.step_model(self._view("ids", rows, s), r.cache, meta, index)
+        self.outputs[key] = self.model(self._view("ids", rows, s), r.cache, meta, index)

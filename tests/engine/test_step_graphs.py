@@ -522,3 +522,30 @@ def test_sampled_chain_equals_forward_then_draws(tiny_dirs, device, pool_kind):
         lens = [n + len(x) for n, x in zip(lens, unseen)]
     # the 20-token catch-up: its first draw after the forward, its last 2 in the chain
     assert chains == [(3, 2), (3, 2), (3, 1)]
+
+
+def test_a_step_graphs_model_is_the_runners_step_model_unless_given(tiny_dirs):
+    """Forward steps run the runner's step model (torch.compile'd with compile=True); the
+    prefill graphs are given the plain model, so compile does not compile every prefill
+    length bucket at start-up."""
+    from ssdlib.ops.graph_pool import EagerPool
+
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    r = ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64)
+    calls = []
+
+    def step_model(*args):
+        calls.append("step")
+        return r.model(*args)
+
+    def plain(*args):
+        calls.append("plain")
+        return r.model(*args)
+    r.step_model = step_model
+    ids, pos, slots = torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), torch.tensor([0])
+    for model, want in ((None, "step"), (plain, "plain")):
+        calls.clear()
+        g = StepGraphs(r, EagerPool(), 2, 16, 0, kind="prefill", model=model)
+        with torch.inference_mode():
+            out = g.forward(ids, pos, slots, pos + 1, None, 64)
+        assert calls == [want] and out.shape == (1, 2, ck.config.vocab_size)
