@@ -73,7 +73,7 @@ for b in ${BENCHES:-b1}; do
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
     steps)  # each hot-path step's GPU time, eager and as one graph, and the builds' kernels
-      timeout 240 python3 tools/step_times.py --profile "build, greedy,build, sampled,draw" \
+      timeout 300 python3 tools/step_times.py --profile "build, sampled,draw,speculator round" \
           --json "$OUT/steps.json" 2>&1 | $F | tail -60 ;;
     exact1)  # fp32 greedy AR / SD / SSD token equality on any GPU count (one GPU: SSD's
       # speculator shares it through a gloo link, a correctness run, not SSD's speed)

@@ -6,7 +6,9 @@ a step's kernels). A step is what one role runs once a round: the target's verif
 (K + 1 queries a row) and the acceptance after it, SD's proposal and verify round as the leader
 runs them (host inputs packed and copied, the captured steps replayed, the outcome read back), the draft's decode step, SD's draft chain
 (greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
-continue a hit) and the sampled build's per-depth draw alone.
+continue a hit), the speculator's whole round as its rank runs it (``speculator_rounds.py``:
+OUTCOME in, answer, build, CACHE read on the leader's host; greedy and T = 0.7) and the sampled
+build's per-depth draw alone.
 
 On CPU the runners have no graph pool and the attention op runs its torch reference (one op a
 layer); on CUDA they are the engine's own runners with its graph pool, so a cache build runs as
@@ -160,6 +162,12 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         steps[f"speculator build, {label}"] = Step(
             lambda reuse=reuse, rows=rows: build.run(cand, sent, lengths, live, *index, 48,
                                                      reuse, rows, fan, 1.0), False)
+    # -- the speculator's whole round, OUTCOME to CACHE, driven in process -------------------
+    from tools.speculator_rounds import SpeculatorRounds
+
+    for label, params in (("greedy", SamplingParams()), ("T=0.7", hot)):
+        rounds = SpeculatorRounds(dck, V, dev, dtype, b, K, budget, params)
+        steps[f"speculator round, engine path ({label}, 70% hits)"] = Step(rounds.round, False)
     blog = torch.randn(b, B, V, device=dev)
     st = sampling_tensors(_rows(b, hot), dev)
     u = torch.rand(b, B, dtype=torch.float64, device=dev)

@@ -18,7 +18,7 @@ def test_every_step_timed_on_cpu(tiny_dirs, tmp_path, capsys):
     res = json.loads(out.read_text())
     printed = capsys.readouterr().out
     names = list(res["steps"])
-    assert names[0] == "target verify forward" and len(names) == 13
+    assert names[0] == "target verify forward" and len(names) == 15
     for name, r in res["steps"].items():
         assert r["eager_ms"] > 0 and r["graph_ms"] is None
         assert f"| {name} | {r['eager_ms']:.3f} |" in printed
@@ -41,3 +41,28 @@ def test_steps_compute_what_the_engine_computes(tiny_dirs):
 def test_refuses_cuda_without_cuda(capsys):
     assert main(["--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_speculator_rounds_drive_hits_and_misses(tiny_dirs, temperature):
+    """The in-process driver's OUTCOMEs reach the speculator as the leader's would: hits it
+    counts (and continues the branch of), misses it drafts just in time; rows are admitted
+    afresh before they outgrow max_len."""
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.sampling import SamplingParams
+    from tools.speculator_rounds import SpeculatorRounds
+
+    target = load_checkpoint(tiny_dirs["smol_heads"])
+    draft = load_checkpoint(tiny_dirs["smol_heads_draft"])
+    r = SpeculatorRounds(draft, target.config.vocab_size, "cpu", torch.float32, 2, 3, 6,
+                         SamplingParams(temperature=temperature), p_hit=0.6, max_len=64,
+                         prompt_len=8)
+    for _ in range(30):
+        r.round()
+    spec = r.spec
+    assert 0 < r.hits < r.rounds
+    assert spec.hits == r.hits and spec.lookups == r.rounds  # every round's rows were built
+    assert spec.reused > 0  # hit rows continued their branch's KV
+    assert all(len(row.tokens) < 64 for row in spec.rows.values())
+    if temperature > 0:
+        assert r.link.spec.q is not None  # a sampled exchange answers with q
