@@ -31,6 +31,7 @@ SAMPLED = {"temperature": 0.7}  # the sampled steps' parameters
 class Step:
     fn: Callable[[], object]
     capturable: bool  # pure device work on static inputs: can be captured as one graph
+    details: Callable[[], dict] | None = None  # more readings after the calls (e.g. phases)
 
 
 @contextlib.contextmanager
@@ -167,7 +168,8 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
 
     for label, params in (("greedy", SamplingParams()), ("T=0.7", hot)):
         rounds = SpeculatorRounds(dck, V, dev, dtype, b, K, budget, params)
-        steps[f"speculator round, engine path ({label}, 70% hits)"] = Step(rounds.round, False)
+        steps[f"speculator round, engine path ({label}, 70% hits)"] = Step(
+            rounds.round, False, details=rounds.phases_ms)
     blog = torch.randn(b, B, V, device=dev)
     st = sampling_tensors(_rows(b, hot), dev)
     u = torch.rand(b, B, dtype=torch.float64, device=dev)

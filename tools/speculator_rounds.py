@@ -86,6 +86,7 @@ class SpeculatorRounds:
     def _exchange(self, outcome: Outcome) -> None:
         """The speculator's round for ``outcome``, then the CACHE read on the leader's host."""
         self.spec.sampling = outcome.sampling
+        self.spec.timer.start()  # as the rank's loop does on an OUTCOME: its phases are timed
         if not self.spec.respond(outcome):
             raise RuntimeError("speculator_rounds: no live row")
         self.spec.after_answer()
@@ -130,3 +131,9 @@ class SpeculatorRounds:
             self._admit()
         self.rounds += self.b
         self._exchange(self._outcome())
+
+    def phases_ms(self) -> dict[str, float]:
+        """The speculator's own phase times (SPEC_PHASES, CUDA events on a GPU), ms per round
+        over the rounds so far (admissions' first exchanges included)."""
+        n = max(self.spec.rounds, 1)
+        return {name: 1e3 * t / n for name, t in self.spec.phase_s.items()}

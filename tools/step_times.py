@@ -9,6 +9,8 @@ The steps are ``tools/hot_path_steps.py``'s, with the real models' shapes (those
 - graph: mean ms a replay of the step captured as one CUDA graph (steps that are pure device
   work on static inputs); the speculator's builds run as the speculator runs them (host
   preparation, one copy, the engine pool's captured steps), so their eager time is that path;
+- the speculator's round also lists its own phases (commit, fallback, send, build, push: ms a
+  round, CUDA events on a GPU), as the SSD bench's ``spec.*`` columns do;
 - ``--profile NAME,...`` (substrings of step names): a torch.profiler table of the GPU kernels
   of ``--iters`` calls of each such step, by total GPU time.
 
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
             eager, host = time_eager(step.fn, args.iters, dev)
             graph = time_graph(step.fn, args.iters, dev) if step.capturable else None
             results[name] = {"eager_ms": eager, "host_ms": host, "graph_ms": graph}
+            if step.details is not None:
+                results[name]["details"] = step.details()
         wanted = [w for w in args.profile.split(",") if w]
         if wanted and dev.type == "cuda":
             for name, step in steps.items():
@@ -146,6 +150,9 @@ def main(argv=None) -> int:
     for name, r in results.items():
         g = "–" if r["graph_ms"] is None else f"{r['graph_ms']:.3f}"
         print(f"| {name} | {r['eager_ms']:.3f} | {r['host_ms']:.3f} | {g} |")
+    for name, r in results.items():
+        if r.get("details"):
+            print(f"# {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["details"].items()))
     for name, rows in kernels.items():
         print(f"\n# kernels of '{name}' (a call: count, us; by total GPU time)")
         for r in rows:

@@ -21,6 +21,8 @@ def test_every_step_timed_on_cpu(tiny_dirs, tmp_path, capsys):
     assert names[0] == "target verify forward" and len(names) == 15
     for name, r in res["steps"].items():
         assert r["eager_ms"] > 0 and r["graph_ms"] is None
+        if name.startswith("speculator round"):
+            assert r["details"]["build"] > 0 and f"# {name}: commit" in printed
         assert f"| {name} | {r['eager_ms']:.3f} |" in printed
 
 
@@ -66,3 +68,6 @@ def test_speculator_rounds_drive_hits_and_misses(tiny_dirs, temperature):
     assert all(len(row.tokens) < 64 for row in spec.rows.values())
     if temperature > 0:
         assert r.link.spec.q is not None  # a sampled exchange answers with q
+    phases = r.phases_ms()  # the speculator's own round timer ran
+    assert set(phases) == {"commit", "fallback", "send", "build", "push"}
+    assert phases["build"] > 0
