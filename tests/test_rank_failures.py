@@ -128,3 +128,26 @@ def test_a_checkpoint_error_found_by_a_spawned_rank_exits_2(tiny_dirs, tmp_path)
     assert "rank 1 (speculator) failed" in lines[0] and "down_proj" in lines[0], lines[0]
 
 
+
+
+def test_a_script_without_a_main_guard_gets_one_clear_error(tiny_dirs, tmp_path):
+    """Ranks are spawned and import the main script again: a script that creates a Generator at
+    import time would start it in every child. Each child says so in one line (no bootstrap
+    traceback) and the parent's error names the fix, not "exited without reporting an error"."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        "from ssdlib import Generator\n"
+        "from ssdlib.errors import SSDError\n"
+        "try:\n"
+        f"    g = Generator(target={tiny_dirs['smol_heads']!r}, mode='ar', tp=2, max_len=64)\n"
+        "except SSDError as e:\n"
+        "    print('ERROR', e)\n"
+        "    sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "died while starting" in proc.stdout and 'if __name__ == "__main__":' in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and all(line.startswith("ssdlib: ranks are spawned") for line in lines), lines

@@ -12,6 +12,7 @@ parent's to handle (it stops the ranks); a child must not report it as its own f
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
@@ -26,6 +27,12 @@ from ssdlib.errors import RankFailure, SSDError, error_kind, rebuild_error
 
 # how long a failing job's other ranks get to report their errors before they are killed
 REPORT_GRACE_S = 1.0
+
+# Ranks are spawned: each child imports the parent's main module again before it runs. A script
+# that creates a Generator at import time would start it again inside every child.
+UNGUARDED_MAIN = ("ranks are spawned processes that import the main script again, and this "
+                  "script starts ssdlib ranks when imported: put its use of ssdlib (e.g. "
+                  "creating a Generator) under `if __name__ == \"__main__\":`")
 
 
 def free_port() -> int:
@@ -44,7 +51,9 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _child(rank: int, world_size: int, port: int, fn, args, errors, parent: int) -> None:
+def _child(rank: int, world_size: int, port: int, fn, args, errors, parent: int,
+           started) -> None:
+    started.set()  # past the import of the main module (see UNGUARDED_MAIN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -79,12 +88,18 @@ class RankGroup:
     """The spawned ranks of one job. ``roles`` names each rank in failure reports."""
 
     def __init__(self, world_size: int, fn, args: tuple, roles: list[str] | None = None):
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # a spawned child importing an unguarded main script: one line, no traceback
+            # (multiprocessing's own check would print a traceback here, then the parent would
+            # see this rank die without a word)
+            raise SystemExit(f"ssdlib: {UNGUARDED_MAIN}")
         self.ctx = mp.get_context("spawn")
         self.errors = self.ctx.Queue()
         self.roles = roles
         self.failure: RankFailure | None = None
         port = free_port()
         self.procs = []
+        self.started = [self.ctx.Event() for _ in range(world_size)]
         # the children start with SIGINT ignored (an ignored signal survives exec), so a Ctrl-C
         # while they are still importing cannot kill them with a traceback
         main = threading.current_thread() is threading.main_thread()
@@ -93,7 +108,7 @@ class RankGroup:
             for rank in range(world_size):
                 p = self.ctx.Process(target=_child, daemon=True,
                                      args=(rank, world_size, port, fn, args, self.errors,
-                                           os.getpid()))
+                                           os.getpid(), self.started[rank]))
                 p.start()
                 self.procs.append(p)
         finally:
@@ -142,8 +157,12 @@ class RankGroup:
         self.kill()
         if silent:
             rank = min(silent, key=lambda r: silent[r])
-            self.failure = RankFailure(f"{self._name(rank)} died: {_death(silent[rank][1])}",
-                                       rank=rank)
+            death = _death(silent[rank][1])
+            if not self.started[rank].is_set():  # it never got past importing the main module
+                msg = f"{self._name(rank)} died while starting ({death}); {UNGUARDED_MAIN}"
+            else:
+                msg = f"{self._name(rank)} died: {death}"
+            self.failure = RankFailure(msg, rank=rank)
         else:
             rank = min(reports, key=lambda r: reports[r][0])
             _, msg, kind = reports[rank]
@@ -158,13 +177,13 @@ class RankGroup:
             try:
                 return q.get(timeout=0.1)
             except queue.Empty:
-                self.check()
-                waited += 0.1
-                if timeout_s is not None and waited > timeout_s:
-                    self.kill()
-                    self.failure = RankFailure(
-                        f"no answer from the ranks within {timeout_s:.0f} s")
-                    raise self.failure
+                pass
+            self.check()  # outside the except: a failure is reported without queue.Empty
+            waited += 0.1
+            if timeout_s is not None and waited > timeout_s:
+                self.kill()
+                self.failure = RankFailure(f"no answer from the ranks within {timeout_s:.0f} s")
+                raise self.failure
 
     def join(self, timeout_s: float = 30.0) -> None:
         for p in self.procs:
