@@ -18,6 +18,13 @@ from tests.tiny_chat import make_tiny_chat_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _terminal_sigint() -> None:
+    """In the child: SIGINT as a terminal's foreground job has it. A background job of a
+    non-interactive shell (e.g. a test run started with ``&``) inherits SIGINT ignored, and a
+    Python started with SIGINT ignored never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     return make_tiny_chat_model(str(tmp_path_factory.mktemp("chat") / "m"))
@@ -75,7 +82,7 @@ def test_ctrl_c_stops_the_answer_and_then_exits(chat_model):
     proc = subprocess.Popen([sys.executable, "-m", "ssdlib.chat", "--target", chat_model,
                              "--max-len", "4000", "--max-new-tokens", "3000", "--ignore-eos"],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_sigint)
     out: list = []
     threading.Thread(target=_read_into, args=(proc.stdout, out), daemon=True).start()
     try:

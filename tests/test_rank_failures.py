@@ -21,6 +21,13 @@ from tests.rank_helpers import child_pids, scripted_rank
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _terminal_sigint() -> None:
+    """In the child: SIGINT as a terminal's foreground job has it. A background job of a
+    non-interactive shell (e.g. a test run started with ``&``) inherits SIGINT ignored, and a
+    Python started with SIGINT ignored never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _failure(plan, roles=None) -> RankFailure:
     ranks = RankGroup(2, scripted_rank, (plan,), roles=roles)
     with pytest.raises(RankFailure) as info:
@@ -82,7 +89,8 @@ def test_ctrl_c_stops_a_spawned_job_at_once(long_job):
     within seconds, one line, no rank failure reported."""
     proc = subprocess.Popen([sys.executable, "-m", "ssdlib.generate", *long_job,
                              "--no-stream"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_terminal_sigint)
     try:
         time.sleep(1.0)
         deadline = time.time() + 60  # wait until the ranks are decoding (their CPU time grows)

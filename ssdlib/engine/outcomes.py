@@ -85,7 +85,7 @@ class Answer:
         q = None
         if self.q is not None:
             q = torch.zeros(n, k, self.q.shape[-1], device=self.q.device)
-            q[pos.to(self.q.device)] = self.q
+            q[pos.to(self.q.device, non_blocking=True)] = self.q
         return Speculation(tokens, kinds, q)
 
 
@@ -106,7 +106,7 @@ def answer_jit(drafter, rows: list[SpecRow], k: int, ans: Answer, loc: torch.Ten
     ans.tokens[loc] = toks.cpu()
     ans.kinds[loc] = int(QKind.DENSE)
     if ans.q is not None:
-        ans.q[loc.to(ans.q.device)] = qs.to(ans.q.dtype)
+        ans.q[loc.to(ans.q.device, non_blocking=True)] = qs.to(ans.q.dtype)
 
 
 def _tries(k: int, K: int) -> int:

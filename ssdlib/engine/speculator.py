@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ssdlib.engine.batching import to_device
 from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
@@ -247,10 +248,13 @@ class Speculator(SpeculatorLoop):
             self.estimator.observe_lookups(
                 [fan[outcome.accepted[i]] for i, f in zip(live, built) if f], hs)
         if ans.q is not None and any(hit):  # the hit rows' q, gathered here on the device
-            rows = [outcome.slots[i] for i, h in zip(live, hit) if h]
-            loc = torch.tensor([j for j, h in enumerate(hit) if h], device=self.device)
-            ans.q[loc] = self.cache.gather_q(torch.tensor(rows, device=self.device),
-                                             ans.branch[ans.hit].to(self.device))
+            branch = ans.branch.tolist()
+            at = [j for j, h in enumerate(hit) if h]
+            # (position in the answer, cache row, branch) in one asynchronous copy: a blocking
+            # one (torch.tensor(..., device=cuda), .to(cuda)) waits for the stream to drain
+            sel = to_device([at, [outcome.slots[live[j]] for j in at], [branch[j] for j in at]],
+                            self.device)
+            ans.q[sel[0]] = self.cache.gather_q(sel[1], sel[2])
         return ans
 
     def draft_now(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
