@@ -51,6 +51,16 @@ def torch_attention_backend():
         sa.slot_attention = plain
 
 
+def add_step_args(ap) -> None:
+    """The arguments that choose the steps' shapes (``hot_path_steps``'s), for the tools that
+    use them."""
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default="smollm2-135m-draft")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--fan-out-budget", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+
+
 def _runner(ck, device, dtype, n_slots: int, tree_len: int):
     from ssdlib.engine.model_runner import ModelRunner
 

@@ -81,12 +81,10 @@ def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from tools.hot_path_steps import add_step_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", default="smollm2-135m-draft")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--fan-out-budget", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=1)
+    add_step_args(ap)
     ap.add_argument("--top", type=int, default=6, help="ops listed per step")
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args(argv)

@@ -23,6 +23,7 @@ Needs CUDA (``--device cpu`` runs it for the tests: times there are not GPU time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -106,12 +107,10 @@ def kernel_table(fn, iters: int, dev: torch.device, top: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from tools.hot_path_steps import add_step_args, hot_path_steps, torch_attention_backend
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", default="smollm2-135m-draft")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--fan-out-budget", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=1)
+    add_step_args(ap)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--iters", type=int, default=50)
@@ -119,7 +118,6 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled step")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    from tools.hot_path_steps import hot_path_steps, torch_attention_backend
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -129,7 +127,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     results, kernels = {}, {}
-    backend = torch_attention_backend() if dev.type == "cpu" else _nothing()
+    backend = torch_attention_backend() if dev.type == "cpu" else contextlib.nullcontext()
     with backend, torch.inference_mode():
         steps, meta = hot_path_steps(args.target, args.draft, args.batch, args.k,
                                      args.fan_out_budget, args.device, dtype)
@@ -162,14 +160,6 @@ def main(argv=None) -> int:
             json.dump({"meta": meta, "iters": args.iters, "steps": results,
                        "kernels": kernels}, f, indent=1)
     return 0
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
