@@ -29,3 +29,26 @@ def pair():
     a.record(); b.record(); b.synchronize(); a.elapsed_time(b)
 print(f"2 records + sync + elapsed_time {per_call(pair, 500):.1f} us")
 print(f"D2H .tolist() of 4 ints {per_call(lambda: dev[:4].tolist(), 500):.1f} us")
+
+# Which host-to-device copies wait for the stream to drain: each is timed on the host right
+# after queueing ~2 ms of GPU work (torch.cuda._sleep); ~2000 us means the call waited.
+def behind_busy(fn, n=20):
+    torch.cuda._sleep(1_000)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        torch.cuda._sleep(4_000_000)  # ~2 ms at ~2 GHz
+        t0 = time.perf_counter(); fn(); t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        out.append((t1 - t0) * 1e6)
+    return sorted(out)[n // 2]
+
+t0 = time.perf_counter(); torch.cuda._sleep(4_000_000); torch.cuda.synchronize()
+print(f"(the busy stretch: {1e6 * (time.perf_counter() - t0):.0f} us)")
+pageable = torch.zeros(64, dtype=torch.int64)
+print(f"behind busy: pageable .to(cuda, non_blocking=True) {behind_busy(lambda: pageable.to('cuda', non_blocking=True)):.0f} us")
+print(f"behind busy: torch.tensor(list).to(cuda, non_blocking=True) {behind_busy(lambda: torch.tensor([1, 2, 3], dtype=torch.int64).to('cuda', non_blocking=True)):.0f} us")
+print(f"behind busy: torch.tensor(list, device=cuda) {behind_busy(lambda: torch.tensor([1, 2, 3], device='cuda')):.0f} us")
+print(f"behind busy: pinned copy_ non_blocking {behind_busy(lambda: dev.copy_(host, non_blocking=True)):.0f} us")
+print(f"behind busy: pageable copy_ non_blocking {behind_busy(lambda: dev.copy_(pageable, non_blocking=True)):.0f} us")
+print(f"behind busy: kernel launch {behind_busy(lambda: x.add_(1)):.0f} us")
