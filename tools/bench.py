@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
 from ssdlib.engine.protocol import SPEC_PHASES  # noqa: E402
+from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
@@ -413,7 +414,8 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         sms = b.get("speculator_ms_per_round")
         if sms is not None:
             sms = dict(sms, total=sum(sms.values()))
-        cells += f" {sum(ms.values()):8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
+        device_sum = sum(v for p, v in ms.items() if not p.startswith(HOST_PREFIX))
+        cells += f" {device_sum:8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
             f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)
         print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells}")
 

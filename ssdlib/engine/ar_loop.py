@@ -19,13 +19,14 @@ def ar_step(target, seqs, timer: RoundTimer) -> None:
     timer.start()
     ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
     logits = target.forward(ids, pos, slots_tensor(seqs))[:, 0]
+    timer.flush()  # the last round's phases, read while this forward runs
     tokens = sample_rows(logits, seqs)  # the step's read-back
     timer.mark("verify")
     for q, t in zip(seqs, tokens):
         q.commit([t])
         q.metrics["rounds"] += 1
     timer.mark("host")
-    timer.add_to(seqs)
+    timer.add_to(seqs, defer=True)
 
 
 class ARLoop:

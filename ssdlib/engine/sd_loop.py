@@ -36,6 +36,7 @@ class SDLoop:
         greedy = all(s.params.greedy for s in seqs)
         tokens, q = self.drafter.propose(seqs, self.k, want_q=not greedy)
         timer.mark("draft")
+        timer.flush()  # the last round's phases, read while the draft runs
         draft_q = None if greedy else DraftQ.from_probs(q)
         outcome = verify_round(self.target, seqs, tokens, draft_q, self.device)
         result = read_round(tokens, outcome)
@@ -44,7 +45,7 @@ class SDLoop:
         self.drafter.after_commit(seqs, result.accepted, self.k)
         record_acceptance(seqs, result, self.k)
         timer.mark("host")
-        timer.add_to(seqs)
+        timer.add_to(seqs, defer=True)
 
 
 def build_sd_loop(cfg, world, target, target_ck):

@@ -5,9 +5,18 @@ Point-to-point send/recv on the two-rank ``spec_group``; tensors on the rank's d
 GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that share a GPU). Host-side
 buffers are pinned on GPU and reused: each waits for its last copy to the device before it is
 written again.
+
+On GPU a send does not hold the sending stream: ``dist.send`` would make the stream wait for the
+transfer's end, and the next step launched on it (the leader's verify after an OUTCOME, the
+speculator's next build after a CACHE) would start only then. Sends are ``isend``s instead; a
+reused device buffer waits for its last send on the stream (``_reuse``) before it is written
+again, and the work of a temporary one is kept until it completes. ``SSDLIB_SYNC_SENDS=1`` sends
+with ``dist.send`` as before (an A/B switch for measurements).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -48,9 +57,30 @@ class SpecLink:
         self._side = torch.cuda.Stream(device=device) if gpu_side else None
         self._q_ready = torch.cuda.Event() if gpu_side else None
         self._q_sent = torch.cuda.Event() if gpu_side else None
+        # GPU sends in flight (see the module doc): by reused buffer, and temporaries' works
+        self._async_sends = gpu_side and os.environ.get("SSDLIB_SYNC_SENDS") != "1"
+        self._inflight: dict[int, dist.Work] = {}
+        self._temps: list[dist.Work] = []
 
-    def _send(self, t: torch.Tensor) -> None:
-        dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
+    def _send(self, t: torch.Tensor, reused: bool = False) -> None:
+        """Send ``t``; ``reused``: a buffer of this link, written again after :meth:`_reuse`."""
+        if not self._async_sends:
+            dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer,
+                      group=self.group)
+            return
+        t = t.contiguous()
+        work = dist.isend(t, dst=self.peer, group=self.group)
+        if reused:
+            self._inflight[t.data_ptr()] = work
+        else:  # kept (with its tensor) until it completes
+            self._temps = [w for w in self._temps if not w.is_completed()] + [work]
+
+    def _reuse(self, buf: torch.Tensor) -> None:
+        """Before ``buf`` (a reused device buffer) is written again: the stream waits for its
+        last send, if one is in flight."""
+        work = self._inflight.pop(buf.data_ptr(), None)
+        if work is not None:
+            work.wait()
 
     def _recv_staged(self, t: torch.Tensor) -> torch.Tensor:
         """A staged link's receive: a host tensor shaped like ``t``."""
@@ -80,10 +110,11 @@ class SpecLink:
         if self.staged:
             dist.send(host.clone(), dst=self.peer, group=self.group)
             return
+        self._reuse(dev)
         dev.copy_(host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        self._send(dev)
+        self._send(dev, reused=True)
 
     def q_buf(self) -> torch.Tensor:
         if self._q_buf is None:
@@ -143,6 +174,16 @@ class SpecLink:
 
     def send_shutdown(self) -> None:
         self._send_frame(Header(Op.SHUTDOWN))
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait (on the host) until every send in flight has completed."""
+        works = list(self._inflight.values()) + self._temps
+        self._inflight, self._temps = {}, []
+        for work in works:
+            work.wait()
+        if works:
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- speculator side --------------------------------------------------------------------
     def recv_header(self) -> Header:
@@ -173,6 +214,7 @@ class SpecLink:
         q_out = self.q_buf() if spec.q is not None else None
         if q_out is not None and self._q_sent is not None:
             torch.cuda.current_stream(self.device).wait_event(self._q_sent)  # the last q left
+            self._reuse(q_out)
         parts = spec.pack(self._host_buffer(self.spec_host), q_out)
         if tokens:
             self._send_host(parts[0], self.spec_buf[:b])
@@ -182,7 +224,7 @@ class SpecLink:
                 if self._q_ready is not None:
                     self._q_ready.record()
             else:
-                self._send(parts[1])
+                self._send(parts[1], reused=True)
 
     def send_held_q(self) -> None:
         """Send the q that :meth:`send_spec` held back, if any (on GPU from the side stream,
@@ -191,11 +233,11 @@ class SpecLink:
         if q is None:
             return
         if self._side is None:
-            self._send(q)
+            self._send(q, reused=True)
             return
         with torch.cuda.stream(self._side):
             self._side.wait_event(self._q_ready)
-            self._send(q)
+            self._send(q, reused=True)
             self._q_sent.record()
 
     def send_cache(self, rows: torch.Tensor) -> None:

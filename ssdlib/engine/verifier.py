@@ -24,7 +24,7 @@ from ssdlib.engine.metrics import (record_acceptance, record_source,
                                    speculation_source)
 from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
-from ssdlib.engine.timing import RoundTimer
+from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
@@ -61,6 +61,7 @@ class LinkVerifier:
         self._stats: SpeculatorStats | None = None
         self._stats_read = False
         self.timer = RoundTimer(device)
+        self.clock = HostClock()  # SSDLIB_HOST_TIMES=1: host-clock segments of a round
 
     def admit(self, seqs) -> None:
         self._take_cache()  # the link's order: the last build's CACHE before a new message
@@ -100,8 +101,14 @@ class LinkVerifier:
         """An OUTCOME for ``slots`` went out with live rows (the SSD speculator builds for it)."""
 
     def _after_launch(self) -> None:
-        """Once the verify forward is launched: receives whose host cost overlaps it."""
+        """Once the verify forward is launched: receives whose host cost overlaps it, and the
+        last round's phase times (read back while the forward runs)."""
         self._take_q()
+        self._read_phases(self.timer.flush())
+
+    def _read_phases(self, phases: dict) -> None:
+        if "verify" in phases:  # a timed round (the speculator keeps the last value)
+            self._verify_us = int(1e6 * phases["verify"])
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -193,27 +200,34 @@ class LinkVerifier:
         return DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
 
     def step(self, active) -> None:
-        timer = self.timer
+        timer, clock = self.timer, self.clock
+        clock.start()
         timer.start()
         tokens = torch.tensor([self.spec[q.slot].tokens for q in active],
                               dtype=torch.int64)  # [b, K], host
         # q (and an SSD speculator's CACHE) are received once the forward is launched
         outcome = verify_round(self.target, active, tokens, lambda: self._draft_q(active),
                                self.device, after_launch=self._after_launch)
+        clock.tick("launch")
         result = read_round(tokens, outcome)
+        clock.tick("read")
         timer.mark("verify")
         commit_round(active, result)
         record_acceptance(active, result, self.k)
         for q, accepted in zip(active, result.accepted):
             record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
+        clock.tick("commit")
         if self._take_cache():
             timer.mark("cache")  # the speculator's build outlasting the verify shows here
+        clock.tick("cache")
         self._exchange(active, list(zip(result.accepted, result.bonus)))
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
-        phases = timer.add_to(active)
-        if "verify" in phases:  # a timed round (the speculator keeps the last value)
-            self._verify_us = int(1e6 * phases["verify"])
+        clock.tick("exchange")
+        # read back after the next forward is launched (``_after_launch``), unless a row ended
+        self._read_phases(timer.add_to(active, defer=True))
+        clock.tick("timer")
+        clock.add_to(active)
 
     def release(self, seq) -> None:
         if self.spec.pop(seq.slot, None) is not None:
