@@ -6,12 +6,14 @@ GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that share a GP
 buffers are pinned on GPU and reused: each waits for its last copy to the device before it is
 written again.
 
-On GPU a send does not hold the sending stream: ``dist.send`` would make the stream wait for the
-transfer's end, and the next step launched on it (the leader's verify after an OUTCOME, the
-speculator's next build after a CACHE) would start only then. Sends are ``isend``s instead; a
-reused device buffer waits for its last send on the stream (``_reuse``) before it is written
-again, and the work of a temporary one is kept until it completes. ``SSDLIB_SYNC_SENDS=1`` sends
-with ``dist.send`` as before (an A/B switch for measurements).
+``SSDLIB_ASYNC_SENDS=1`` (opt-in, measured slower): on GPU a send does not hold the sending
+stream. ``dist.send`` makes the stream wait for the transfer's end, so the next step launched on
+it (the leader's verify after an OUTCOME) starts only then; with the switch, sends are
+``isend``s, a reused device buffer waits for its last send on the stream (``_reuse``) before it
+is written again, and the work of a temporary one is kept until it completes. In the one A/B
+(session 11, nvidia-h200-x2, b = 1 greedy, one bench invocation) SSD made 776.8 tok/s with it
+and 925.2 without, every host segment of both ranks slower with it (not explained), so the
+default stays ``dist.send``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class SpecLink:
         self._q_ready = torch.cuda.Event() if gpu_side else None
         self._q_sent = torch.cuda.Event() if gpu_side else None
         # GPU sends in flight (see the module doc): by reused buffer, and temporaries' works
-        self._async_sends = gpu_side and os.environ.get("SSDLIB_SYNC_SENDS") != "1"
+        self._async_sends = gpu_side and os.environ.get("SSDLIB_ASYNC_SENDS") == "1"
         self._inflight: dict[int, dist.Work] = {}
         self._temps: list[dist.Work] = []
 
