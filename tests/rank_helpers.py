@@ -41,3 +41,13 @@ def child_pids(pid: int, spawned_ranks_only: bool = False) -> list[int]:
         except (OSError, IndexError, ValueError):
             pass
     return sorted(out)
+
+
+def teardown_abort_rank(results) -> None:
+    """Puts its rank on ``results`` and returns, with an exit handler that aborts the process:
+    a model of a crash in the interpreter's teardown after the rank's work is done (a CPU
+    tensor-parallel follower sometimes aborted there, docs/ARCHITECTURE.md)."""
+    import atexit
+
+    atexit.register(os.abort)
+    results.put(int(os.environ["RANK"]))

@@ -16,7 +16,7 @@ import pytest
 from ssdlib import Generator, SamplingParams
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.errors import CheckpointError, RankFailure
-from tests.rank_helpers import child_pids, scripted_rank
+from tests.rank_helpers import child_pids, scripted_rank, teardown_abort_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +38,17 @@ def _failure(plan, roles=None) -> RankFailure:
         ranks.check()
     assert again.value is info.value
     return info.value
+
+
+def test_a_rank_whose_work_returned_exits_0_past_a_teardown_crash():
+    """A rank that returns leaves without the interpreter's teardown (os._exit(0) after its
+    queues are flushed): a crash there must not turn a finished job into a failure."""
+    import torch.multiprocessing as tmp
+    results = tmp.get_context("spawn").Queue()
+    ranks = RankGroup(2, teardown_abort_rank, (results,))
+    got = sorted(ranks.wait(results, timeout_s=60) for _ in range(2))
+    ranks.join(30)  # raises RankFailure if a rank died (an abort: "killed by SIGABRT")
+    assert got == [0, 1] and [p.exitcode for p in ranks.procs] == [0, 0]
 
 
 def test_a_reported_error_keeps_its_kind_and_exit_code():
