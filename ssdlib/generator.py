@@ -365,7 +365,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     (rounds weighted by how many sequences they carried).
 
     ``speculator_rounds`` and ``speculator_ms_per_round`` ({phase: mean ms per OUTCOME round},
-    phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output.
+    phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output;
+    so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -401,7 +402,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         if vals:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
-    for key in ("speculator_rounds", "speculator_ms_per_round"):
+    for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

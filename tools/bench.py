@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
-from ssdlib.engine.protocol import SPEC_PHASES  # noqa: E402
+from ssdlib.engine.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
@@ -242,6 +242,8 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
     if "speculator_ms_per_round" in run:
         out["speculator_rounds"] = run.get("speculator_rounds", 0)
         out["speculator_ms_per_round"] = dict(run["speculator_ms_per_round"])
+        if "speculator_host_ms_per_round" in run:  # SSDLIB_HOST_TIMES=1
+            out["speculator_host_ms_per_round"] = dict(run["speculator_host_ms_per_round"])
     return out
 
 
@@ -403,6 +405,8 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
     phases = sorted({k for b in breakdowns for k in b["ms_per_round"]}, key=_phase_rank)
     spec = [f"spec.{p}" for p in SPEC_PHASES] + ["spec.total"] \
         if any("speculator_ms_per_round" in b for b in breakdowns) else []
+    if any("speculator_host_ms_per_round" in b for b in breakdowns):  # SSDLIB_HOST_TIMES=1
+        spec += [f"spec.{HOST_PREFIX}{p}" for p in SPEC_HOST_SEGMENTS]
     note = "; spec.*: the speculator's, per round it answers" if spec else ""
     print(f"\nper-round time (mean ms per round{note})")
     head = "".join(f" {p + ' ms':>{max(9, len(p) + 3)}}" for p in phases)
@@ -414,6 +418,8 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         sms = b.get("speculator_ms_per_round")
         if sms is not None:
             sms = dict(sms, total=sum(sms.values()))
+            sms.update({HOST_PREFIX + p: v
+                        for p, v in b.get("speculator_host_ms_per_round", {}).items()})
         device_sum = sum(v for p, v in ms.items() if not p.startswith(HOST_PREFIX))
         cells += f" {device_sum:8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
             f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)

@@ -69,7 +69,7 @@ for b in ${BENCHES:-b1}; do
   echo "== $b"
   case $b in
     b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
-    b1h)  # b = 1 greedy with the verifier's host-clock segments (h_* columns), and SSD with
+    b1h)  # b = 1 greedy with both ranks' host-clock segments (h_*, spec.h_*), and SSD with
       # the link's sends as isends (SSDLIB_ASYNC_SENDS=1) for an A/B
       SSDLIB_HOST_TIMES=1 timeout 200 $B --modes ar,sd,ssd,ssd:env=SSDLIB_ASYNC_SENDS=1 --n-prompts 4 --k 3 --json "$OUT/b1h.json" 2>&1 | $F | tail -16 ;;
     b1fan) timeout 240 $B --modes sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1fan.json" 2>&1 | $F | tail -16 ;;

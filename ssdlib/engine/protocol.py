@@ -280,14 +280,19 @@ class CacheRows:
 # drafting) and q's gather, the SPEC's send (when one is due), the cache build (with the
 # answer's bookkeeping before it), the CACHE's push
 SPEC_PHASES = ("commit", "fallback", "send", "build", "push")
+# its host-clock segments of the same rounds (``SSDLIB_HOST_TIMES=1``, zeros otherwise): the
+# host's time to commit, to answer (jit drafts and q gather launched), to send, to launch the
+# build, to push, and then the wait for the round's end (the build's, on the GPU)
+SPEC_HOST_SEGMENTS = ("commit", "answer", "send", "build", "push", "end")
 
 
 @dataclass
 class SpeculatorStats:
     """STATS (S -> L), the answer to an OUTCOME with no active row; counters since the last
-    STATS. float64 [6 + len(SPEC_PHASES)] = (idle s, busy s, cache hits, cache lookups, hits
-    whose branch KV was reused, OUTCOME rounds answered with SPEC, then seconds per phase of
-    those rounds in ``SPEC_PHASES`` order)."""
+    STATS. float64 [6 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)] = (idle s, busy s, cache
+    hits, cache lookups, hits whose branch KV was reused, OUTCOME rounds answered with SPEC, then
+    seconds per phase of those rounds in ``SPEC_PHASES`` order, then seconds per host segment
+    in ``SPEC_HOST_SEGMENTS`` order)."""
 
     idle_s: float
     busy_s: float
@@ -296,29 +301,36 @@ class SpeculatorStats:
     reused: int
     rounds: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)  # missing phases: 0
+    host_s: dict[str, float] = field(default_factory=dict)  # missing segments: 0
 
-    SIZE: ClassVar[int] = 6 + len(SPEC_PHASES)
+    SIZE: ClassVar[int] = 6 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)
 
     def __post_init__(self):
-        unknown = set(self.phase_s) - set(SPEC_PHASES)
-        if unknown:
-            raise ValueError(f"SpeculatorStats: unknown phases {sorted(unknown)}")
+        for what, got, names in (("phases", self.phase_s, SPEC_PHASES),
+                                 ("host segments", self.host_s, SPEC_HOST_SEGMENTS)):
+            unknown = set(got) - set(names)
+            if unknown:
+                raise ValueError(f"SpeculatorStats: unknown {what} {sorted(unknown)}")
         self.phase_s = {p: float(self.phase_s.get(p, 0.0)) for p in SPEC_PHASES}
+        self.host_s = {p: float(self.host_s.get(p, 0.0)) for p in SPEC_HOST_SEGMENTS}
 
     def plus(self, other: "SpeculatorStats") -> "SpeculatorStats":
         """The counters over both spans."""
         return SpeculatorStats(self.idle_s + other.idle_s, self.busy_s + other.busy_s,
                                self.hits + other.hits, self.lookups + other.lookups,
                                self.reused + other.reused, self.rounds + other.rounds,
-                               {p: self.phase_s[p] + other.phase_s[p] for p in SPEC_PHASES})
+                               {p: self.phase_s[p] + other.phase_s[p] for p in SPEC_PHASES},
+                               {p: self.host_s[p] + other.host_s[p] for p in SPEC_HOST_SEGMENTS})
 
     def pack(self) -> torch.Tensor:
         return torch.tensor([self.idle_s, self.busy_s, float(self.hits), float(self.lookups),
                              float(self.reused), float(self.rounds),
-                             *(self.phase_s[p] for p in SPEC_PHASES)], dtype=torch.float64)
+                             *(self.phase_s[p] for p in SPEC_PHASES),
+                             *(self.host_s[p] for p in SPEC_HOST_SEGMENTS)], dtype=torch.float64)
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "SpeculatorStats":
-        idle, busy, hits, lookups, reused, rounds, *phases = buf.tolist()
+        idle, busy, hits, lookups, reused, rounds, *times = buf.tolist()
+        n = len(SPEC_PHASES)
         return cls(idle, busy, int(hits), int(lookups), int(reused), int(rounds),
-                   dict(zip(SPEC_PHASES, phases)))
+                   dict(zip(SPEC_PHASES, times[:n])), dict(zip(SPEC_HOST_SEGMENTS, times[n:])))

@@ -22,11 +22,12 @@ from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, q_after_build
-from ssdlib.engine.protocol import SPEC_PHASES, Admit, Op, Outcome, SpeculatorStats
+from ssdlib.engine.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, Op, Outcome,
+                                    SpeculatorStats)
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.spec_cache import SpeculationCache
 from ssdlib.engine.spec_row import SpecRow
-from ssdlib.engine.timing import RoundTimer
+from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
 from ssdlib.profiling import RoundProfiler
@@ -57,6 +58,8 @@ class SpeculatorLoop:
         self.timer = RoundTimer(self.device)
         self.rounds = 0
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
+        self.clock = HostClock()  # SSDLIB_HOST_TIMES=1: the same rounds by the host clock
+        self.host_s = dict.fromkeys(SPEC_HOST_SEGMENTS, 0.0)
         self.profiler = RoundProfiler(f"{cfg.mode}-speculator")  # SSDLIB_PROFILE (off: no-op)
         # send a sampling SPEC's q only once the round's work that follows the answer (the
         # cache build) is launched (``after_answer``): a role with such work sets it
@@ -87,6 +90,7 @@ class SpeculatorLoop:
                 if header.verify_us > 0:
                     self.t_verify = header.verify_us / 1e6
                 self.profiler.tick()
+                self.clock.start()
                 self.timer.start()
                 outcome = self.link.recv_outcome(header)
                 self.sampling = outcome.sampling
@@ -131,14 +135,17 @@ class SpeculatorLoop:
         if not live:
             return False
         self.timer.mark("commit")
+        self.clock.tick("commit")
         slots = [outcome.slots[i] for i in live]
         answer = self.answer(outcome, live)
         self.timer.mark("fallback")
+        self.clock.tick("answer")
         tokens, q = outcome.spec_parts()
         if tokens or q:
             self.link.send_spec(answer.in_order(slots, outcome.slots), tokens,
                                 hold_q=self.hold_q)
         self.timer.mark("send")
+        self.clock.tick("send")
         answer.record([self.rows[s_] for s_ in slots])  # bookkeeping, after the verifier has it
         return True
 
@@ -147,16 +154,21 @@ class SpeculatorLoop:
         is sent: the wait on the last mark costs nothing, the next step blocks on a receive."""
         for name, dt in self.timer.totals().items():
             self.phase_s[name] += dt
+        self.clock.tick("end")
+        for name, dt in self.clock.take().items():
+            if name in self.host_s:  # not "between": the wait for the next OUTCOME is idle_s
+                self.host_s[name] += dt
         self.rounds += 1
 
     def send_stats(self) -> None:
         """Answer to an outcome without active rows: the counters since the last STATS."""
         self.link.send_stats(SpeculatorStats(self.stats["idle_s"], self.stats["busy_s"],
                                              self.hits, self.lookups, self.reused, self.rounds,
-                                             self.phase_s))
+                                             self.phase_s, self.host_s))
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
         self.hits = self.lookups = self.reused = self.rounds = 0
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
+        self.host_s = dict.fromkeys(SPEC_HOST_SEGMENTS, 0.0)
 
     # -- what a role adds -----------------------------------------------------------------
     def answer(self, outcome: Outcome, live: list[int]) -> Answer:
@@ -268,8 +280,10 @@ class Speculator(SpeculatorLoop):
         self.reused += self.builder.build(rows, fan, self.sampling)
         self.link.send_held_q()  # (with hold_q) the build is launched: q goes out beside it
         self.timer.mark("build")
+        self.clock.tick("build")
         self.push_cache()
         self.timer.mark("push")
+        self.clock.tick("push")
 
     def push_cache(self) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered

@@ -156,6 +156,14 @@ class HostClock:
             self._segments[segment] = self._segments.get(segment, 0.0) + now - self._t
             self._t = now
 
+    def take(self) -> dict[str, float]:
+        """The segments since the last take / add_to (seconds), and a fresh start for the
+        next round's ``between``."""
+        segments, self._segments = self._segments, {}
+        if self.on:
+            self._end = time.perf_counter()
+        return segments
+
     def add_to(self, seqs) -> None:
         if self.on:
             for name, dt in self._segments.items():

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.engine.cache_mirror import CacheMirror, local_fallback
-from ssdlib.engine.protocol import (SPEC_PHASES, Admit, AdmitRow, CacheRows, Choice,
+from ssdlib.engine.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, AdmitRow, CacheRows, Choice,
                                     ControlFrame, Header, Op, Outcome, Speculation,
                                     SpeculatorStats)
 from ssdlib.engine.spec_cache import SpeculationCache
@@ -239,20 +239,28 @@ def test_speculation_pack_unpack():
 
 def test_stats_pack_unpack():
     phases = {"commit": 0.01, "fallback": 0.5, "send": 0.03, "build": 1.25, "push": 0.02}
-    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases)
+    host = {"commit": 0.125, "answer": 0.25, "send": 0.0, "build": 0.5, "push": 0.0625,
+            "end": 1.0}
+    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases, host)
     t = msg.pack()
     assert SPEC_PHASES == ("commit", "fallback", "send", "build", "push")
-    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (11,)
-    # the layout of docs/PROTOCOL.md: counters, rounds, then seconds in SPEC_PHASES order
-    assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.5, 0.03, 1.25, 0.02]
+    assert SPEC_HOST_SEGMENTS == ("commit", "answer", "send", "build", "push", "end")
+    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (17,)
+    # the layout of docs/PROTOCOL.md: counters, rounds, then seconds in SPEC_PHASES order, then
+    # host seconds in SPEC_HOST_SEGMENTS order
+    assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.5, 0.03, 1.25, 0.02,
+                          0.125, 0.25, 0.0, 0.5, 0.0625, 1.0]
     back = SpeculatorStats.unpack(t)
-    assert back == msg and back.rounds == 40 and back.phase_s == phases
+    assert back == msg and back.rounds == 40 and back.phase_s == phases and back.host_s == host
     # a STATS without rounds (no OUTCOME answered since the last) has every phase at 0
     empty = SpeculatorStats(0.5, 0.0, 0, 0, 0)
     assert empty.phase_s == dict.fromkeys(SPEC_PHASES, 0.0)
+    assert empty.host_s == dict.fromkeys(SPEC_HOST_SEGMENTS, 0.0)
     assert SpeculatorStats.unpack(empty.pack()) == empty
     with pytest.raises(ValueError, match="unknown phases"):
         SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {"verify": 1.0})
+    with pytest.raises(ValueError, match="unknown host segments"):
+        SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {}, {"between": 1.0})
 
 
 def test_stats_plus_sums_every_field():
@@ -261,6 +269,8 @@ def test_stats_plus_sums_every_field():
     total = a.plus(b)
     assert total == SpeculatorStats(1.5, 3.0, 4, 6, 1, 8,
                                     {"push": 0.5, "build": 1.25, "send": 0.125})
+    c = SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {}, {"end": 0.5})
+    assert c.plus(c).host_s["end"] == 1.0
 
 
 def _protocol_rank(results) -> None:

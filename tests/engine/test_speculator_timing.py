@@ -69,3 +69,21 @@ def test_run_reports_the_speculators_phases(tiny_dirs, mode, extra):
     assert run["speculator_rounds"] >= run["rounds"]
     assert run["speculator_rounds"] == run["rounds"]
     assert all(o.metrics["speculator_ms_per_round"] == ms for o in outs)
+    assert "speculator_host_ms_per_round" not in run  # SSDLIB_HOST_TIMES is off
+
+
+def test_host_times_of_both_ranks(tiny_dirs, monkeypatch):
+    """SSDLIB_HOST_TIMES=1: the verifier's host-clock segments per round (h_*_s metrics) and the
+    speculator's (STATS -> speculator_host_ms_per_round)."""
+    from ssdlib.engine.protocol import SPEC_HOST_SEGMENTS
+    monkeypatch.setenv("SSDLIB_HOST_TIMES", "1")  # inherited by the spawned ranks
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                   mode="ssd", k=4, max_batch=1, max_len=128) as g:
+        g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    for seg in ("launch", "read", "commit", "cache", "exchange", "timer", "between"):
+        assert run[f"h_{seg}_s"] >= 0
+    assert run["h_launch_s"] > 0 and run["h_read_s"] > 0
+    host = run["speculator_host_ms_per_round"]
+    assert set(host) == set(SPEC_HOST_SEGMENTS)
+    assert host["commit"] > 0 and host["build"] > 0 and host["end"] >= 0
