@@ -2,9 +2,8 @@
 StepGraphs' static arena, batch buckets and ghost rows, the draft's greedy and sampled chains,
 the speculator's captured build steps, each step run eagerly and once more at its registration
 (as a graph pool's warm-up). Outputs stay exact: greedy SD / SSD equal AR token for token and
-sampled SD / SSD keep the target's distribution. TP > 1 is left out here: with this setting a
-CPU tensor-parallel follower rank sometimes aborts at interpreter exit (~4 in 65 runs, never
-seen without it; docs/ARCHITECTURE.md, known gaps)."""
+sampled SD / SSD keep the target's distribution. TP 2 on this path:
+``tests/distributed/test_tp.py::test_tp2_on_the_captured_step_path_equals_tp1``."""
 
 import pytest
 import torch
