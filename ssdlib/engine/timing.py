@@ -136,7 +136,9 @@ class HostClock:
     device marks of :class:`RoundTimer` say when the GPU reached each point, not what the host
     was doing). ``start()``, ``tick(segment)`` after each segment, ``add_to(seqs)``: each
     sequence's ``metrics["h_<segment>_s"]`` grows by the segment's seconds; ``between`` is the
-    time from the end of one round to the start of the next. Off: one check a call."""
+    time from the end of one round to the start of the next when nothing else came between
+    them (``admitted()``: sequences joined, e.g. the next prompt's prefill at b = 1, or a new
+    generate call). Off: one check a call."""
 
     def __init__(self, on: bool | None = None):
         self.on = os.environ.get("SSDLIB_HOST_TIMES") == "1" if on is None else on
@@ -155,6 +157,11 @@ class HostClock:
             now = time.perf_counter()
             self._segments[segment] = self._segments.get(segment, 0.0) + now - self._t
             self._t = now
+
+    def admitted(self) -> None:
+        """Sequences joined since the last round: the next round's ``between`` is not timed
+        (it would count the admission)."""
+        self._end = None
 
     def take(self) -> dict[str, float]:
         """The segments since the last take / add_to (seconds), and a fresh start for the

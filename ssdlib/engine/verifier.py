@@ -64,6 +64,7 @@ class LinkVerifier:
         self.clock = HostClock()  # SSDLIB_HOST_TIMES=1: host-clock segments of a round
 
     def admit(self, seqs) -> None:
+        self.clock.admitted()
         self._take_cache()  # the link's order: the last build's CACHE before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}

@@ -137,3 +137,11 @@ def test_host_clock_segments(monkeypatch):
     m = rows[0].metrics
     assert m["h_launch_s"] >= 0.004 and "h_read_s" in m
     assert m["h_between_s"] >= 0.001  # once: from the first round's end to the second's start
+    # an admission between two rounds is not "between" time
+    before = m["h_between_s"]
+    clock.admitted()
+    time.sleep(0.01)
+    clock.start()
+    clock.tick("launch")
+    clock.add_to(rows)
+    assert m["h_between_s"] == before
