@@ -65,6 +65,9 @@ cand_modes() {  # cand_modes MODE...: MODE:draft=DIR for each DIR in CANDS
   local m d out=""; for d in $CANDS; do for m in "$@"; do out="$out,$m:draft=$d"; done; done
   echo "$out"
 }
+# everything below also goes to $OUT/quick.log as it is printed: a call cut by its time limit
+# still brings back the tables of the presets that finished (the run's output tail may not)
+exec > >(tee -a "$OUT/quick.log") 2>&1
 for b in ${BENCHES:-b1}; do
   echo "== $b"
   case $b in
