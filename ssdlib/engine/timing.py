@@ -123,9 +123,13 @@ class RoundTimer:
 
     def _add(self, phases: dict[str, float], seqs) -> None:
         for name, dt in phases.items():
-            key = name + "_s"
-            for q in seqs:
-                q.metrics[key] = q.metrics.get(key, 0.0) + dt * self.every
+            _add_seconds(seqs, name + "_s", dt * self.every)
+
+
+def _add_seconds(seqs, key: str, dt: float) -> None:
+    """Each sequence's ``metrics[key]`` grows by ``dt``."""
+    for q in seqs:
+        q.metrics[key] = q.metrics.get(key, 0.0) + dt
 
 
 HOST_PREFIX = "h_"  # host-clock segments' metric keys: h_<segment>_s (not device phases)
@@ -173,9 +177,5 @@ class HostClock:
 
     def add_to(self, seqs) -> None:
         if self.on:
-            for name, dt in self._segments.items():
-                key = f"{HOST_PREFIX}{name}_s"
-                for q in seqs:
-                    q.metrics[key] = q.metrics.get(key, 0.0) + dt
-            self._segments = {}
-            self._end = time.perf_counter()
+            for name, dt in self.take().items():
+                _add_seconds(seqs, f"{HOST_PREFIX}{name}_s", dt)

@@ -249,16 +249,17 @@ class LinkVerifier:
         if stats is None:
             return {}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
+
+        def ms_per_round(seconds: dict) -> dict:
+            return {p: 1e3 * t / rounds if rounds else 0.0 for p, t in seconds.items()}
         out = {
             "speculator_idle_frac": idle / (idle + busy) if idle + busy else 0.0,
             "branch_kv_reused_frac": stats.reused / hits if hits else 0.0,
             # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
             "speculator_rounds": rounds,
-            "speculator_ms_per_round": {p: 1e3 * t / rounds if rounds else 0.0
-                                        for p, t in stats.phase_s.items()}}
+            "speculator_ms_per_round": ms_per_round(stats.phase_s)}
         if any(stats.host_s.values()):  # SSDLIB_HOST_TIMES=1 on the speculator rank
-            out["speculator_host_ms_per_round"] = {p: 1e3 * t / rounds if rounds else 0.0
-                                                   for p, t in stats.host_s.items()}
+            out["speculator_host_ms_per_round"] = ms_per_round(stats.host_s)
         return out
 
     def close(self) -> None:
