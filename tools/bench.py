@@ -8,7 +8,8 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
 - throughput: per mode, tok/s = generated tokens / wall seconds of the timed generate call (a
   warm-up call first, excluded; CUDA synchronized), decode tok/s (the run's wall-clock decode
   rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
-  idle fraction, and whether greedy output equals AR's;
+  idle fraction, whether greedy output equals AR's, and ``ready s``: the engine's start-up plus
+  the warm-up call (loading, graph capture, and torch.compile with ``compile=1``);
 - per-round time breakdown: per engine mode, mean ms per round of every phase-time key
   (``*_s``) in the run aggregate (draft, verify, wait, ...), their sum, the wall clock per
   round (batch 1: its excess over the sum is time outside the rounds, e.g. admissions), rounds
@@ -205,19 +206,21 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
         kw["draft"] = args.draft
     kw.update(options)
     env = kw.pop("env", None)
+    t_start = time.perf_counter()
     with _environment(env), Generator(**kw) as gen:
         # warm-up (excluded): one full batch of the same requests, so that the steps' shapes
-        # (batch buckets, query counts) are captured before timing
+        # (batch buckets, query counts) are captured (and compiled, compile=1) before timing
         gen.generate(prompt_ids[:args.batch], params)
         sync(args.device)
         t0 = time.perf_counter()
+        ready = t0 - t_start  # engine start-up + warm-up (loading, capture, compiling)
         outs = gen.generate(prompt_ids, params)
         sync(args.device)
         wall = time.perf_counter() - t0
         run = dict(gen.last_run_metrics)
     tokens = sum(o.metrics["tokens"] for o in outs)
     row = {"mode": spec, "batch": args.batch, "tokens": tokens, "wall_s": wall,
-           "tok_s": tokens / wall, "token_ids": [o.token_ids for o in outs]}
+           "tok_s": tokens / wall, "ready_s": ready, "token_ids": [o.token_ids for o in outs]}
     if options:
         row["options"] = options
     row.update({key: run[key] for key in ROW_KEYS if key in run})
@@ -387,14 +390,15 @@ def fmt(value, spec: str, width: int) -> str:
 def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
     ar = next((r for r in rows if r["mode"] == "ar"), None)
     print(f"{'mode':12} {'batch':>5} {'tok/s':>8} {'vs AR':>6} {'dec tok/s':>9} {'accept':>7} "
-          f"{'tok/rnd':>7} {'hit':>6} {'v_idle':>6} {'greedy==AR':>10}")
+          f"{'tok/rnd':>7} {'hit':>6} {'v_idle':>6} {'greedy==AR':>10} {'ready s':>7}")
     for r in rows:
         vs = r["tok_s"] / ar["tok_s"] if ar else None
         same = r.get("greedy_equals_ar", "-")
         print(f"{r['mode']:12} {r['batch']:5d} {r['tok_s']:8.1f} {fmt(vs, '.2f', 6)} "
               f"{fmt(r.get('decode_tok_s'), '.1f', 9)} {fmt(r.get('acceptance_rate'), '.3f', 7)} "
               f"{fmt(r.get('tokens_per_round'), '.2f', 7)} {fmt(r.get('hit_rate'), '.3f', 6)} "
-              f"{fmt(r.get('verifier_idle_frac'), '.3f', 6)} {str(same):>10}")
+              f"{fmt(r.get('verifier_idle_frac'), '.3f', 6)} {str(same):>10} "
+              f"{fmt(r.get('ready_s'), '.1f', 7)}")
     for r in rows:  # SSD: where its speculations came from and how many tokens each kept
         by_source = r.get("accepted_by_source")
         if by_source:

@@ -15,7 +15,7 @@
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
 # cmp / cmp07: b = 1 greedy / T = 0.7, each mode with and without torch.compile inside the
-# captured steps (MODE:compile=1), in one invocation.
+# captured steps (MODE:compile=1), in one invocation; cmp1: AR and SD only (one GPU is enough).
 # qab07: T = 0.7, b = 1, SD and SSD without and with SSDLIB_Q_AFTER_BUILD=1 (q sent after the
 # cache build's launch), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
@@ -78,6 +78,8 @@ for b in ${BENCHES:-b1}; do
     b1fan) timeout 240 $B --modes sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1fan.json" 2>&1 | $F | tail -16 ;;
     b1var) timeout 290 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
     cmp) timeout 540 $B --modes ar,sd,ssd,ar:compile=1,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --json "$OUT/cmp.json" 2>&1 | $F | tail -24 ;;
+    cmp1)  # one GPU: AR and SD with and without torch.compile (regional: each decoder layer)
+      timeout 420 $B --modes ar,sd,ar:compile=1,sd:compile=1 --n-prompts 4 --k 3 --json "$OUT/cmp1.json" 2>&1 | $F | tail -16 ;;
     cmp07) timeout 540 $B --modes sd,ssd,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cmp07.json" 2>&1 | $F | tail -20 ;;
     qab07) timeout 240 $B --modes sd,ssd,ssd:env=SSDLIB_Q_AFTER_BUILD=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/qab07.json" 2>&1 | $F | tail -16 ;;
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;

@@ -39,7 +39,8 @@ MAX_GRAPH_QUERIES = 64
 # length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
-# torch.compile specialisations kept per model (step shapes; dynamo's default is 8)
+# torch.compile specialisations kept for the decoder layer's code (step shapes; dynamo's default
+# is 8)
 COMPILE_RECOMPILE_LIMIT = 256
 
 
@@ -76,17 +77,23 @@ def eager_step_graphs() -> bool:
 
 
 def compile_step_model(model, backend: str = "inductor"):
-    """``model`` under torch.compile for the captured steps: one graph per step shape (the
-    attention kernel is an opaque op, ``ssdlib::slot_attention``), compiled in the graph pool's
-    warm-up, before capture. Every step shape (batch bucket, queries, key bucket, tree length)
-    is its own specialisation, so the recompile limit is raised above the engine's count."""
+    """``model`` with each decoder layer under torch.compile, for the captured steps (regional
+    compilation): the layers share one code object and take their weights as inputs, so one
+    compile serves all of them, where compiling the whole model traced every layer again for
+    every step shape (minutes at start-up). Every step shape (batch bucket, queries, tree) is
+    compiled static, its own specialisation (dynamic sizes would also mix the target's and the
+    draft's widths where both run in one process, SD). The attention
+    kernel is one opaque op (``ssdlib::slot_attention``); embedding, rotary tables, final norm
+    and head stay eager (a handful of kernels). Compiled in the graph pool's warm-up, before
+    capture. The plain model is untouched (prefill graphs run it)."""
     import torch._dynamo
 
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), COMPILE_RECOMPILE_LIMIT))
-    return torch.compile(model, dynamic=False, backend=backend)
+    return model.with_layers(torch.compile(layer, backend=backend, dynamic=False)
+                             for layer in model.model.layers)
 
 
 class ModelRunner:

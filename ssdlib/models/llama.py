@@ -6,6 +6,8 @@ Module names match Hugging Face checkpoints, so loading is a walk over names.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -127,6 +129,18 @@ class LlamaForCausalLM(nn.Module):
         if logits_index is not None:
             hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return self.lm_head(hidden)
+
+    def with_layers(self, layers) -> "LlamaForCausalLM":
+        """A second view of this model whose decoder layers are ``layers`` (e.g. the same layers
+        wrapped by torch.compile), sharing every other module and all weights: the plain model
+        keeps its own layers."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        inner = copy.copy(self.model)
+        inner._modules = dict(self.model._modules)
+        inner._modules["layers"] = nn.ModuleList(layers)
+        view._modules["model"] = inner
+        return view
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward (training, scoring): input_ids [b, s] -> logits [b, s, V]."""

@@ -345,7 +345,6 @@ def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
     runner = ModelRunner(ck, None, "cpu", torch.float32, n_slots=4, max_len=64, tree_len=8)
     model = runner.model
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
-    assert compile_step_model(model, backend="aot_eager") is not None  # the engine's entry
     V = ck.config.vocab_size
     g = torch.Generator().manual_seed(3)
     cache = runner.cache
@@ -370,6 +369,80 @@ def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
         want = model(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
         got = compiled(ids, cache, meta(tree_index=tree_index, tree_mask=tree_mask, tree_len=3))
     assert (want - got).abs().max().item() <= 1e-5
+
+
+def test_compile_step_model_compiles_one_layer_for_all(tiny_dirs):
+    """The engine's compile (``compile_step_model``) wraps each decoder layer: one compiled
+    graph serves every layer (not one per layer), the logits equal the plain model's, and the
+    plain model (the prefill graphs') keeps its uncompiled layers and shares the weights."""
+    import torch._dynamo
+
+    from ssdlib.engine.model_runner import compile_step_model
+    from ssdlib.layers.attention import AttentionMetadata
+
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    assert ck.config.num_hidden_layers >= 2
+    runner = ModelRunner(ck, None, "cpu", torch.float32, n_slots=4, max_len=64)
+    model = runner.model
+    graphs, runs = [], []
+
+    def counting(gm, example_inputs):  # a backend that counts compiles and runs
+        graphs.append(gm)
+
+        def run(*args):
+            runs.append(len(graphs))
+            return gm.forward(*args)
+        return run
+    torch._dynamo.reset()
+    step = compile_step_model(model, backend=counting)
+    assert all(type(layer) is type(model.model.layers[0]) for layer in model.model.layers)
+    assert step.lm_head is model.lm_head and step.model.norm is model.model.norm
+    assert (next(step.model.layers[1].parameters())
+            is next(model.model.layers[1].parameters()))
+    g = torch.Generator().manual_seed(5)
+    cache = runner.cache
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    V = ck.config.vocab_size
+    for b in (1, 2):  # a second batch size: one more compile (static shapes), not one per layer
+        ids = torch.randint(0, V, (b, 1), generator=g)
+        pos = torch.tensor([[7 + i] for i in range(b)])
+        meta = AttentionMetadata(pos, torch.arange(b), cache.max_len, kv_limit=pos + 1,
+                                 use_kernel=True, kernel_backend="torch")
+        meta2 = AttentionMetadata(pos, torch.arange(b), cache.max_len, kv_limit=pos + 1,
+                                  use_kernel=True, kernel_backend="torch")
+        runs.clear()
+        with torch.inference_mode():
+            want = model(ids, cache, meta)
+            got = step(ids, cache, meta2)
+        assert (want - got).abs().max().item() <= 1e-5
+        # one graph, compiled once, run by each layer
+        assert len(graphs) == b and runs == [b] * ck.config.num_hidden_layers, (b, graphs, runs)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor on CUDA")
+def test_runner_compile_on_cuda_equals_eager_through_graphs(tiny_dirs):
+    """compile=True on CUDA: the captured steps run the regionally compiled layers (inductor's
+    kernels inside the graphs) and give the plain runner's logits (fp32)."""
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    runners = [ModelRunner(ck, None, "cuda", torch.float32, n_slots=2, max_len=64,
+                           cuda_graphs=True, compile=c) for c in (False, True)]
+    assert runners[1].step_model is not runners[1].model
+    V = ck.config.vocab_size
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(12).view(1, -1)
+    outs = []
+    for r in runners:
+        got, n = [], 12
+        r.forward(ids, pos, torch.tensor([0]), torch.tensor([[11]]))  # prefill (plain model)
+        for s in (1, 4):  # a decode step and a verify-shaped step, each twice (replayed)
+            for _ in range(2):
+                p = n + torch.arange(s).view(1, -1)
+                got.append(r.forward(ids[:, :s], p, torch.tensor([0])).float().cpu())
+                n += s
+        outs.append(torch.cat([g.flatten() for g in got]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-3 * outs[0].abs().max().item()
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
