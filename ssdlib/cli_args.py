@@ -25,8 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model inside the captured steps (CUDA; experimental)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each decoder layer inside the captured steps (CUDA; "
+                        "default: on with CUDA graphs at TP 1)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (default on CUDA: decode / verify / draft / tree "
                         "steps replay captured CUDA graphs)")

@@ -33,7 +33,9 @@ class EngineConfig:
     max_len: int = 2048  # tokens per sequence, prompt + generated
     backend: str | None = None  # default: gloo on CPU, nccl on CUDA
     cuda_graphs: bool = True  # capture the small-query steps on CUDA (no effect on CPU)
-    compile: bool = False  # torch.compile the model inside the captured steps (CUDA only)
+    # torch.compile the model's layers inside the captured steps (CUDA only); None: on where the
+    # steps are captured (cuda_graphs) and the model runs unsharded (TP 1: the draft always)
+    compile: bool | None = None
     timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
 
@@ -54,6 +56,8 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but no CUDA GPU is available")
+        if self.compile not in (None, True, False):
+            raise ConfigError(f"compile must be True, False or None (auto), got {self.compile!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not (1 <= self.k <= 32):

@@ -449,8 +449,9 @@ def parse_args(argv):
     p.add_argument("--fallback", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model inside the captured steps (CUDA)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the layers inside the captured steps (CUDA; default: "
+                        "the engine's, on with CUDA graphs at TP 1)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the engine's steps eagerly")
     p.add_argument("--prompts", default="humaneval", choices=("humaneval",))

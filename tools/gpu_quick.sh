@@ -6,7 +6,7 @@
 #           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
-# 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --compile), fp32 (greedy equality),
+# 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --no-compile), fp32 (greedy equality),
 # b1var (b = 1: AR, SD, SSD and SSD variants: fan-out budget 32, K = 4), b1h (b = 1 with
 # SSDLIB_HOST_TIMES=1, and SSD with SSDLIB_ASYNC_SENDS=1 beside it), b1fan (SD, SSD, SSD with a
 # fan-out budget of 32, SSD at K = 4), tp2 (AR and SD at
@@ -14,8 +14,9 @@
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
 # T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
-# cmp / cmp07: b = 1 greedy / T = 0.7, each mode with and without torch.compile inside the
-# captured steps (MODE:compile=1), in one invocation; cmp1: AR and SD only (one GPU is enough).
+# cmp / cmp07: b = 1 greedy / T = 0.7, each mode with (the default since session 12) and without
+# torch.compile inside the captured steps (MODE:compile=0), in one invocation; cmp1: AR and SD
+# only (one GPU is enough).
 # qab07: T = 0.7, b = 1, SD and SSD without and with SSDLIB_Q_AFTER_BUILD=1 (q sent after the
 # cache build's launch), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
@@ -23,7 +24,7 @@
 # steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
 # the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough).
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
-# compile presets need more than 260 s on one machine start for two modes (session 10).
+# Compiling is per decoder layer since session 12: a mode's start-up (ready s) is ~12-20 s.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -77,10 +78,10 @@ for b in ${BENCHES:-b1}; do
       SSDLIB_HOST_TIMES=1 timeout 200 $B --modes ar,sd,ssd,ssd:env=SSDLIB_ASYNC_SENDS=1 --n-prompts 4 --k 3 --json "$OUT/b1h.json" 2>&1 | $F | tail -16 ;;
     b1fan) timeout 240 $B --modes sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1fan.json" 2>&1 | $F | tail -16 ;;
     b1var) timeout 290 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
-    cmp) timeout 540 $B --modes ar,sd,ssd,ar:compile=1,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --json "$OUT/cmp.json" 2>&1 | $F | tail -24 ;;
-    cmp1)  # one GPU: AR and SD with and without torch.compile (regional: each decoder layer)
-      timeout 420 $B --modes ar,sd,ar:compile=1,sd:compile=1 --n-prompts 4 --k 3 --json "$OUT/cmp1.json" 2>&1 | $F | tail -16 ;;
-    cmp07) timeout 540 $B --modes sd,ssd,sd:compile=1,ssd:compile=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cmp07.json" 2>&1 | $F | tail -20 ;;
+    cmp) timeout 540 $B --modes ar,sd,ssd,ar:compile=0,sd:compile=0,ssd:compile=0 --n-prompts 4 --k 3 --json "$OUT/cmp.json" 2>&1 | $F | tail -24 ;;
+    cmp1)  # one GPU: AR and SD with (the default) and without torch.compile of the layers
+      timeout 420 $B --modes ar,sd,ar:compile=0,sd:compile=0 --n-prompts 4 --k 3 --json "$OUT/cmp1.json" 2>&1 | $F | tail -16 ;;
+    cmp07) timeout 540 $B --modes sd,ssd,sd:compile=0,ssd:compile=0 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cmp07.json" 2>&1 | $F | tail -20 ;;
     qab07) timeout 240 $B --modes sd,ssd,ssd:env=SSDLIB_Q_AFTER_BUILD=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/qab07.json" 2>&1 | $F | tail -16 ;;
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
@@ -95,7 +96,7 @@ for b in ${BENCHES:-b1}; do
     sd07) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/sd07.json" 2>&1 | $F | tail -10 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
-    compile) timeout 290 $B --compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
+    compile) timeout 290 $B --no-compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
     prof) SSDLIB_PROFILE=$OUT/p1 timeout 150 $B --modes ar,ssd --n-prompts 4 --k 3 2>&1 | $F | tail -8 ;;
     prof8) SSDLIB_PROFILE=$OUT/p8 timeout 150 $B --modes ssd --n-prompts 16 --batch 8 --k 3 2>&1 | $F | tail -8 ;;
     prof07) SSDLIB_PROFILE=$OUT/p07 timeout 150 $B --modes ssd --n-prompts 4 --k 3 --temperature 0.7 2>&1 | $F | tail -8 ;;

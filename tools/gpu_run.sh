@@ -11,7 +11,7 @@
 #           (from a clean checkout: install, GPU tests; FLOOR=1 adds the floor probe)
 #   call 2: PART=2 bash tools/gpu_run.sh   carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .snap
 #           (the benchmarks; the GGUF stays in /tmp while the machine is warm)
-#   call 3: PART=3 bash tools/gpu_run.sh   carry .stage/HumanEval.jsonl.gz .snap (--compile runs)
+#   call 3: PART=3 bash tools/gpu_run.sh   carry .stage/HumanEval.jsonl.gz .snap (--no-compile runs)
 #
 # The benchmarks run from .snap (a clean `git archive` of HEAD): other work in progress in the
 # checkout cannot leak into the numbers. Results land in $OUT as JSON + logs.
@@ -54,6 +54,6 @@ if [ "$PART" = 2 ]; then
   echo "== fp32 greedy equality"; timeout 100 $B --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 --json "$OUT/fp32.json" 2>&1 | $F | tail -5
   exit 0
 fi
-# PART=3: torch.compile inside the graphs (compiles every step shape first: slow to start)
-echo "== b1 greedy K=3 --compile"; timeout 290 $B --compile --n-prompts $N --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -12
-echo "== fp32 --compile greedy equality"; timeout 100 $B --compile --n-prompts 2 --max-new-tokens 64 --dtype float32 --k 3 --modes ar,sd --json "$OUT/fp32_compile.json" 2>&1 | $F | tail -5
+# PART=3: without torch.compile inside the graphs (compiled is the default since session 12)
+echo "== b1 greedy K=3 --no-compile"; timeout 290 $B --no-compile --n-prompts $N --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -12
+echo "== fp32 --no-compile greedy equality"; timeout 100 $B --no-compile --n-prompts 2 --max-new-tokens 64 --dtype float32 --k 3 --modes ar,sd --json "$OUT/fp32_compile.json" 2>&1 | $F | tail -5

@@ -19,6 +19,7 @@ from ssdlib.engine.kv_cache import KVCache
 from ssdlib.engine.step_graphs import StepGraphs
 from ssdlib.errors import ConfigError
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.layers.linear import tp_size_rank
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.log import get_logger
 from ssdlib.models.llama import LlamaForCausalLM
@@ -96,11 +97,20 @@ def compile_step_model(model, backend: str = "inductor"):
                              for layer in model.model.layers)
 
 
+def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool, tp: int) -> bool:
+    """Whether the captured steps run the compiled layers: only on CUDA; ``compile=None``
+    (the default) where the steps are captured and the model is unsharded (TP 1; compiling
+    the TP layers' collectives is not tested on GPU)."""
+    if device.type != "cuda":
+        return False
+    return bool(cuda_graphs and tp == 1) if compile is None else compile
+
+
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
                  dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
                  cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES,
-                 compile: bool = False):
+                 compile: bool | None = None):
         config = checkpoint.config
         self.config = config
         self.device = torch.device(device)
@@ -120,7 +130,7 @@ class ModelRunner:
         # the model as the captured steps run it: torch.compile'd (fusing the small kernels
         # inside each graph) with compile=True on CUDA
         self.step_model = self.model
-        if compile and self.device.type == "cuda":
+        if wants_compile(compile, self.device, cuda_graphs, tp_size_rank(tp_group)[0]):
             self.step_model = compile_step_model(self.model)
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: StepGraphs | None = None
@@ -131,7 +141,10 @@ class ModelRunner:
             # leader's inputs on the host, TPChannel.serve), the collectives inside them too
             pool = (make_graph_pool(self.device, enabled=cuda_graphs)
                     if self.device.type == "cuda" else EagerPool(warmup=1))
-            self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len)
+            # compiled steps: every batch bucket at a step's first use (compiles at start-up,
+            # not mid-run when the batch shrinks)
+            self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len,
+                                     all_buckets=self.step_model is not self.model)
             if (cuda_graphs and self.device.type == "cuda"
                     and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
                 longest = min(alloc, MAX_PREFILL_GRAPH)

@@ -44,9 +44,14 @@ class StepGraphs:
     SEGMENTS = ("ids", "pos", "limit", "index", "tree_index")
 
     def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int,
-                 kind: str = "", use_kernel: bool | None = None, model=None):
+                 kind: str = "", use_kernel: bool | None = None, model=None,
+                 all_buckets: bool = False):
         self.runner = runner
         self.pool = pool
+        # a step captured for one batch bucket is captured for every bucket at once (with
+        # torch.compile each bucket is a compile of seconds, which would otherwise fall in the
+        # middle of a run, whenever rows leave and the batch shrinks to a new bucket)
+        self.all_buckets = all_buckets
         self.kind = kind  # prefixes the keys: several StepGraphs may share one pool
         # the model a forward step runs: the runner's step model (torch.compile'd with
         # compile=True) unless given (the prefill graphs run the plain one)
@@ -94,7 +99,10 @@ class StepGraphs:
         key = (self.kind + ("tree" if tree else "fwd"), rows, s, n, kv_len, tree_len)
         self._fill(rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
                    tree_mask, tree_len)
-        return self._replay(key, lambda: self._run(key, rows, s, n, kv_len, tree, tree_len))[:b]
+
+        def run(key, rows):
+            self._run(key, rows, s, n, kv_len, tree, tree_len)
+        return self._replay(key, run)[:b]
 
     def chain(self, first, positions, slots, steps: int, vocab: int, kv_len: int) -> torch.Tensor:
         """Greedy chain of ``steps`` single-token steps in one graph (see
@@ -104,7 +112,7 @@ class StepGraphs:
         key = (self.kind + "chain", rows, steps, vocab, kv_len)
         self._fill(rows, b, 1, 0, first.view(-1, 1), positions.view(-1, 1), slots,
                    positions.view(-1, 1) + 1, None, None, None, 0)
-        def run():
+        def run(key, rows):
             r = self.runner
             self.outputs[key] = r.chain_body(
                 self._view("ids", rows, 1)[:, 0], self._view("pos", rows, 1)[:, 0],
@@ -123,7 +131,7 @@ class StepGraphs:
         self._fill(rows, b, s, 1, ids, positions, slots, positions + 1, logits_index, None,
                    None, 0)
 
-        def run():
+        def run(key, rows):
             self.outputs[key] = self.runner.prefix_chain_body(
                 self._view("ids", rows, s), self._view("pos", rows, s),
                 self._view("slots", rows, None), self._view("index", rows, 1), steps, vocab,
@@ -143,7 +151,7 @@ class StepGraphs:
         self._fill(rows, b, s, 1, ids, positions, slots, positions + 1, logits_index, None,
                    None, 0, table=table, streams=streams)
 
-        def run():
+        def run(key, rows):
             self.outputs[key] = sampled_chain_body(
                 self.runner, self._view("ids", rows, s), self._view("pos", rows, s),
                 self._view("slots", rows, None), self._view("index", rows, 1), steps, vocab,
@@ -154,11 +162,26 @@ class StepGraphs:
         return tokens[:b], q[:b]
 
     def _replay(self, key: tuple, run):
-        """Capture ``run`` under ``key`` the first time, replay it, return its output."""
+        """Capture ``run(key, rows)`` under ``key`` (its rows: ``key[1]``) the first time, with
+        ``all_buckets`` under the same key for every other batch bucket too (the first rows of
+        the inputs in hand, ghost rows past them), replay it, return its output."""
         if not self.pool.has(key):
-            self.pool.capture(key, run)
+            for rows in self._buckets(key[1]):
+                other = key[:1] + (rows,) + key[2:]
+                if not self.pool.has(other):
+                    self.pool.capture(other, lambda k=other, r=rows: run(k, r))
         self.pool.replay(key)
         return self.outputs[key]
+
+    def _buckets(self, rows: int) -> list[int]:
+        """The batch buckets to capture when ``rows`` is first needed (``rows`` last)."""
+        if not self.all_buckets:
+            return [rows]
+        out, b = [], 1
+        while b <= self.max_rows:
+            out.append(batch_bucket(b))
+            b = out[-1] + 1
+        return [r for r in out if r != rows] + [rows]
 
     def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
               tree_mask, tree_len, table=None, streams=None) -> None:
@@ -166,6 +189,7 @@ class StepGraphs:
         parameter row, stream 0)."""
         host = self._host
         host.fill(0)
+        rows = self.max_rows if self.all_buckets else rows  # ghosts for every bucket's capture
         if table is not None:
             tv = self._view_of(host, "table", rows, 4).view(np.float64)
             tv[:b] = table.numpy()

@@ -64,6 +64,10 @@ class GraphPool(ABC):
     def has(self, key: Hashable) -> bool:
         return key in self._fns
 
+    def keys(self) -> list:
+        """The captured keys, in capture order."""
+        return list(self._fns)
+
     def __len__(self) -> int:
         return len(self._fns)
 

@@ -21,14 +21,16 @@ def runners(path, device, pool_kind):
     stepped = ModelRunner(ck, None, device, torch.float32, n_slots=6, max_len=96, tree_len=24)
     # "warm": the eager pool running each step twice when registered, like a graph pool's
     # warm-up (a captured body must give the same result however often it runs)
-    pool = (EagerPool() if pool_kind == "eager" else EagerPool(warmup=2) if pool_kind == "warm"
+    # "all": as "warm", and every batch bucket is captured at a step's first use (compile=True)
+    pool = (EagerPool() if pool_kind == "eager"
+            else EagerPool(warmup=2) if pool_kind in ("warm", "all")
             else make_graph_pool(torch.device(device), True))
-    stepped.graphs = StepGraphs(stepped, pool, 6, 16, 24)
+    stepped.graphs = StepGraphs(stepped, pool, 6, 16, 24, all_buckets=pool_kind == "all")
     return ck, eager, stepped
 
 
 def kinds():
-    out = [("cpu", "eager"), ("cpu", "warm")]
+    out = [("cpu", "eager"), ("cpu", "warm"), ("cpu", "all")]
     if torch.cuda.is_available():
         out.append(("cuda", "graph"))
     return out
@@ -79,9 +81,17 @@ def test_steps_equal_eager(tiny_dirs, device, pool_kind):
         b = stepped.forward(new, p, slots)
         assert (a - b).abs().max().item() <= 1e-4, (step, (a - b).abs().max().item())
         lens = [n + s for n in lens]
-    # the ghost row wrote only to the scratch slot: the real slots' caches are identical
-    for i in slots.tolist():
-        assert torch.allclose(eager.cache.k[:, i], stepped.cache.k[:, i], atol=1e-5)
+    # the ghost rows wrote only to the scratch slot: every real slot's cache (the unused ones
+    # too) is identical
+    for i in range(6):
+        assert torch.allclose(eager.cache.k[:, i], stepped.cache.k[:, i], atol=1e-5), i
+        assert torch.allclose(eager.cache.v[:, i], stepped.cache.v[:, i], atol=1e-5), i
+    if pool_kind == "all":  # every bucket up to the runner's (8 for 6 slots), each shape
+        keys = set(stepped.graphs.pool.keys())
+        assert {k[1] for k in keys} == {1, 2, 4, 8}
+        shapes = {k[2:] for k in keys}  # (queries, logits rows, ...): prefill, decode, verify
+        assert {(1, 0), (4, 0)} <= {sh[:2] for sh in shapes}
+        assert keys == {("fwd", r) + sh for r in (1, 2, 4, 8) for sh in shapes}
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
@@ -622,3 +632,14 @@ def test_a_step_graphs_model_is_the_runners_step_model_unless_given(tiny_dirs):
         with torch.inference_mode():
             out = g.forward(ids, pos, slots, pos + 1, None, 64)
         assert calls == [want] and out.shape == (1, 2, ck.config.vocab_size)
+
+
+def test_compile_default_is_on_for_captured_unsharded_cuda_steps():
+    from ssdlib.engine.model_runner import wants_compile
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert wants_compile(None, cuda, True, 1)
+    assert not wants_compile(None, cuda, False, 1)  # --no-cuda-graphs: eager, uncompiled
+    assert not wants_compile(None, cuda, True, 2)  # TP > 1 only when asked
+    assert wants_compile(True, cuda, True, 2) and not wants_compile(False, cuda, True, 1)
+    assert not any(wants_compile(c, cpu, True, 1) for c in (None, True, False))
