@@ -166,14 +166,19 @@ class StepGraphs:
         ``all_buckets`` under the same key for every other batch bucket too (the first rows of
         the inputs in hand, ghost rows past them), replay it, return its output."""
         if not self.pool.has(key):
-            for rows in self._buckets(key[1]):
+            for rows in self.capture_buckets(key[1]):
                 other = key[:1] + (rows,) + key[2:]
                 if not self.pool.has(other):
                     self.pool.capture(other, lambda k=other, r=rows: run(k, r))
         self.pool.replay(key)
         return self.outputs[key]
 
-    def _buckets(self, rows: int) -> list[int]:
+    def fill_rows(self, rows: int) -> int:
+        """Rows of the static inputs to fill for a step of ``rows`` (ghosts past the real
+        ones): every bucket's with ``all_buckets``."""
+        return self.max_rows if self.all_buckets else rows
+
+    def capture_buckets(self, rows: int) -> list[int]:
         """The batch buckets to capture when ``rows`` is first needed (``rows`` last)."""
         if not self.all_buckets:
             return [rows]
@@ -189,7 +194,7 @@ class StepGraphs:
         parameter row, stream 0)."""
         host = self._host
         host.fill(0)
-        rows = self.max_rows if self.all_buckets else rows  # ghosts for every bucket's capture
+        rows = self.fill_rows(rows)  # ghosts for every bucket's capture
         if table is not None:
             tv = self._view_of(host, "table", rows, 4).view(np.float64)
             tv[:b] = table.numpy()

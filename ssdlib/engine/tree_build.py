@@ -90,6 +90,9 @@ class TreeBuildStep:
         self.top, self.vocab = top, vocab
         graphs = runner.graphs
         self.pool = graphs.pool if graphs is not None else None
+        # as the runner's steps (StepGraphs.all_buckets, compiled layers): a build captured for
+        # one batch bucket is captured for every bucket at once, so no compile falls mid-run
+        self.graphs = graphs
         dev = runner.device
         rows = graphs.max_rows if graphs is not None else 0
         C = branch_top.shape[-1]
@@ -183,11 +186,12 @@ class TreeBuildStep:
         host[rows * (K + 2):rows * (K + 2) + b] = torch.tensor(reuse, dtype=torch.int64)
         return host
 
-    def _views(self, ints: torch.Tensor, rows: int):
-        """(sent [rows, K], n [rows], slots [rows], reuse [rows]) over a :meth:`_host_ints`."""
-        K = self.K
-        return (ints[:rows * K].view(rows, K), ints[rows * K:rows * (K + 1)],
-                ints[rows * (K + 1):rows * (K + 2)], ints[rows * (K + 2):rows * (K + 3)])
+    def _views(self, ints: torch.Tensor, rows: int, width: int | None = None):
+        """(sent [rows, K], n [rows], slots [rows], reuse [rows]): the first ``rows`` of a
+        :meth:`_host_ints` laid out for ``width`` rows (default ``rows``)."""
+        K, w = self.K, width or rows
+        return (ints[:w * K].view(w, K)[:rows], ints[w * K:w * K + rows],
+                ints[w * (K + 1):w * (K + 1) + rows], ints[w * (K + 2):w * (K + 2) + rows])
 
     def run(self, cand: torch.Tensor, sent: list[list[int]], lengths: list[int],
             slots: list[int], pos: torch.Tensor, rank: torch.Tensor, kv_len: int,
@@ -201,11 +205,13 @@ class TreeBuildStep:
         dev = self.runner.device
         b = cand.shape[0]
         rows = batch_bucket(b) if self.pool is not None else b
+        # the host tables' row count: every bucket's when all of them are captured at once
+        width = self.graphs.fill_rows(rows) if self.pool is not None else rows
         reuse = [-1] * b if reuse is None else reuse
         hits = any(x >= 0 for x in reuse)
-        ints = self._host_ints(rows, sent, lengths, slots, reuse)
+        ints = self._host_ints(width, sent, lengths, slots, reuse)
         if sampled_rows is not None:
-            host_params, host_streams, facts = self._host_sampling(rows, sampled_rows)
+            host_params, host_streams, facts = self._host_sampling(width, sampled_rows)
         if self.pool is None:
             sampler = None
             if sampled_rows is not None:
@@ -218,49 +224,56 @@ class TreeBuildStep:
             self.body(cand, sent_d, n_d, slots_d, pos, rank, kv_len, sampler)
             return
         sampling = None if sampled_rows is None else (host_params, host_streams, facts)
-        self._run_captured(cand, ints, rows, pos, rank, kv_len, hits, sampling, fan, saguaro_c)
+        self._run_captured(cand, ints, rows, width, pos, rank, kv_len, hits, sampling, fan,
+                           saguaro_c)
 
-    def _run_captured(self, cand, ints, rows: int, pos, rank, kv_len: int, hits: bool,
-                      sampling, fan: tuple, saguaro_c: float) -> None:
-        """:meth:`run` with a graph pool: the host tables in one copy, then the replays
-        (captured on first use). ``sampling``: (parameter table, streams, facts) or None."""
+    def _run_captured(self, cand, ints, rows: int, width: int, pos, rank, kv_len: int,
+                      hits: bool, sampling, fan: tuple, saguaro_c: float) -> None:
+        """:meth:`run` with a graph pool: the host tables (laid out for ``width`` rows) in one
+        copy, then the replays (captured on first use, for every batch bucket at once where
+        the runner's steps are). ``sampling``: (parameter table, streams, facts) or None."""
         b = cand.shape[0]
         self._host[:ints.shape[0]] = ints
         facts = None
         if sampling is not None:
             host_params, host_streams, facts = sampling
-            self._host_params[:rows] = host_params
-            self._host_streams[:rows] = host_streams
+            self._host_params[:width] = host_params
+            self._host_streams[:width] = host_streams
         # one copy (reusing the host buffer is safe: a copy from pageable memory is staged
         # before it returns)
         self.arena.copy_(self._host, non_blocking=True)
         self.cand[:b].copy_(cand)
-        self.cand[b:rows].zero_()
+        self.cand[b:width].zero_()
         if self._index_src is not pos:  # the fan-out's branch index (kept while it holds)
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
-        sent_v, n_v, slots_v, reuse_v = self._views(self.ints, rows)
-        if hits:
-            key = ("tree_continue", rows, kv_len)
-            if not self.pool.has(key):
-                self.pool.capture(key, lambda: self.continue_hits(
-                    self.cand[:rows], sent_v, n_v, slots_v, reuse_v, kv_len))
-            self.pool.replay(key)
-        key = build_key(rows, kv_len, facts, fan, saguaro_c)
-        if not self.pool.has(key):
-            if sampling is not None:
-                self.cache.q  # allocated now: not inside a warm-up or a capture
+        buckets = self.graphs.capture_buckets(rows)
+        if hits:  # every bucket's continuation before any build: the build overwrites its inputs
+            for r in buckets:
+                key = ("tree_continue", r, kv_len)
+                if not self.pool.has(key):
+                    self.pool.capture(key, lambda r=r: self.continue_hits(
+                        self.cand[:r], *self._views(self.ints, r, width), kv_len))
+            self.pool.replay(("tree_continue", rows, kv_len))
+        if sampling is not None and not self.pool.has(build_key(rows, kv_len, facts, fan,
+                                                                saguaro_c)):
+            self.cache.q  # allocated now: not inside a warm-up or a capture
+        for r in buckets:
+            key = build_key(r, kv_len, facts, fan, saguaro_c)
+            if self.pool.has(key):
+                continue
 
-            def step():
+            def step(r=r):
                 # the sampler inside the body: its tensors are computed from the static tables
                 # at every replay (a sampler built once would keep the first round's values)
                 sampler = None if sampling is None else self._sampler(
-                    self.params[:rows], self.streams[:rows], facts, fan, saguaro_c)
-                self.body(self.cand[:rows], sent_v, n_v, slots_v, self.index[0], self.index[1],
+                    self.params[:r], self.streams[:r], facts, fan, saguaro_c)
+                sent_v, n_v, slots_v, _ = self._views(self.ints, r, width)
+                self.body(self.cand[:r], sent_v, n_v, slots_v, self.index[0], self.index[1],
                           kv_len, sampler)
             self.pool.capture(key, step)
-        self.pool.replay(key)
+        self.pool.replay(build_key(rows, kv_len, facts, fan, saguaro_c))
 
     def _host_sampling(self, rows: int, sampled_rows):
         """(parameter table [rows, 4], streams [rows, 2] = (key, first counter), the host's

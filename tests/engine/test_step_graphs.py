@@ -192,6 +192,8 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
         for d, tok in stepwise_tree(eager, cand, sent, n, slots, pos, rank, max(lens) + K,
                                     lambda d, lg: lg.argmax(-1)):
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
+    if pool_kind == "all":  # the build was captured for every bucket (ghost rows: scratch)
+        assert {k[1] for k in steps[1].pool.keys() if k[0] == "tree_build"} == {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -273,6 +275,8 @@ def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind, sa
     # the hit row's slot now holds the branch's KV at its committed positions
     assert torch.allclose(eager.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K],
                           ref.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K])
+    if pool_kind == "all":  # the continuation too was captured for every bucket
+        assert {k[1] for k in steps[1].pool.keys() if k[0] == "tree_continue"} == {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
