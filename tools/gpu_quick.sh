@@ -22,7 +22,8 @@
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
 # steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
-# the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough).
+# the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough);
+# sd8: b = 8 AR and SD, compiled and not (one GPU).
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer since session 12: a mode's start-up (ready s) is ~12-20 s.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -95,6 +96,8 @@ for b in ${BENCHES:-b1}; do
     sd1) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/sd1.json" 2>&1 | $F | tail -10 ;;
     sd07) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/sd07.json" 2>&1 | $F | tail -10 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
+    sd8)  # one GPU: b = 8 AR and SD, compiled (the default) and not
+      timeout 300 $B --modes ar,sd,ar:compile=0,sd:compile=0 --n-prompts 16 --batch 8 --k 3 --json "$OUT/sd8.json" 2>&1 | $F | tail -14 ;;
     t07) timeout 150 $B --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/t07_k3.json" 2>&1 | $F | tail -14 ;;
     compile) timeout 290 $B --no-compile --n-prompts 4 --k 3 --json "$OUT/b1_compile.json" 2>&1 | $F | tail -14 ;;
     prof) SSDLIB_PROFILE=$OUT/p1 timeout 150 $B --modes ar,ssd --n-prompts 4 --k 3 2>&1 | $F | tail -8 ;;

@@ -25,14 +25,15 @@ def runners(path, device, pool_kind):
     pool = (EagerPool() if pool_kind == "eager"
             else EagerPool(warmup=2) if pool_kind in ("warm", "all")
             else make_graph_pool(torch.device(device), True))
-    stepped.graphs = StepGraphs(stepped, pool, 6, 16, 24, all_buckets=pool_kind == "all")
+    stepped.graphs = StepGraphs(stepped, pool, 6, 16, 24,
+                                all_buckets=pool_kind in ("all", "graph-all"))
     return ck, eager, stepped
 
 
 def kinds():
     out = [("cpu", "eager"), ("cpu", "warm"), ("cpu", "all")]
-    if torch.cuda.is_available():
-        out.append(("cuda", "graph"))
+    if torch.cuda.is_available():  # real graphs, captured one bucket or all at once
+        out += [("cuda", "graph"), ("cuda", "graph-all")]
     return out
 
 
@@ -86,7 +87,7 @@ def test_steps_equal_eager(tiny_dirs, device, pool_kind):
     for i in range(6):
         assert torch.allclose(eager.cache.k[:, i], stepped.cache.k[:, i], atol=1e-5), i
         assert torch.allclose(eager.cache.v[:, i], stepped.cache.v[:, i], atol=1e-5), i
-    if pool_kind == "all":  # every bucket up to the runner's (8 for 6 slots), each shape
+    if pool_kind in ("all", "graph-all"):  # every bucket up to the runner's (8 for 6 slots)
         keys = set(stepped.graphs.pool.keys())
         assert {k[1] for k in keys} == {1, 2, 4, 8}
         shapes = {k[2:] for k in keys}  # (queries, logits rows, ...): prefill, decode, verify
@@ -192,7 +193,7 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
         for d, tok in stepwise_tree(eager, cand, sent, n, slots, pos, rank, max(lens) + K,
                                     lambda d, lg: lg.argmax(-1)):
             assert cb.tokens[idx, :, d].cpu().tolist() == tok.cpu().tolist(), (round_, d)
-    if pool_kind == "all":  # the build was captured for every bucket (ghost rows: scratch)
+    if pool_kind in ("all", "graph-all"):  # the build: every bucket (ghost rows: scratch)
         assert {k[1] for k in steps[1].pool.keys() if k[0] == "tree_build"} == {1, 2, 4, 8}
 
 
@@ -275,7 +276,7 @@ def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind, sa
     # the hit row's slot now holds the branch's KV at its committed positions
     assert torch.allclose(eager.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K],
                           ref.cache.k[:, slots[0], :, n1[0] - 1:n1[0] - 1 + K])
-    if pool_kind == "all":  # the continuation too was captured for every bucket
+    if pool_kind in ("all", "graph-all"):  # the continuation too: every bucket
         assert {k[1] for k in steps[1].pool.keys() if k[0] == "tree_continue"} == {1, 2, 4, 8}
 
 
