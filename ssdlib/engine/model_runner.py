@@ -40,6 +40,11 @@ MAX_GRAPH_QUERIES = 64
 # length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
+# Compiled steps (StepGraphs.all_buckets) take forwards of up to this many queries per row at
+# their own length; a longer one that reads logits at an index (a short prompt's prefill, the
+# draft's catch-up over it) is padded to a power of two, so that every new prompt length does
+# not compile a new shape (seconds) at admission.
+EXACT_STEP_QUERIES = 8
 # torch.compile specialisations kept for the decoder layer's code (step shapes; dynamo's default
 # is 8)
 COMPILE_RECOMPILE_LIMIT = 256
@@ -201,10 +206,12 @@ class ModelRunner:
         in the model's dtype. Causal: a query at position p sees keys <= p. ``kv_len`` (> every
         position) is read from ``positions`` when they are on the host; give it for device
         positions (otherwise it costs a host sync)."""
-        if kv_len is None:
-            kv_len = int(positions.max()) + 1
-        kv_len = self.kv_bucket(kv_len)
         b, s = input_ids.shape
+        if self.graphs is not None and self.graphs.fits(b, s):
+            input_ids, positions = self.step_queries(input_ids, positions, logits_index)
+        if kv_len is None or positions.shape[1] > s:
+            kv_len = max(kv_len or 0, int(positions.max()) + 1)
+        kv_len = self.kv_bucket(kv_len)
         if self.graphs is not None and self.graphs.fits(b, s):
             return self.graphs.forward(input_ids, positions, slots, positions + 1, logits_index,
                                        kv_len)
@@ -216,6 +223,24 @@ class ModelRunner:
                                  slot_start=self._slot_start(slots))
         index = None if logits_index is None else logits_index.to(dev)
         return self.model(input_ids.to(dev), self.cache, meta, index)
+
+    def step_queries(self, ids: torch.Tensor, positions: torch.Tensor,
+                     logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) for a step graph: as given, or, for compiled steps, a forward of more
+        than EXACT_STEP_QUERIES host queries a row with a logits index padded to the next power
+        of two (at most the graphs' queries). The padding continues each row's positions
+        (``pack_rows``' layout, as a prefill bucket's): its KV lands past the row's length,
+        never read before it is overwritten, and the logits index still points at real tokens."""
+        s = ids.shape[1]
+        g = self.graphs
+        if (g is None or not g.all_buckets or logits_index is None or s <= EXACT_STEP_QUERIES
+                or ids.device.type != "cpu" or positions.device.type != "cpu"):
+            return ids, positions
+        size = min(1 << (s - 1).bit_length(), g.max_queries)
+        if size <= s or int(positions[:, 0].max()) + size > self.cache.max_len:
+            return ids, positions
+        ids = torch.nn.functional.pad(ids, (0, size - s))
+        return ids, positions[:, :1] + torch.arange(size).view(1, -1)
 
     def _prefill_fits(self, ids, positions, logits_index) -> bool:
         """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""
@@ -264,8 +289,10 @@ class ModelRunner:
         :meth:`greedy_chain`: run as one eager chain they cost ~12 ms a sequence on an H200
         (inferred from the increase measured at 7560c73: SD's draft phase 1.16 -> 1.32 ms a
         round over 289 rounds and 4 sequences at b = 1)."""
-        kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
         b, s = ids.shape
+        if self.graphs is not None and self.graphs.fits(b, s):
+            ids, positions = self.step_queries(ids, positions, logits_index)
+        kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
         if self.graphs is not None and self.graphs.fits(b, s):
             return self.graphs.prefix_chain(ids, positions, slots, logits_index, steps, vocab,
                                             kv_len)

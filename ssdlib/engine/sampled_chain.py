@@ -81,9 +81,11 @@ def sampled_chain(runner, ids, positions, slots, logits_index, steps: int, vocab
     [b, s], slots [b], logits_index [b, 1] (each row's last unseen token), ``table``
     (``SamplingTensors.host_table``) and ``streams`` ([b, 2]: key, first reserved counter) on
     the host -> (tokens [b, steps + 1], q [b, steps + 1, vocab]) on the device."""
-    kv_len = runner.kv_bucket(int(positions.max()) + steps + 1)
     b, s = ids.shape
     graphs = runner.graphs
+    if graphs is not None and graphs.fits(b, s):
+        ids, positions = runner.step_queries(ids, positions, logits_index)
+    kv_len = runner.kv_bucket(int(positions.max()) + steps + 1)
     if graphs is not None and graphs.fits(b, s):
         return graphs.sampled_chain(ids, positions, slots, logits_index, steps, vocab, kv_len,
                                     table, streams, facts)

@@ -648,3 +648,35 @@ def test_compile_default_is_on_for_captured_unsharded_cuda_steps():
     assert not wants_compile(None, cuda, True, 2)  # TP > 1 only when asked
     assert wants_compile(True, cuda, True, 2) and not wants_compile(False, cuda, True, 1)
     assert not any(wants_compile(c, cpu, True, 1) for c in (None, True, False))
+
+
+@pytest.mark.parametrize("pool_kind", ["all", "warm"])
+def test_compiled_steps_pad_long_indexed_forwards_to_a_power_of_two(tiny_dirs, pool_kind):
+    """Compiled steps (all buckets): a forward of more than EXACT_STEP_QUERIES queries with a
+    logits index (a short prompt) runs padded to a power of two, so prompt lengths 9..16 share
+    one shape; the logits, the draft chain's tokens and the rows' KV at their real positions
+    equal the eager runner's. Uncompiled steps keep the exact length."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.model_runner import EXACT_STEP_QUERIES
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], "cpu", pool_kind)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(8)
+    slots = torch.tensor([2, 0])
+    lens = [11, EXACT_STEP_QUERIES + 1]
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+    ids, pos = pack_rows(prompts, [0, 0])
+    a = eager.forward(ids, pos, slots, last_index(lens))
+    b = stepped.forward(ids, pos, slots, last_index(lens))
+    assert (a - b).abs().max().item() <= 1e-4
+    for i, n in zip(slots.tolist(), lens):
+        assert torch.allclose(eager.cache.k[:, i, :, :n], stepped.cache.k[:, i, :, :n], atol=1e-5)
+    # the draft's catch-up over 13 unseen tokens, then 2 greedy steps, in one chain
+    unseen = [torch.randint(0, V, (13,), generator=g).tolist() for _ in lens]
+    ids, pos = pack_rows(unseen, lens)
+    index = last_index([13, 13])
+    got = stepped.prefix_chain(ids, pos, slots, index, 2, V).cpu()
+    want = eager.prefix_chain(ids, pos, slots, index, 2, V).cpu()
+    assert got.tolist() == want.tolist()
+    sizes = {k[2] for k in stepped.graphs.pool.keys() if k[0] in ("fwd", "pchain")}
+    assert sizes == ({16} if pool_kind == "all" else {11, 13})
