@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ssdlib.engine.compiled import compile_step_model, wants_compile
 from ssdlib.engine.kv_cache import KVCache
 from ssdlib.engine.step_graphs import StepGraphs
 from ssdlib.errors import ConfigError
@@ -45,9 +46,6 @@ MAX_PREFILL_GRAPH = 2048
 # draft's catch-up over it) is padded to a power of two, so that every new prompt length does
 # not compile a new shape (seconds) at admission.
 EXACT_STEP_QUERIES = 8
-# torch.compile specialisations kept for the decoder layer's code (step shapes; dynamo's default
-# is 8)
-COMPILE_RECOMPILE_LIMIT = 256
 
 
 def prefill_bucket(s: int, cap: int) -> int:
@@ -80,35 +78,6 @@ def eager_step_graphs() -> bool:
     if raw not in ("", "eager"):
         raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager' or unset, got {raw!r}")
     return raw == "eager"
-
-
-def compile_step_model(model, backend: str = "inductor"):
-    """``model`` with each decoder layer under torch.compile, for the captured steps (regional
-    compilation): the layers share one code object and take their weights as inputs, so one
-    compile serves all of them, where compiling the whole model traced every layer again for
-    every step shape (minutes at start-up). Every step shape (batch bucket, queries, tree) is
-    compiled static, its own specialisation (dynamic sizes would also mix the target's and the
-    draft's widths where both run in one process, SD). The attention
-    kernel is one opaque op (``ssdlib::slot_attention``); embedding, rotary tables, final norm
-    and head stay eager (a handful of kernels). Compiled in the graph pool's warm-up, before
-    capture. The plain model is untouched (prefill graphs run it)."""
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), COMPILE_RECOMPILE_LIMIT))
-    return model.with_layers(torch.compile(layer, backend=backend, dynamic=False)
-                             for layer in model.model.layers)
-
-
-def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool, tp: int) -> bool:
-    """Whether the captured steps run the compiled layers: only on CUDA; ``compile=None``
-    (the default) where the steps are captured and the model is unsharded (TP 1; compiling
-    the TP layers' collectives is not tested on GPU)."""
-    if device.type != "cuda":
-        return False
-    return bool(cuda_graphs and tp == 1) if compile is None else compile
 
 
 class ModelRunner:

@@ -353,7 +353,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
     """torch.compile sees the slot-attention kernel as one opaque op (``ssdlib::slot_attention``):
     a decode step and a tree step trace with no graph break (fullgraph) and give the eager
     logits. CPU: aot_eager backend, the kernel's torch reference behind the op."""
-    from ssdlib.engine.model_runner import compile_step_model
+    from ssdlib.engine.compiled import compile_step_model
     from ssdlib.layers.attention import AttentionMetadata
 
     ck = load_checkpoint(tiny_dirs["smol_heads"])
@@ -392,7 +392,7 @@ def test_compile_step_model_compiles_one_layer_for_all(tiny_dirs):
     plain model (the prefill graphs') keeps its uncompiled layers and shares the weights."""
     import torch._dynamo
 
-    from ssdlib.engine.model_runner import compile_step_model
+    from ssdlib.engine.compiled import compile_step_model
     from ssdlib.layers.attention import AttentionMetadata
 
     ck = load_checkpoint(tiny_dirs["smol_heads"])
@@ -640,7 +640,7 @@ def test_a_step_graphs_model_is_the_runners_step_model_unless_given(tiny_dirs):
 
 
 def test_compile_default_is_on_for_captured_unsharded_cuda_steps():
-    from ssdlib.engine.model_runner import wants_compile
+    from ssdlib.engine.compiled import wants_compile
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert wants_compile(None, cuda, True, 1)

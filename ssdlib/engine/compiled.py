@@ -1,0 +1,42 @@
+"""The step model under torch.compile (regional compilation of the decoder layers).
+
+Inside the captured graphs each decoder layer runs compiled: inductor fuses its small kernels
+(norms, rotary, activation, residuals) around the matrix products and the attention kernel, an
+opaque custom op (``ssdlib::slot_attention``). The layers share one code object and take their
+weights as inputs, so one compile per step shape serves all of them, where compiling the whole
+model traced every layer again for every step shape (minutes at start-up).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# torch.compile specialisations kept for the decoder layer's code (step shapes; dynamo's default
+# is 8)
+COMPILE_RECOMPILE_LIMIT = 256
+
+
+def compile_step_model(model, backend: str = "inductor"):
+    """``model`` with each decoder layer under torch.compile, sharing the weights
+    (``LlamaForCausalLM.with_layers``; the plain model, which the prefill graphs run, keeps its
+    layers). Every step shape (batch bucket, queries, tree) is compiled static, its own
+    specialisation: dynamic sizes would also mix the target's and the draft's widths where both
+    run in one process (SD). Embedding, rotary tables, final norm and head stay eager (a
+    handful of kernels). Compiled in the graph pool's warm-up, before capture."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), COMPILE_RECOMPILE_LIMIT))
+    return model.with_layers(torch.compile(layer, backend=backend, dynamic=False)
+                             for layer in model.model.layers)
+
+
+def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool, tp: int) -> bool:
+    """Whether the captured steps run the compiled layers: only on CUDA; ``compile=None``
+    (the default) where the steps are captured and the model is unsharded (TP 1; compiling
+    the TP layers' collectives is not tested on GPU)."""
+    if device.type != "cuda":
+        return False
+    return bool(cuda_graphs and tp == 1) if compile is None else compile
