@@ -33,10 +33,20 @@ def compile_step_model(model, backend: str = "inductor"):
                              for layer in model.model.layers)
 
 
-def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool, tp: int) -> bool:
+def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool, tp: int,
+                  triton: bool | None = None) -> bool:
     """Whether the captured steps run the compiled layers: only on CUDA; ``compile=None``
-    (the default) where the steps are captured and the model is unsharded (TP 1; compiling
-    the TP layers' collectives is not tested on GPU)."""
+    (the default) where the steps are captured, the model is unsharded (TP 1; compiling the TP
+    layers' collectives is not tested on GPU) and triton (inductor's kernel language) imports
+    (``triton``: given, or checked)."""
     if device.type != "cuda":
         return False
-    return bool(cuda_graphs and tp == 1) if compile is None else compile
+    if compile is not None:
+        return compile
+    if not (cuda_graphs and tp == 1):
+        return False
+    if triton is None:
+        from ssdlib.ops.slot_attention import triton_available
+
+        triton = triton_available()
+    return triton

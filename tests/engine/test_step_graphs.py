@@ -643,11 +643,12 @@ def test_compile_default_is_on_for_captured_unsharded_cuda_steps():
     from ssdlib.engine.compiled import wants_compile
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert wants_compile(None, cuda, True, 1)
-    assert not wants_compile(None, cuda, False, 1)  # --no-cuda-graphs: eager, uncompiled
-    assert not wants_compile(None, cuda, True, 2)  # TP > 1 only when asked
+    assert wants_compile(None, cuda, True, 1, triton=True)
+    assert not wants_compile(None, cuda, True, 1, triton=False)  # inductor needs triton
+    assert not wants_compile(None, cuda, False, 1, triton=True)  # --no-cuda-graphs: eager
+    assert not wants_compile(None, cuda, True, 2, triton=True)  # TP > 1 only when asked
     assert wants_compile(True, cuda, True, 2) and not wants_compile(False, cuda, True, 1)
-    assert not any(wants_compile(c, cpu, True, 1) for c in (None, True, False))
+    assert not any(wants_compile(c, cpu, True, 1, triton=True) for c in (None, True, False))
 
 
 @pytest.mark.parametrize("pool_kind", ["all", "warm"])
