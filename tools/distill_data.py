@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from tools.distill.data import (Docs, default_text_roots, merge_splits,  # noqa: E402
                                 save_splits)
+from tools.distill.selfinstruct import unit_fraction  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -92,6 +93,7 @@ def gen_main(a: argparse.Namespace) -> dict:
                                                          4096, a.random_len + 8))
     load_s = time.perf_counter() - t0
     gen = GenSettings(user_max_tokens=a.user_max_tokens, answer_max_tokens=a.answer_max_tokens,
+                      greedy_answers=a.greedy_answers,
                       batch_size=a.gen_batch or (1024 if device.type == "cuda" else 16))
     if a.time_budget:
         gen.deadline = time.monotonic() + a.time_budget
@@ -179,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-root", action="append")
     g.add_argument("--user-max-tokens", type=int, default=96)
     g.add_argument("--answer-max-tokens", type=int, default=320)
+    g.add_argument("--greedy-answers", type=unit_fraction, default=0.0,
+                   help="fraction of training answers decoded greedily (the rest at T = 0.7)")
     g.add_argument("--gen-batch", type=int, default=None,
                    help="sequences sampled at once (GPU 1024, CPU 16)")
     g.add_argument("--time-budget", type=float, default=None,

@@ -58,7 +58,7 @@ from ssdlib.loading import load_checkpoint  # noqa: E402
 from tools.distill import evaluate, models  # noqa: E402
 from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
                                  save_splits)
-from tools.distill.selfinstruct import GenSettings  # noqa: E402
+from tools.distill.selfinstruct import GenSettings, unit_fraction  # noqa: E402
 from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  # noqa: E402
                                    parse_sources)
 from tools.distill.train import LOSSES, Trainer, TrainSettings  # noqa: E402
@@ -100,6 +100,8 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
         help="directory of source/docs to read (repeatable); default: stdlib + site-packages")
     add("--user-max-tokens", type=int, default=96)
     add("--answer-max-tokens", type=int, default=320)
+    add("--greedy-answers", type=unit_fraction, default=0.0,
+        help="fraction of training answers decoded greedily (the rest at T = 0.7)")
     add("--gen-batch", type=int, default=None, help="sequences sampled at once (GPU 512, CPU 16)")
     # draft
     add("--hidden", type=int, help="default 128; with --embedding-from-target the target's")
@@ -277,6 +279,7 @@ def prepare_data(args, ck, teacher, device):
             multiturn_samples=args.multiturn_samples,
             gen=GenSettings(user_max_tokens=args.user_max_tokens,
                             answer_max_tokens=args.answer_max_tokens,
+                            greedy_answers=args.greedy_answers,
                             batch_size=args.gen_batch or (512 if device.type == "cuda" else 16)))
         tokenizer = ck.tokenizer if any(s != "random-target-samples"
                                         for s in cfg.sources) else None

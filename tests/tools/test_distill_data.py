@@ -84,3 +84,22 @@ def test_merged_data_trains_with_data_from(setup, tmp_path):
     assert report["step"] == 4
     assert report["data"]["by_source"] == load_splits(merged)[0].by_source()
     assert os.path.exists(tmp_path / "draft" / "model.safetensors")
+
+
+def test_greedy_answers_spread_evenly_and_the_flag_checks_its_range():
+    import argparse
+
+    import pytest
+
+    from tools.distill.selfinstruct import GenSettings, answer_temperatures, unit_fraction
+
+    assert answer_temperatures(4, GenSettings()) == [0.7] * 4
+    assert answer_temperatures(4, GenSettings(greedy_answers=0.5)) == [0.7, 0.0, 0.7, 0.0]
+    assert answer_temperatures(3, GenSettings(greedy_answers=1.0)) == [0.0] * 3
+    temps = answer_temperatures(100, GenSettings(greedy_answers=0.25, answer_temperature=0.9))
+    assert temps.count(0.0) == 25 and set(temps) == {0.0, 0.9}
+    p = argparse.ArgumentParser()
+    p.add_argument("--greedy-answers", type=unit_fraction, default=0.0)
+    assert p.parse_args(["--greedy-answers", "0.3"]).greedy_answers == 0.3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--greedy-answers", "1.5"])

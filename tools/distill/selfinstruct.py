@@ -61,6 +61,24 @@ TASK_OPENERS = (
 )
 
 
+def unit_fraction(value: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    f = float(value)
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(value)
+    return f
+
+
+unit_fraction.__name__ = "fraction in [0, 1]"
+
+
+def answer_temperatures(n: int, s: "GenSettings") -> list[float]:
+    """The temperatures of ``n`` training answers: every one whose index crosses a multiple of
+    1 / ``s.greedy_answers`` is greedy (0.0), the others ``s.answer_temperature``."""
+    f = s.greedy_answers
+    return [0.0 if int((i + 1) * f) > int(i * f) else s.answer_temperature for i in range(n)]
+
+
 @dataclass
 class GenSettings:
     """How the target samples data (defaults from the measured recipe in DRAFT_NOTES)."""
@@ -69,6 +87,10 @@ class GenSettings:
     user_temperature: float = 1.0
     answer_max_tokens: int = 320
     answer_temperature: float = 0.7
+    # the fraction of training answers decoded greedily, spread evenly (the rest sampled at
+    # answer_temperature): greedy SD's acceptance is measured along greedy answers, which a
+    # sampled-only corpus holds none of (the held-out answers are greedy)
+    greedy_answers: float = 0.0
     top_p: float = 0.95
     batch_size: int = 64
     deadline: float | None = None  # time.monotonic(): sampling stops there (sampler.generate)

@@ -75,7 +75,7 @@ def build_splits(teacher, tokenizer, cfg: SourceSettings, device: torch.device,
         n_eval = min(cfg.eval_samples, len(requests) // 2)
         tr_req = requests[:len(requests) - n_eval][:n]
         ev_req = requests[len(requests) - n_eval:]
-        temps = [cfg.gen.answer_temperature] * len(tr_req) + [0.0] * len(ev_req)
+        temps = selfinstruct.answer_temperatures(len(tr_req), cfg.gen) + [0.0] * len(ev_req)
         if source == "multiturn":
             items = selfinstruct.multiturn(teacher, chat, tr_req + ev_req, cfg.gen, gen, temps,
                                            progress)
