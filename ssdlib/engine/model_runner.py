@@ -68,16 +68,19 @@ def use_slot_kernel(device: torch.device) -> bool:
     return triton_available()
 
 
-def eager_step_graphs() -> bool:
+def eager_step_graphs() -> str:
     """``SSDLIB_STEP_GRAPHS=eager``: a CPU runner takes the GPU's captured-step code path
     (StepGraphs: static input arena, batch buckets and ghost rows, chains, the speculator's
     build steps) with every step run eagerly, once more at its registration as a graph pool's
-    warm-up would (``EagerPool(warmup=1)``). For tests: the GPU's code path exercised end to
-    end on a CPU."""
+    warm-up would (``EagerPool(warmup=1)``). ``eager-all``: the same with the compiled steps'
+    capture policy (every batch bucket at a step's first use, long indexed forwards padded to
+    a power of two), without compiling. For tests: the GPU's code path exercised end to end on
+    a CPU. Returns "" (unset), "eager" or "eager-all"."""
     raw = os.environ.get("SSDLIB_STEP_GRAPHS", "").strip().lower()
-    if raw not in ("", "eager"):
-        raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager' or unset, got {raw!r}")
-    return raw == "eager"
+    if raw not in ("", "eager", "eager-all"):
+        raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager', 'eager-all' or unset, got "
+                          f"{raw!r}")
+    return raw
 
 
 class ModelRunner:
@@ -108,7 +111,8 @@ class ModelRunner:
             self.step_model = compile_step_model(self.model)
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: StepGraphs | None = None
-        if self.device.type == "cuda" or eager_step_graphs():
+        eager_path = eager_step_graphs()
+        if self.device.type == "cuda" or eager_path:
             from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 
             # TP > 1: every rank captures the same steps in the same order (followers get the
@@ -118,7 +122,8 @@ class ModelRunner:
             # compiled steps: every batch bucket at a step's first use (compiles at start-up,
             # not mid-run when the batch shrinks)
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len,
-                                     all_buckets=self.step_model is not self.model)
+                                     all_buckets=(self.step_model is not self.model
+                                                  or eager_path == "eager-all"))
             if (cuda_graphs and self.device.type == "cuda"
                     and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
                 longest = min(alloc, MAX_PREFILL_GRAPH)

@@ -29,7 +29,9 @@ def test_cpu_runner_takes_the_step_graph_path(tiny_dirs, monkeypatch):
     ck = load_checkpoint(tiny_dirs["smol_heads"])
     r = ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64)
     assert isinstance(r.graphs.pool, EagerPool) and r.graphs.pool.warmup == 1
-    assert r.prefill_graphs is None
+    assert r.prefill_graphs is None and not r.graphs.all_buckets
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    assert ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64).graphs.all_buckets
     monkeypatch.delenv("SSDLIB_STEP_GRAPHS")
     assert ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64).graphs is None
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "yes")
@@ -37,9 +39,13 @@ def test_cpu_runner_takes_the_step_graph_path(tiny_dirs, monkeypatch):
         ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64)
 
 
-@pytest.mark.parametrize("mode,fallback,batch", [("sd", "jit", 3), ("ssd", "jit", 3),
-                                                 ("ssd", "ngram", 1)])
-def test_greedy_equals_ar(tiny_dirs, ar_reference, mode, fallback, batch):  # noqa: F811
+@pytest.mark.parametrize("mode,fallback,batch,path", [
+    ("sd", "jit", 3, "eager"), ("ssd", "jit", 3, "eager"), ("ssd", "ngram", 1, "eager"),
+    # the compiled steps' capture policy: every bucket at once, long indexed forwards padded
+    ("sd", "jit", 3, "eager-all"), ("ssd", "jit", 3, "eager-all")])
+def test_greedy_equals_ar(tiny_dirs, ar_reference, monkeypatch, mode, fallback, batch,
+                          path):  # noqa: F811
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", path)
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
                    mode=mode, k=4, max_batch=batch, max_len=128, fallback=fallback) as g:
         outs = g.generate(PROMPTS, GREEDY)
@@ -53,3 +59,17 @@ def test_sampling_distribution(small_vocab, mode):  # noqa: F811
                    fallback="jit", saguaro_c=0.5, fan_out="2,1,1,2") as g:
         counts = sample_pairs(g, 0.8, 0.9, seed=2)
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
+
+
+def test_padded_prompts_keep_greedy_sd_and_ssd_equal_to_ar(tiny_dirs, monkeypatch):
+    """Prompts of 9-15 tokens take the compiled policy's padded forwards (target prefill, the
+    draft's prefill and catch-up); greedy SD and SSD still equal AR (run on the plain path)."""
+    prompts = [list(range(3, 3 + n)) for n in (9, 11, 15, 10)]
+    monkeypatch.delenv("SSDLIB_STEP_GRAPHS")
+    with Generator(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128) as g:
+        want = [o.token_ids for o in g.generate(prompts, GREEDY)]
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    for mode in ("sd", "ssd"):
+        with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                       mode=mode, k=4, max_batch=3, max_len=128, fallback="jit") as g:
+            assert [o.token_ids for o in g.generate(prompts, GREEDY)] == want, mode
