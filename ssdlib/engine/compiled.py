@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.log import get_logger
+
+log = get_logger(__name__)
+
 # torch.compile specialisations kept for the decoder layer's code (step shapes; dynamo's default
 # is 8)
 COMPILE_RECOMPILE_LIMIT = 256
@@ -50,3 +55,29 @@ def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool,
 
         triton = triton_available()
     return triton
+
+
+def checked_step_model(model, cache, scratch_slot: int, use_kernel: bool,
+                       backend: str = "inductor"):
+    """:func:`compile_step_model`, tried once on a one-token step into the scratch slot (the
+    decode shape, compiled now rather than in the first warm-up): where compiling fails (no
+    working compiler or triton for inductor), a warning names the error and the captured steps
+    run the plain model."""
+    step = compile_step_model(model, backend)
+    dev = cache.k.device
+    pos = torch.zeros(1, 1, dtype=torch.int64, device=dev)
+    meta = AttentionMetadata(pos, torch.tensor([scratch_slot], device=dev), cache.max_len,
+                             kv_limit=pos + 1, use_kernel=use_kernel)
+    try:
+        with torch.inference_mode():
+            step(torch.zeros(1, 1, dtype=torch.int64, device=dev), cache, meta)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
+        root = e  # dynamo wraps the compiler's own error
+        while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+            root = inner
+        first = str(root).splitlines()[0] if str(root) else ""
+        log.warning("torch.compile of the decoder layers failed (%s: %s); the captured steps "
+                    "run the plain model (--no-compile silences this)", type(root).__name__,
+                    first)
+        return model
+    return step

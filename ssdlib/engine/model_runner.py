@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ssdlib.engine.compiled import compile_step_model, wants_compile
+from ssdlib.engine.compiled import checked_step_model, wants_compile
 from ssdlib.engine.kv_cache import KVCache
 from ssdlib.engine.step_graphs import StepGraphs
 from ssdlib.errors import ConfigError
@@ -108,7 +108,8 @@ class ModelRunner:
         # inside each graph) with compile=True on CUDA
         self.step_model = self.model
         if wants_compile(compile, self.device, cuda_graphs, tp_size_rank(tp_group)[0]):
-            self.step_model = compile_step_model(self.model)
+            self.step_model = checked_step_model(self.model, self.cache, self.scratch_slot,
+                                                 self.use_kernel)
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: StepGraphs | None = None
         eager_path = eager_step_graphs()

@@ -681,3 +681,28 @@ def test_compiled_steps_pad_long_indexed_forwards_to_a_power_of_two(tiny_dirs, p
     assert got.tolist() == want.tolist()
     sizes = {k[2] for k in stepped.graphs.pool.keys() if k[0] in ("fwd", "pchain")}
     assert sizes == ({16} if pool_kind == "all" else {11, 13})
+
+
+def test_a_failing_compile_falls_back_to_the_plain_model_with_a_warning(tiny_dirs, caplog):
+    import logging
+
+    import torch._dynamo
+
+    from ssdlib.engine.compiled import checked_step_model
+
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    r = ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING):
+        got = checked_step_model(r.model, r.cache, r.scratch_slot, r.use_kernel,
+                                 backend=broken)
+    assert got is r.model
+    assert "torch.compile of the decoder layers failed" in caplog.text
+    assert "no compiler here" in caplog.text
+    torch._dynamo.reset()
+    ok = checked_step_model(r.model, r.cache, r.scratch_slot, r.use_kernel, backend="eager")
+    assert ok is not r.model and ok.lm_head is r.model.lm_head
+    torch._dynamo.reset()
