@@ -6,13 +6,24 @@ import time
 
 
 def scripted_rank(plan: dict) -> None:
-    """``plan[rank] = (delay_s, action)``: after the delay the rank raises a CheckpointError
-    ("checkpoint"), a RuntimeError ("runtime") or is SIGKILLed ("sigkill"); unlisted ranks wait."""
+    """``plan[rank] = (delay_s, action[, after_rank])``: after the delay the rank raises a
+    CheckpointError ("checkpoint"), a RuntimeError ("runtime") or is SIGKILLed ("sigkill");
+    unlisted ranks wait. With ``after_rank`` (and ``plan["markers"]``, a directory) the delay
+    starts once that rank is about to act, whenever each rank started: the order of the two
+    failures does not depend on how long spawning took."""
     from ssdlib.errors import CheckpointError
 
     rank = int(os.environ["RANK"])
-    delay, action = plan.get(rank, (60.0, None))
+    delay, action, *after = plan.get(rank, (60.0, None))
+    markers = plan.get("markers")
+    if after and markers:
+        deadline = time.monotonic() + 60
+        while (not os.path.exists(os.path.join(markers, f"acting{after[0]}"))
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
     time.sleep(delay)
+    if markers and action is not None:
+        open(os.path.join(markers, f"acting{rank}"), "w").close()
     if action == "checkpoint":
         raise CheckpointError("model.safetensors: tensor 'lm_head.weight' missing")
     if action == "runtime":

@@ -28,7 +28,9 @@ def _terminal_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _failure(plan, roles=None) -> RankFailure:
+def _failure(plan, roles=None, markers=None) -> RankFailure:
+    if markers is not None:
+        plan = dict(plan, markers=str(markers))
     ranks = RankGroup(2, scripted_rank, (plan,), roles=roles)
     with pytest.raises(RankFailure) as info:
         ranks.wait(queue.Queue(), timeout_s=60)
@@ -51,21 +53,23 @@ def test_a_rank_whose_work_returned_exits_0_past_a_teardown_crash():
     assert got == [0, 1] and [p.exitcode for p in ranks.procs] == [0, 0]
 
 
-def test_a_reported_error_keeps_its_kind_and_exit_code():
+def test_a_reported_error_keeps_its_kind_and_exit_code(tmp_path):
     from ssdlib.errors import exit_code
 
-    err = _failure({1: (0.0, "checkpoint"), 0: (0.5, "runtime")}, roles=["leader", "speculator"])
+    # rank 0 fails 0.5 s after rank 1 acts (not after its own start: spawning may take longer)
+    err = _failure({1: (0.0, "checkpoint"), 0: (0.5, "runtime", 1)},
+                   roles=["leader", "speculator"], markers=tmp_path)
     assert err.rank == 1 and "rank 1 (speculator) failed" in str(err), err
     assert "missing" in str(err) and "Connection closed" not in str(err)
     assert isinstance(err.cause, CheckpointError)
     assert exit_code(err) == 2 == exit_code(CheckpointError("found in the main process"))
 
 
-def test_a_rank_killed_without_a_report_is_the_cause():
+def test_a_rank_killed_without_a_report_is_the_cause(tmp_path):
     from ssdlib.errors import exit_code
 
     # rank 0 then fails on the broken connection, with a report; the silent death came first
-    err = _failure({1: (0.0, "sigkill"), 0: (0.3, "runtime")})
+    err = _failure({1: (0.0, "sigkill"), 0: (0.3, "runtime", 1)}, markers=tmp_path)
     assert err.rank == 1 and "killed by SIGKILL" in str(err), err
     assert err.cause is None and exit_code(err) == 1
 
