@@ -214,8 +214,10 @@ class ModelRunner:
         size = min(1 << (s - 1).bit_length(), g.max_queries)
         if size <= s or int(positions[:, 0].max()) + size > self.cache.max_len:
             return ids, positions
-        ids = torch.nn.functional.pad(ids, (0, size - s))
-        return ids, positions[:, :1] + torch.arange(size).view(1, -1)
+        padded = positions[:, :1] + torch.arange(size).view(1, -1)
+        if not torch.equal(padded[:, :s], positions):  # not consecutive positions per row
+            return ids, positions
+        return torch.nn.functional.pad(ids, (0, size - s)), padded
 
     def _prefill_fits(self, ids, positions, logits_index) -> bool:
         """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""

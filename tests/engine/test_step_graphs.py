@@ -706,3 +706,19 @@ def test_a_failing_compile_falls_back_to_the_plain_model_with_a_warning(tiny_dir
     ok = checked_step_model(r.model, r.cache, r.scratch_slot, r.use_kernel, backend="eager")
     assert ok is not r.model and ok.lm_head is r.model.lm_head
     torch._dynamo.reset()
+
+
+def test_step_queries_pads_only_consecutive_positions(tiny_dirs):
+    ck, _, stepped = runners(tiny_dirs["smol_heads"], "cpu", "all")
+    ids = torch.arange(22).view(2, 11)
+    pos = torch.tensor([[3], [7]]) + torch.arange(11)
+    index = torch.tensor([[10], [10]])
+    got_ids, got_pos = stepped.step_queries(ids, pos, index)
+    assert got_ids.shape == (2, 16) and torch.equal(got_ids[:, :11], ids)
+    assert torch.equal(got_pos, torch.tensor([[3], [7]]) + torch.arange(16))
+    gappy = pos.clone()
+    gappy[0, 5:] += 2  # not one run of positions: left as it is
+    assert stepped.step_queries(ids, gappy, index)[1] is gappy
+    assert stepped.step_queries(ids, pos, None)[1] is pos  # no logits index: all positions
+    short = torch.tensor([[3], [7]]) + torch.arange(8)
+    assert stepped.step_queries(ids[:, :8], short, index)[1] is short  # up to 8: exact
