@@ -11,6 +11,9 @@
 # STEP=train/eval: $OUT/draft_candidates.json (all results), $OUT/cand_NAME.tar (each candidate's
 # checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir;
 # on the machine each is also extracted into $WORK/packed/NAME, which gpu_quick.sh's cands benches).
+# Training on data made in an earlier call or session (STEP=data's $OUT/data.safetensors[.gz],
+# kept in an ignored folder and carried): mkdir -p /tmp/distill && gunzip -c DATA.gz >
+# /tmp/distill/data.safetensors (or cp an uncompressed one), then STEP=train.
 # Continuing a candidate in a later session (the machine's work dir is gone, the .tar is left):
 # extract it (mkdir -p .stage/cand/s3 && tar -xf cand_s3.tar -C .stage/cand/s3), carry that dir,
 # and give no architecture flags (they come from its config.json; a fresh optimizer):
