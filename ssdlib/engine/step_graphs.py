@@ -162,16 +162,21 @@ class StepGraphs:
         return tokens[:b], q[:b]
 
     def _replay(self, key: tuple, run):
-        """Capture ``run(key, rows)`` under ``key`` (its rows: ``key[1]``) the first time, with
-        ``all_buckets`` under the same key for every other batch bucket too (the first rows of
-        the inputs in hand, ghost rows past them), replay it, return its output."""
-        if not self.pool.has(key):
-            for rows in self.capture_buckets(key[1]):
-                other = key[:1] + (rows,) + key[2:]
-                if not self.pool.has(other):
-                    self.pool.capture(other, lambda k=other, r=rows: run(k, r))
+        """:meth:`capture` ``run`` under ``key`` the first time, replay it, return its output."""
+        self.capture(key, run)
         self.pool.replay(key)
         return self.outputs[key]
+
+    def capture(self, key: tuple, run) -> None:
+        """Capture ``run(key, rows)`` under ``key`` (a step key: its batch bucket ``key[1]``)
+        unless it is captured, with ``all_buckets`` under the same key for every other batch
+        bucket too (the first rows of the inputs in hand, ghost rows past them)."""
+        if self.pool.has(key):
+            return
+        for rows in self.capture_buckets(key[1]):
+            other = key[:1] + (rows,) + key[2:]
+            if not self.pool.has(other):
+                self.pool.capture(other, lambda k=other, r=rows: run(k, r))
 
     def fill_rows(self, rows: int) -> int:
         """Rows of the static inputs to fill for a step of ``rows`` (ghosts past the real

@@ -70,7 +70,8 @@ def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: t
 
 def build_key(rows: int, kv_len: int, facts: SamplingFacts | None, fan: tuple,
               saguaro_c: float) -> tuple:
-    """The graph key of a build (``facts`` None: greedy). A sampled build's body reads the
+    """The graph key of a build (``facts`` None: greedy), its batch bucket second as in every
+    step key (``StepGraphs.capture``). A sampled build's body reads the
     fan-out only through Saguaro's sigma_{F,C}, which is the identity at C = 1: the fan-out is
     part of the key only for C != 1, so that the estimator's allocation moving between rounds
     does not capture a new graph each time it takes a new value (4 allocations, 13 changes in
@@ -248,32 +249,25 @@ class TreeBuildStep:
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
-        buckets = self.graphs.capture_buckets(rows)
         if hits:  # every bucket's continuation before any build: the build overwrites its inputs
-            for r in buckets:
-                key = ("tree_continue", r, kv_len)
-                if not self.pool.has(key):
-                    self.pool.capture(key, lambda r=r: self.continue_hits(
-                        self.cand[:r], *self._views(self.ints, r, width), kv_len))
-            self.pool.replay(("tree_continue", rows, kv_len))
-        if sampling is not None and not self.pool.has(build_key(rows, kv_len, facts, fan,
-                                                                saguaro_c)):
+            key = ("tree_continue", rows, kv_len)
+            self.graphs.capture(key, lambda _, r: self.continue_hits(
+                self.cand[:r], *self._views(self.ints, r, width), kv_len))
+            self.pool.replay(key)
+        key = build_key(rows, kv_len, facts, fan, saguaro_c)
+        if sampling is not None and not self.pool.has(key):
             self.cache.q  # allocated now: not inside a warm-up or a capture
-        for r in buckets:
-            key = build_key(r, kv_len, facts, fan, saguaro_c)
-            if self.pool.has(key):
-                continue
 
-            def step(r=r):
-                # the sampler inside the body: its tensors are computed from the static tables
-                # at every replay (a sampler built once would keep the first round's values)
-                sampler = None if sampling is None else self._sampler(
-                    self.params[:r], self.streams[:r], facts, fan, saguaro_c)
-                sent_v, n_v, slots_v, _ = self._views(self.ints, r, width)
-                self.body(self.cand[:r], sent_v, n_v, slots_v, self.index[0], self.index[1],
-                          kv_len, sampler)
-            self.pool.capture(key, step)
-        self.pool.replay(build_key(rows, kv_len, facts, fan, saguaro_c))
+        def step(_, r):
+            # the sampler inside the body: its tensors are computed from the static tables at
+            # every replay (a sampler built once would keep the first round's values)
+            sampler = None if sampling is None else self._sampler(
+                self.params[:r], self.streams[:r], facts, fan, saguaro_c)
+            sent_v, n_v, slots_v, _ = self._views(self.ints, r, width)
+            self.body(self.cand[:r], sent_v, n_v, slots_v, self.index[0], self.index[1],
+                      kv_len, sampler)
+        self.graphs.capture(key, step)
+        self.pool.replay(key)
 
     def _host_sampling(self, rows: int, sampled_rows):
         """(parameter table [rows, 4], streams [rows, 2] = (key, first counter), the host's
