@@ -182,8 +182,7 @@ class ModelRunner:
         position) is read from ``positions`` when they are on the host; give it for device
         positions (otherwise it costs a host sync)."""
         b, s = input_ids.shape
-        if self.graphs is not None and self.graphs.fits(b, s):
-            input_ids, positions = self.step_queries(input_ids, positions, logits_index)
+        input_ids, positions = self.step_queries(input_ids, positions, logits_index)
         if kv_len is None or positions.shape[1] > s:
             kv_len = max(kv_len or 0, int(positions.max()) + 1)
         kv_len = self.kv_bucket(kv_len)
@@ -201,15 +200,16 @@ class ModelRunner:
 
     def step_queries(self, ids: torch.Tensor, positions: torch.Tensor,
                      logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) for a step graph: as given, or, for compiled steps, a forward of more
-        than EXACT_STEP_QUERIES host queries a row with a logits index padded to the next power
-        of two (at most the graphs' queries). The padding continues each row's positions
+        """(ids, positions) for a forward: as given, or, where it fits a compiled step graph, a
+        forward of more than EXACT_STEP_QUERIES host queries a row with a logits index padded to
+        the next power of two (at most the graphs' queries). The padding continues each row's positions
         (``pack_rows``' layout, as a prefill bucket's): its KV lands past the row's length,
         never read before it is overwritten, and the logits index still points at real tokens."""
-        s = ids.shape[1]
+        b, s = ids.shape
         g = self.graphs
-        if (g is None or not g.all_buckets or logits_index is None or s <= EXACT_STEP_QUERIES
-                or ids.device.type != "cpu" or positions.device.type != "cpu"):
+        if (g is None or not g.all_buckets or not g.fits(b, s) or logits_index is None
+                or s <= EXACT_STEP_QUERIES or ids.device.type != "cpu"
+                or positions.device.type != "cpu"):
             return ids, positions
         size = min(1 << (s - 1).bit_length(), g.max_queries)
         if size <= s or int(positions[:, 0].max()) + size > self.cache.max_len:
@@ -267,8 +267,7 @@ class ModelRunner:
         (inferred from the increase measured at 7560c73: SD's draft phase 1.16 -> 1.32 ms a
         round over 289 rounds and 4 sequences at b = 1)."""
         b, s = ids.shape
-        if self.graphs is not None and self.graphs.fits(b, s):
-            ids, positions = self.step_queries(ids, positions, logits_index)
+        ids, positions = self.step_queries(ids, positions, logits_index)
         kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
         if self.graphs is not None and self.graphs.fits(b, s):
             return self.graphs.prefix_chain(ids, positions, slots, logits_index, steps, vocab,
