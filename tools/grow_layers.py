@@ -12,17 +12,16 @@ copied; MODEL_CARD.md is not.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from safetensors.torch import save_file  # noqa: E402
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(TOOLS), TOOLS]  # the repository (ssdlib) and tools/
 
 from ssdlib.loading import load_checkpoint  # noqa: E402
+from truncate_layers import write_layers  # noqa: E402
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 ZEROED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -61,12 +60,7 @@ def main(argv=None) -> int:
             if copy and part in ZEROED:
                 t.zero_()
             tensors[f"model.layers.{j}.{part}"] = t.contiguous()
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    cfg = ck.config.to_hf_dict()
-    cfg["num_hidden_layers"] = n
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    write_layers(ck, tensors, n, out)
     if os.path.isdir(src):
         for fname in os.listdir(src):
             if fname not in ("model.safetensors", "config.json", "MODEL_CARD.md"):

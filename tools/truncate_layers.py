@@ -17,6 +17,17 @@ from safetensors.torch import save_file  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 
 
+def write_layers(ck, tensors: dict, n: int, out: str) -> None:
+    """``out``: ``tensors`` as model.safetensors and ``ck``'s config with ``n`` layers (also
+    tools/grow_layers.py's)."""
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = ck.config.to_hf_dict()
+    cfg["num_hidden_layers"] = n
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def main(argv=None) -> int:
     spec, n, out = (argv or sys.argv[1:])[:3]
     n = int(n)
@@ -27,12 +38,7 @@ def main(argv=None) -> int:
         m = layer.match(name)
         if m is None or int(m.group(1)) < n:
             tensors[name] = ck.weights.get(name).contiguous()
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    cfg = ck.config.to_hf_dict()
-    cfg["num_hidden_layers"] = n
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    write_layers(ck, tensors, n, out)
     if ck.tokenizer is not None:
         ck.tokenizer.save_hf(out)
     return 0
