@@ -25,7 +25,7 @@
 # the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough);
 # sd8: b = 8 AR and SD, compiled and not (one GPU).
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
-# Compiling is per decoder layer since session 12: a mode's start-up (ready s) is ~12-20 s.
+# Compiling is per decoder layer since session 12: ready s was 11-20 s at b = 1, 26-31 s at b = 8.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
