@@ -230,9 +230,14 @@ step_eval() {
   wait_all "${pids[@]}"
   local models=()
   for name in "${evnames[@]}"; do models+=(--model "$name=${DIRS[$name]}"); done
-  say "probe: decode step, one CUDA-graph replay, b=1 bf16 ($PROBE)"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$PROBE_TIMEOUT" python -m tools.distill.candidates probe \
-    --probe "$PROBE" --out "$W/probe.json" "${models[@]}" || say "probe failed (rc $?)"
+  rm -f "$W/probe.json"
+  if [ -f "$PROBE" ]; then
+    say "probe: decode step, one CUDA-graph replay, b=1 bf16 ($PROBE)"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$PROBE_TIMEOUT" python -m tools.distill.candidates \
+      probe --probe "$PROBE" --out "$W/probe.json" "${models[@]}" || say "probe failed (rc $?)"
+  else
+    say "probe skipped: no $PROBE (carry .stage/floor_probe.py, or PROBE=PATH)"
+  fi
   [ -s "$W/probe.json" ] || echo '{}' > "$W/probe.json"
   python - "$W" "${evnames[@]}" > "$W/extra.json" <<'EOF'
 import json, os, sys

@@ -82,3 +82,20 @@ def test_pack_matches_the_asset_layout(tmp_path):
     with pytest.raises(ValueError):
         C.pack(draft, str(tmp_path / "big.tar"), target=target, max_bytes=1000)
     assert not os.path.exists(tmp_path / "big.tar")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    """A missing floor probe and a candidate over the size limit end the command with one
+    message naming the problem, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        C.main(["probe", "--probe", str(tmp_path / "nope.py"), "--out", str(tmp_path / "p.json")])
+    assert "nope.py: no such file" in str(e.value.code)
+    target = make_tiny_chat_model(str(tmp_path / "target"))
+    draft = make_tiny_chat_model(str(tmp_path / "draft"), seed=1)
+    big = "x" * (17 * 2**20)
+    (tmp_path / "draft" / "distill.json").write_text(json.dumps({"pad": big}))
+    with pytest.raises(SystemExit) as e:
+        C.main(["pack", "--dir", draft, "--out", str(tmp_path / "c.tar"), "--target", target,
+                "--same-as", "tiny-target"])
+    assert str(e.value.code).startswith("not packed: ") and "MiB > 16.00 MiB" in str(e.value.code)
+    assert not os.path.exists(tmp_path / "c.tar")

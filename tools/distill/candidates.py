@@ -75,6 +75,9 @@ def read_config(directory: str) -> dict:
 # ----------------------------------------------------------------------------- measurement (GPU)
 
 def load_probe(path: str):
+    """floor_probe.py at ``path`` as a module; SystemExit naming the path when it is missing."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--probe {path}: no such file (the floor probe, floor_probe.py)")
     spec = importlib.util.spec_from_file_location("floor_probe", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -324,8 +327,11 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(out, f, indent=2)
         print(table(results))
     elif a.cmd == "pack":
-        print(json.dumps(pack(a.dir, a.out, a.same_as, a.target,
-                              with_tokenizer=a.with_tokenizer)))
+        try:
+            info = pack(a.dir, a.out, a.same_as, a.target, with_tokenizer=a.with_tokenizer)
+        except ValueError as ex:  # over the size limit: a probe draft, not an asset
+            raise SystemExit(f"not packed: {ex}") from None
+        print(json.dumps(info))
 
 
 if __name__ == "__main__":
