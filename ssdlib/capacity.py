@@ -25,7 +25,8 @@ def weight_bytes(config: ModelConfig, tp: int, dtype_bytes: int) -> int:
     """Bytes of one rank's weights (tensor-parallel matrices split ``tp`` ways).
 
     A draft that uses its target's embedding (``embedding_from_target``) holds its own copy of it
-    at run time, so it counts here like any draft's embedding."""
+    at run time, so it counts here like any draft's embedding; a narrower one
+    (``target_hidden_size``) holds its folded embedding and head [vocab, hidden], untied."""
     h, hd = config.hidden_size, config.head_dim
     attn = h * hd * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
     mlp = 3 * h * config.intermediate_size

@@ -16,6 +16,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 # config.json key of a draft that stores no token embedding and uses its target's (frozen) one,
 # as its LM head too when tied; such a draft loads only beside its target (loading/draft.py).
 EMBEDDING_FROM_TARGET_KEY = "ssdlib_embedding_from_target"
+# config.json key of such a draft that is narrower than its target: it reads the target's
+# embedding (this wide) through two learned projections to its own width, one for its input
+# embedding and one for its LM head (loading/draft.py folds them in at load time).
+TARGET_HIDDEN_SIZE_KEY = "ssdlib_target_hidden_size"
 
 
 @dataclass
@@ -39,6 +43,13 @@ class ModelConfig:
     mlp_bias: bool = False
     # a draft whose embedding (and tied head) is its target's: see EMBEDDING_FROM_TARGET_KEY
     embedding_from_target: bool = False
+    # a narrower draft of that kind: its target's hidden size (see TARGET_HIDDEN_SIZE_KEY)
+    target_hidden_size: int | None = None
+
+    @property
+    def projects_target_embedding(self) -> bool:
+        """A draft that reads its target's embedding through learned projections."""
+        return self.target_hidden_size is not None
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -60,6 +71,20 @@ class ModelConfig:
                                       "(supported: llama3)")
         if self.attention_bias or self.mlp_bias:
             raise CheckpointError("config: attention_bias/mlp_bias Llama variants are not supported")
+        if self.target_hidden_size is not None:
+            t = self.target_hidden_size
+            if not isinstance(t, int) or isinstance(t, bool) or t <= 0:
+                raise CheckpointError(
+                    f"config: {TARGET_HIDDEN_SIZE_KEY} must be a positive integer, got {t!r}")
+            if not self.embedding_from_target:
+                raise CheckpointError(
+                    f"config: {TARGET_HIDDEN_SIZE_KEY} is only meaningful with "
+                    f"{EMBEDDING_FROM_TARGET_KEY}: true (a draft that reads its target's "
+                    "embedding through projections)")
+            if self.tie_word_embeddings:
+                raise CheckpointError(
+                    f"config: a draft with {TARGET_HIDDEN_SIZE_KEY} has its own projections for "
+                    "the embedding and the LM head, so tie_word_embeddings must be false")
         return self
 
     @property
@@ -90,6 +115,8 @@ class ModelConfig:
         }
         if self.embedding_from_target:
             d[EMBEDDING_FROM_TARGET_KEY] = True
+        if self.target_hidden_size is not None:
+            d[TARGET_HIDDEN_SIZE_KEY] = self.target_hidden_size
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -143,6 +170,7 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 embedding_from_target=bool(d.get(EMBEDDING_FROM_TARGET_KEY, False)),
+                target_hidden_size=d.get(TARGET_HIDDEN_SIZE_KEY),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: missing or invalid field: {e}") from None

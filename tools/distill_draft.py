@@ -107,8 +107,10 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--hidden", type=int, help="default 128; with --embedding-from-target the target's")
     add("--layers", type=int,
         help="default 6; with --init-layers-from-target the number of layers it names")
-    add("--heads", type=int, help="default 4; with --embedding-from-target the target's")
-    add("--kv-heads", type=int, help="default 2; with --embedding-from-target the target's")
+    add("--heads", type=int,
+        help="default 4; with --embedding-from-target at the target's width the target's")
+    add("--kv-heads", type=int,
+        help="default 2; with --embedding-from-target at the target's width the target's")
     add("--ffn", type=int, help="default 512; with --init-layers-from-target the target's")
     add("--head-dim", type=int,
         help="default hidden/heads; with --embedding-from-target and the target's widths the "
@@ -119,9 +121,11 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--init-embeddings-from-target", action="store_true", default=False,
         help="start the embedding from the target's top principal directions")
     add("--embedding-from-target", action="store_true", default=False,
-        help="a draft as wide as the target that uses the target's embedding (frozen, tied "
-             "head) and does not store it: layers + final norm only (ssdlib loads it beside "
-             "the target; config.json: ssdlib_embedding_from_target)")
+        help="a draft that uses the target's embedding (frozen) and does not store it: as wide "
+             "as the target, layers + final norm only (tied head); with a narrower --hidden, "
+             "through two trained projections [target hidden, hidden] for its embedding and "
+             "its LM head, which it stores (ssdlib loads it beside the target; config.json: "
+             "ssdlib_embedding_from_target, ssdlib_target_hidden_size)")
     add("--init-layers-from-target", metavar="I,J,...",
         help="initialise draft layer n from target layer I_n and the final norm from the "
              "target's (shapes must match: --embedding-from-target or the target's widths)")
@@ -295,21 +299,24 @@ def draft_shape(args, target) -> tuple:
     shared = args.embedding_from_target
     if shared and args.init_embeddings_from_target:
         raise SystemExit("--init-embeddings-from-target starts a narrower draft's own embedding; "
-                         "--embedding-from-target uses the target's as is: give one of them")
+                         "--embedding-from-target uses the target's (a narrower draft's "
+                         "projections start from its principal directions): give one of them")
     init_layers = None
     try:
         if args.init_layers_from_target:
             init_layers = models.parse_layer_list(args.init_layers_from_target,
                                                   target.num_hidden_layers)
         layers = args.layers or (len(init_layers) if init_layers else 6)
-        heads = args.heads or (target.num_attention_heads if shared else 4)
         hidden = args.hidden or (target.hidden_size if shared else 128)
+        # the target's head layout only at its width (a narrower shared draft: projections)
+        same_width = shared and hidden == target.hidden_size
+        heads = args.heads or (target.num_attention_heads if same_width else 4)
         # the target's head_dim when its widths are kept (it need not be hidden / heads)
         keep = shared and hidden == target.hidden_size and heads == target.num_attention_heads
         head_dim = getattr(args, "head_dim", None)  # runs saved before --head-dim: None
         dcfg = models.draft_config(
             target, hidden, layers, heads,
-            args.kv_heads or (target.num_key_value_heads if shared else 2),
+            args.kv_heads or (target.num_key_value_heads if same_width else 2),
             args.ffn or (target.intermediate_size if init_layers else 512),
             head_dim=head_dim or (target.head_dim if keep else None),
             embedding_from_target=shared)
@@ -355,7 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     dcfg, init_layers = draft_shape(args, ck.config)
     n_params = models.count_params(dcfg)  # stored parameters (not a shared target embedding)
     est_bytes = n_params * torch.finfo(models.STORAGE_DTYPES[args.storage_dtype]).bits // 8
-    shared = ", the target's embedding (not stored)" if dcfg.embedding_from_target else ""
+    shared = (", the target's embedding through two projections" if
+              dcfg.projects_target_embedding else
+              ", the target's embedding (not stored)" if dcfg.embedding_from_target else "")
     print(f"draft: hidden {dcfg.hidden_size}, {dcfg.num_hidden_layers} layers, "
           f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads} heads, ffn "
           f"{dcfg.intermediate_size}{shared}: {n_params / 1e6:.2f} M params, "
@@ -375,7 +384,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"init: weights from {args.init_from}" + (
             f" (note: the target's settings differ from its config.json: {', '.join(differ)})"
             if differ else ""))
-    if args.embedding_from_target:  # also on --resume: the checkpoint does not hold it
+    if dcfg.projects_target_embedding:  # also on --resume (then the checkpoint's projections)
+        try:
+            models.project_target_embedding(draft, ck, fresh=not (args.init_from or args.resume))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    elif args.embedding_from_target:  # also on --resume: the checkpoint does not hold it
         models.share_target_embedding(draft, ck)
     if args.init_embeddings_from_target and not args.resume:
         models.init_embeddings_from_target(draft, ck)

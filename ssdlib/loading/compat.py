@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, ModelConfig
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, TARGET_HIDDEN_SIZE_KEY, ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
 
@@ -16,17 +16,22 @@ def check_draft_vocab(target: ModelConfig, draft: ModelConfig, target_source: st
     cut off.) Needs the configs only, so it runs before any weight is read.
 
     A draft that uses the target's embedding (``embedding_from_target``) must also have exactly
-    the target's vocabulary size and hidden size: it reads the target's embedding matrix as is.
+    the target's vocabulary size and hidden size (for a narrower one, ``target_hidden_size``):
+    it reads the target's embedding matrix as is.
     """
     if draft.embedding_from_target:
-        for what, t, d in (("hidden_size", target.hidden_size, draft.hidden_size),
+        width = ("hidden_size" if draft.target_hidden_size is None
+                 else f"{TARGET_HIDDEN_SIZE_KEY} (the width its projections read)")
+        for what, t, d in ((width, target.hidden_size,
+                            draft.target_hidden_size or draft.hidden_size),
                            ("vocab_size", target.vocab_size, draft.vocab_size)):
             if t != d:
                 raise CheckpointError(
                     f"draft {draft_source!r} uses its target's embedding ("
                     f"{EMBEDDING_FROM_TARGET_KEY}) but its {what} is {d} and the target "
-                    f"{target_source!r} has {t}: such a draft only runs with a target of its "
-                    f"{what}")
+                    f"{target_source!r} has {t}: such a draft only runs with a target of "
+                    f"hidden size {draft.target_hidden_size or draft.hidden_size} and "
+                    f"vocab_size {draft.vocab_size}")
     if draft.vocab_size < target.vocab_size:
         raise CheckpointError(
             f"draft {draft_source!r} has {draft.vocab_size} embedding rows but the target "

@@ -2,9 +2,12 @@
 
 A draft whose config.json sets ``ssdlib_embedding_from_target`` stores only its transformer
 layers and final norm: its token embedding (and, tied, its LM head) is the target's, so a draft
-as wide as the target stays small on disk. :func:`load_draft` serves those tensors from the
-target's weights, so the model loads unchanged; :func:`materialize_hf` writes a standard HF
-directory with the embedding included, for tools (transformers) that cannot read the flag.
+as wide as the target stays small on disk. A narrower one (``ssdlib_target_hidden_size``) also
+stores two projections [target hidden, hidden]: its embedding is the target's embedding times
+the first, its (untied) LM head the target's head times the second, so all of its stored bytes
+go to its layers. :func:`load_draft` serves those tensors from the target's weights (folding the
+projections in), so the model loads unchanged; :func:`materialize_hf` writes a standard HF
+directory with them included, for tools (transformers) that cannot read the flags.
 """
 
 from __future__ import annotations
@@ -15,22 +18,25 @@ import shutil
 
 import torch
 
-from ssdlib.config import EMBEDDING_FROM_TARGET_KEY
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, TARGET_HIDDEN_SIZE_KEY
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint, WeightSource, load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
-from ssdlib.loading.hf_dir import TARGET_SHARED_TENSORS
+from ssdlib.loading.hf_dir import TARGET_PROJECTIONS, TARGET_SHARED_TENSORS
 
 EMBED, HEAD = TARGET_SHARED_TENSORS
 
 
 class TargetEmbeddingWeights:
     """A draft's own tensors plus the embedding (and LM head, when asked for and not stored)
-    read from the target's weights; everything else is the draft's."""
+    read from the target's weights, times the draft's projection of it when ``projected``;
+    everything else is the draft's (the projections themselves are not listed)."""
 
-    def __init__(self, draft: WeightSource, target: WeightSource, draft_tied: bool):
+    def __init__(self, draft: WeightSource, target: WeightSource, draft_tied: bool,
+                 projected: bool = False):
         self.draft = draft
         self.target = target
+        self.projected = projected
         self._own = set(draft.names())
         target_names = set(target.names())
         self._served = {EMBED: EMBED}
@@ -39,21 +45,41 @@ class TargetEmbeddingWeights:
             self._served[HEAD] = HEAD if HEAD in target_names else EMBED
 
     def names(self) -> list[str]:
-        return self.draft.names() + [n for n in self._served if n not in self._own]
+        hidden = set(TARGET_PROJECTIONS.values()) if self.projected else set()
+        return ([n for n in self.draft.names() if n not in hidden]
+                + [n for n in self._served if n not in self._own])
 
     def _source(self, name: str) -> tuple[WeightSource, str]:
         if name in self._served and name not in self._own:
             return self.target, self._served[name]
         return self.draft, name
 
+    def _projection(self, name: str) -> str | None:
+        """The draft's projection of the served tensor ``name`` (None: served as is)."""
+        if self.projected and name in self._served and name not in self._own:
+            return TARGET_PROJECTIONS[name]
+        return None
+
     def shape(self, name: str) -> tuple[int, ...]:
         source, real = self._source(name)
-        return tuple(source.shape(real))
+        shape = tuple(source.shape(real))
+        proj = self._projection(name)
+        if proj is not None:  # [V, target hidden] @ [target hidden, hidden]
+            shape = (shape[0], tuple(self.draft.shape(proj))[1])
+        return shape
 
     def get(self, name: str, dim: int | None = None, start: int = 0,
             stop: int | None = None) -> torch.Tensor:
         source, real = self._source(name)
-        return source.get(real, dim=dim, start=start, stop=stop)
+        proj = self._projection(name)
+        if proj is None:
+            return source.get(real, dim=dim, start=start, stop=stop)
+        # rows of the product are the projected rows of the target's matrix (vocab shards)
+        rows = source.get(real, dim=0, start=start, stop=stop) if dim == 0 else source.get(real)
+        out = rows.float() @ self.draft.get(proj).float()
+        if dim is not None and dim != 0:
+            out = out.narrow(dim, start, (out.shape[dim] if stop is None else stop) - start)
+        return out
 
 
 def load_draft(spec: str | os.PathLike, target_ck: Checkpoint) -> Checkpoint:
@@ -66,7 +92,8 @@ def load_draft(spec: str | os.PathLike, target_ck: Checkpoint) -> Checkpoint:
     if not draft.config.embedding_from_target:
         return draft
     weights = TargetEmbeddingWeights(draft.weights, target_ck.weights,
-                                     draft.config.tie_word_embeddings)
+                                     draft.config.tie_word_embeddings,
+                                     projected=draft.config.projects_target_embedding)
     return Checkpoint(source=draft.source, config=draft.config, weights=weights,
                       tokenizer_factory=lambda: draft.tokenizer)
 
@@ -99,6 +126,7 @@ def materialize_hf(draft_dir: str, target_ck: Checkpoint, out_dir: str,
     with open(os.path.join(directory, "config.json")) as f:
         raw = json.load(f)
     raw.pop(EMBEDDING_FROM_TARGET_KEY, None)
+    raw.pop(TARGET_HIDDEN_SIZE_KEY, None)
     dtype_name = str(dtype).removeprefix("torch.")
     raw["torch_dtype"] = dtype_name
     if "dtype" in raw:

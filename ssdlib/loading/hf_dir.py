@@ -8,12 +8,17 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, ModelConfig
+from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, TARGET_HIDDEN_SIZE_KEY, ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading.checkpoint import Checkpoint
 
 # The tensors a draft with ``embedding_from_target`` does not store: its target serves them.
 TARGET_SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+# What a narrower such draft (``target_hidden_size``) stores instead, each [target hidden,
+# hidden]: its embedding is the target's embedding times the first, its LM head the target's
+# head times the second (loading/draft.py).
+TARGET_PROJECTIONS = {"model.embed_tokens.weight": "model.embed_tokens.projection",
+                      "lm_head.weight": "lm_head.projection"}
 
 
 class SafetensorsWeights:
@@ -110,6 +115,15 @@ def load_hf_dir(directory: str) -> Checkpoint:
         raise CheckpointError(
             f"{directory}: config.json sets {EMBEDDING_FROM_TARGET_KEY} but model.safetensors "
             f"stores {TARGET_SHARED_TENSORS[0]!r}: remove the tensor or the flag")
+    if config.projects_target_embedding:
+        expected = (config.target_hidden_size, config.hidden_size)
+        for name in TARGET_PROJECTIONS.values():
+            found = tuple(weights.shape(name)) if name in weights.names() else None
+            if found != expected:
+                raise CheckpointError(
+                    f"{directory}: config.json sets {TARGET_HIDDEN_SIZE_KEY}, so "
+                    f"model.safetensors must store {name!r} of shape {expected}; "
+                    + ("it is missing" if found is None else f"it has {found}"))
 
     def tokenizer_factory():
         from ssdlib.tokenizer import load_tokenizer_dir

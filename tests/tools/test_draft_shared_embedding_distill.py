@@ -114,7 +114,7 @@ def test_layers_from_target_reproduce_the_target(tiny_dirs):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--hidden", "36"], "hidden size must be the target's \\(72\\)"),
+    (["--hidden", "36", "--heads", "5"], "must be a multiple of --heads"),
     (["--init-layers-from-target", "0,5"], "must be in 0..1"),
     (["--init-layers-from-target", "0,1", "--layers", "3"], "names 2 layers but --layers is 3"),
     (["--init-embeddings-from-target"], "give one of them"),

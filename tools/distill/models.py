@@ -2,9 +2,13 @@
 ids, ties its embeddings (most of a small draft's size is the embedding) and is written out as an
 HF checkpoint directory.
 
-With ``embedding_from_target`` the draft is as wide as the target and its embedding (tied head)
-is the target's, frozen: only its layers and final norm are trained, counted and stored, and
-config.json carries the flag (ssdlib loads it beside the target: ssdlib/loading/draft.py)."""
+With ``embedding_from_target`` the draft's embedding (tied head) is the target's, frozen: only
+its layers and final norm are trained, counted and stored, and config.json carries the flag
+(ssdlib loads it beside the target: ssdlib/loading/draft.py). A narrower draft of that kind
+(``target_hidden_size``) reads the target's embedding through two trained projections
+[target hidden, hidden], one for its embedding and one for its (untied) LM head: during
+training both weights are torch parametrizations (the target's matrix times the projection),
+and only the projections are stored."""
 
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ from dataclasses import replace
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
+from torch.nn.utils import parametrize
 
 from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading import Checkpoint
 from ssdlib.loading.draft import load_draft
-from ssdlib.loading.hf_dir import TARGET_SHARED_TENSORS
+from ssdlib.loading.hf_dir import TARGET_PROJECTIONS, TARGET_SHARED_TENSORS
 from ssdlib.models.llama import LlamaForCausalLM
 
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -46,19 +52,19 @@ def draft_config(target: ModelConfig, hidden: int, layers: int, heads: int, kv_h
                  embedding_from_target: bool = False) -> ModelConfig:
     """A small Llama with the target's vocabulary, special ids and RoPE, embeddings tied
     (``head_dim`` default: hidden / heads). ``embedding_from_target``: the embedding is the
-    target's, so ``hidden`` must be the target's."""
+    target's; narrower than the target, through projections (``target_hidden_size``, an untied
+    head)."""
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"--hidden ({hidden}) must be a multiple of --heads ({heads})")
         head_dim = hidden // heads
-    if embedding_from_target and hidden != target.hidden_size:
-        raise ValueError(f"--embedding-from-target: the draft's hidden size must be the target's "
-                         f"({target.hidden_size}), got --hidden {hidden}")
+    projected = embedding_from_target and hidden != target.hidden_size
     return replace(target, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                    num_attention_heads=heads, num_key_value_heads=kv_heads,
-                   head_dim=head_dim, tie_word_embeddings=True,
+                   head_dim=head_dim, tie_word_embeddings=not projected,
                    eos_token_ids=list(target.eos_token_ids),
-                   embedding_from_target=embedding_from_target).validate()
+                   embedding_from_target=embedding_from_target,
+                   target_hidden_size=target.hidden_size if projected else None).validate()
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -66,9 +72,10 @@ def count_params(cfg: ModelConfig) -> int:
     h, hd = cfg.hidden_size, cfg.head_dim
     attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     layer = attn + 3 * h * cfg.intermediate_size + 2 * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings or cfg.embedding_from_target else cfg.vocab_size * h
     embed = 0 if cfg.embedding_from_target else cfg.vocab_size * h
-    return embed + cfg.num_hidden_layers * layer + h + head
+    projections = 2 * cfg.target_hidden_size * h if cfg.projects_target_embedding else 0
+    return embed + cfg.num_hidden_layers * layer + h + head + projections
 
 
 def build_draft(cfg: ModelConfig, device: torch.device, max_positions: int,
@@ -93,12 +100,8 @@ def build_draft(cfg: ModelConfig, device: torch.device, max_positions: int,
 def init_embeddings_from_target(draft: LlamaForCausalLM, ck: Checkpoint) -> None:
     """Draft embedding = the target embedding projected on its top principal directions (the
     leading right singular vectors of E [V, H]), so similar tokens start out similar."""
-    emb = ck.weights.get("model.embed_tokens.weight").double()  # [V, H]
-    d = draft.config.hidden_size
-    # right singular vectors of E are the eigenvectors of E^T E ([H, H], cheap for any V)
-    evals, evecs = torch.linalg.eigh(emb.T @ emb)
-    top = evecs[:, evals.argsort(descending=True)[:d]]  # [H, min(d, H)]
-    proj = emb @ top  # [V, min(d, H)]
+    emb = ck.weights.get(TARGET_SHARED_TENSORS[0]).double()  # [V, H]
+    proj = emb @ _top_directions(emb, draft.config.hidden_size)  # [V, min(d, H)]
     w = draft.model.embed_tokens.weight
     w[:, :proj.shape[1]] = proj.to(w.dtype).to(w.device)
 
@@ -109,6 +112,87 @@ def share_target_embedding(draft: LlamaForCausalLM, ck: Checkpoint) -> None:
     w = draft.model.embed_tokens.weight
     w.copy_(ck.weights.get(TARGET_SHARED_TENSORS[0]).to(w.dtype))
     w.requires_grad_(False)
+
+
+class FromTarget(nn.Module):
+    """A parametrization: weight = the target's matrix [V, target hidden] (frozen, not saved)
+    @ the trained projection [target hidden, hidden]."""
+
+    def __init__(self, base: torch.Tensor):
+        super().__init__()
+        self.register_buffer("base", base, persistent=False)
+
+    def forward(self, projection: torch.Tensor) -> torch.Tensor:
+        return self.base.to(projection.dtype) @ projection
+
+    @torch.no_grad()
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        """The projection whose product is closest to ``weight`` (least squares): the
+        projection itself when ``weight`` is such a product (a loaded draft)."""
+        sol = torch.linalg.lstsq(self.base.double().cpu(), weight.double().cpu()).solution
+        return sol.to(weight.dtype).to(weight.device)
+
+
+def target_matrices(ck: Checkpoint) -> dict[str, str]:
+    """Draft tensor -> the target tensor it is read from (the loader's rule: the head is the
+    target's head when it stores one, else its tied embedding)."""
+    embed, head = TARGET_SHARED_TENSORS
+    return {embed: embed, head: head if head in ck.weights.names() else embed}
+
+
+def _projection_param(name: str) -> str:
+    """The parameter name torch.nn.utils.parametrize gives the projection of ``name``."""
+    module, _, attr = name.rpartition(".")
+    return f"{module}.parametrizations.{attr}.original"
+
+
+@torch.no_grad()
+def project_target_embedding(draft: LlamaForCausalLM, ck: Checkpoint, fresh: bool) -> None:
+    """A narrower draft's embedding and LM head := the target's matrices through trained
+    projections (parametrizations). Its current weights become the least-squares projections
+    (a draft loaded by --init-from keeps exactly its function); ``fresh``: both projections
+    start as the target embedding's top principal directions (the --init-embeddings-from-target
+    start of a draft of this width)."""
+    cfg = draft.config
+    modules = {TARGET_SHARED_TENSORS[0]: draft.model.embed_tokens,
+               TARGET_SHARED_TENSORS[1]: draft.lm_head}
+    device = draft.model.embed_tokens.weight.device
+    top = None
+    if fresh:  # [H, d]: zero columns past the target's width (a wider draft)
+        emb = ck.weights.get(TARGET_SHARED_TENSORS[0]).double()
+        top = torch.zeros(emb.shape[1], cfg.hidden_size, dtype=torch.float64)
+        found = _top_directions(emb, cfg.hidden_size)
+        top[:, :found.shape[1]] = found
+        top = top.float()
+    for name, source in target_matrices(ck).items():
+        base = ck.weights.get(source).float().to(device)  # [V, target hidden]
+        if tuple(base.shape) != (cfg.vocab_size, cfg.target_hidden_size):
+            raise ValueError(f"the target's {source} has shape {tuple(base.shape)}, the draft "
+                             f"expects ({cfg.vocab_size}, {cfg.target_hidden_size})")
+        module = modules[name]
+        if top is not None:
+            module.weight.copy_(base @ top.to(device))
+        parametrize.register_parametrization(module, "weight", FromTarget(base), unsafe=True)
+
+
+def _top_directions(emb: torch.Tensor, d: int) -> torch.Tensor:
+    """The leading ``d`` right singular vectors of an embedding E [V, H]: [H, min(d, H)]."""
+    evals, evecs = torch.linalg.eigh(emb.T @ emb)  # E^T E [H, H], cheap for any V
+    return evecs[:, evals.argsort(descending=True)[:d]]
+
+
+def stored_tensors(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The tensors an exported draft stores, by name: not the target's embedding (or head);
+    a narrower draft's projections under their checkpoint names."""
+    tensors = draft.hf_state_dict()
+    cfg = draft.config
+    if cfg.projects_target_embedding:
+        for served, stored in TARGET_PROJECTIONS.items():
+            tensors[stored] = tensors.pop(_projection_param(served))
+    if cfg.embedding_from_target:
+        for name in TARGET_SHARED_TENSORS:
+            tensors.pop(name, None)
+    return tensors
 
 
 def parse_layer_list(text: str, n_target: int) -> list[int]:
@@ -184,10 +268,11 @@ def init_from_draft(draft: LlamaForCausalLM, ck: Checkpoint, directory: str) -> 
         raise ValueError(f"{where}: {e}") from None
     src, cfg = source.config, draft.config
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "embedding_from_target")
+            "num_attention_heads", "num_key_value_heads", "head_dim", "embedding_from_target",
+            "target_hidden_size")
     diff = [f"{k} {getattr(src, k)} (the draft: {getattr(cfg, k)})" for k in keys
             if getattr(src, k) != getattr(cfg, k)]
-    if not src.tie_word_embeddings:
+    if not src.tie_word_embeddings and not src.projects_target_embedding:
         diff.append("an untied LM head (distill_draft.py trains tied drafts)")
     if diff:
         raise ValueError(f"{where}: the source draft does not fit: {', '.join(diff)}")
@@ -204,9 +289,8 @@ def export_hf(draft: LlamaForCausalLM, ck: Checkpoint, out_dir: str, storage_dty
     ssdlib only, beside its target). Returns the safetensors file size."""
     os.makedirs(out_dir, exist_ok=True)
     dtype = STORAGE_DTYPES[storage_dtype]
-    skip = TARGET_SHARED_TENSORS if draft.config.embedding_from_target else ()
     tensors = {name: p.detach().to("cpu", dtype).contiguous()
-               for name, p in draft.hf_state_dict().items() if name not in skip}
+               for name, p in stored_tensors(draft).items()}
     weights = os.path.join(out_dir, "model.safetensors")
     save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
     os.chmod(weights + ".tmp", 0o644)
