@@ -69,6 +69,10 @@ DATA_EXTRA=${DATA_EXTRA:-}  # more distill_data.py gen flags
 # (more data in a later call: give a new seed, DATA_EXTRA="--seed 1", and PYSRC_TOKENS=0
 # DOC_SAMPLES=0, whose texts would repeat)
 DATA_APPEND=${DATA_APPEND:-}
+# DATA_PARTS="A.safetensors.gz B.safetensors ...": STEP=train first merges these data files
+# (earlier calls' or sessions' STEP=data outputs, carried; gzipped or not) into
+# $W/data_parts.safetensors and trains on that
+DATA_PARTS=${DATA_PARTS:-}
 
 # candidates: one per line, NAME|distill_draft.py flags (after TRAIN_COMMON: they win)
 D576="--embedding-from-target"  # the target's widths: hidden 576, 9/3 heads, head_dim 64
@@ -169,7 +173,22 @@ EOF
 candidate_names() { printf '%s\n' "$CANDIDATES" | sed '/^\s*$/d' | cut -d'|' -f1 | tr -d ' '; }
 candidate_flags() { printf '%s\n' "$CANDIDATES" | awk -F'|' -v n="$1" '{gsub(/ /, "", $1)} $1 == n {print $2}'; }
 
+merge_parts() {  # DATA_PARTS -> $W/data_parts.safetensors, which becomes $DATA
+  local parts=() f n i=0
+  for f in $DATA_PARTS; do
+    [ -s "$f" ] || { say "DATA_PARTS: no file $f"; return 1; }
+    case "$f" in
+      *.gz) n="$W/part$i.safetensors"; gunzip -c "$f" > "$n" || return 1 ;;
+      *) n="$f" ;;
+    esac
+    parts+=("$n"); i=$((i + 1))
+  done
+  python tools/distill_data.py merge --out "$W/data_parts.safetensors" "${parts[@]}" || return 1
+  DATA="$W/data_parts.safetensors"
+}
+
 step_train() {
+  if [ -n "$DATA_PARTS" ]; then merge_parts || return 1; fi
   [ -s "$DATA" ] || { say "no data at $DATA: run STEP=data first"; return 1; }
   local names=() pids=() i=0 name g
   mapfile -t names < <(candidate_names)

@@ -71,8 +71,15 @@ def test_gpu_draft_dry_run(tmp_path):
     assert more["train_by_source"]["pysrc"] == data["train_by_source"]["pysrc"]
     assert more["train_by_source"]["selfinstruct"] > data["train_by_source"]["selfinstruct"]
 
+    # train on the first call's data only, given as a carried gzip (DATA_PARTS), not on the
+    # appended data the work dir holds now
+    part = tmp_path / "first.safetensors.gz"
+    with open(out1 / "data.safetensors", "rb") as f, gzip.open(part, "wb") as g:
+        g.write(f.read())
     out2 = tmp_path / "out2"
-    run_step("train", {**env, "OUT": str(out2)})
+    log = run_step("train", {**env, "OUT": str(out2), "DATA_PARTS": str(part)})
+    assert f"in {data['train_docs']} documents" in log
+    assert f"in {more['train_docs']} documents" not in log
     assert sorted(os.listdir(out2)) == ["cand_t1.tar", "cand_t2.tar", "draft_candidates.json",
                                         "log"]
     res = json.loads((out2 / "draft_candidates.json").read_text())["candidates"]
