@@ -27,6 +27,13 @@ from ssdlib.loading.hf_dir import TARGET_PROJECTIONS, TARGET_SHARED_TENSORS
 EMBED, HEAD = TARGET_SHARED_TENSORS
 
 
+def target_tensor_for(name: str, target: WeightSource) -> str:
+    """The target tensor that a draft using its target's embedding reads as ``name``: the
+    embedding; for the LM head, the target's own head when it stores one, else its (tied)
+    embedding."""
+    return HEAD if name == HEAD and HEAD in set(target.names()) else EMBED
+
+
 class TargetEmbeddingWeights:
     """A draft's own tensors plus the embedding (and LM head, when asked for and not stored)
     read from the target's weights, times the draft's projection of it when ``projected``;
@@ -38,11 +45,9 @@ class TargetEmbeddingWeights:
         self.target = target
         self.projected = projected
         self._own = set(draft.names())
-        target_names = set(target.names())
         self._served = {EMBED: EMBED}
         if not draft_tied and HEAD not in self._own:
-            # the target's head: its own, or its embedding when the target is tied
-            self._served[HEAD] = HEAD if HEAD in target_names else EMBED
+            self._served[HEAD] = target_tensor_for(HEAD, target)
 
     def names(self) -> list[str]:
         hidden = set(TARGET_PROJECTIONS.values()) if self.projected else set()

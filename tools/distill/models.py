@@ -26,7 +26,7 @@ from torch.nn.utils import parametrize
 from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading import Checkpoint
-from ssdlib.loading.draft import load_draft
+from ssdlib.loading.draft import load_draft, target_tensor_for
 from ssdlib.loading.hf_dir import TARGET_PROJECTIONS, TARGET_SHARED_TENSORS
 from ssdlib.models.llama import LlamaForCausalLM
 
@@ -133,13 +133,6 @@ class FromTarget(nn.Module):
         return sol.to(weight.dtype).to(weight.device)
 
 
-def target_matrices(ck: Checkpoint) -> dict[str, str]:
-    """Draft tensor -> the target tensor it is read from (the loader's rule: the head is the
-    target's head when it stores one, else its tied embedding)."""
-    embed, head = TARGET_SHARED_TENSORS
-    return {embed: embed, head: head if head in ck.weights.names() else embed}
-
-
 def _projection_param(name: str) -> str:
     """The parameter name torch.nn.utils.parametrize gives the projection of ``name``."""
     module, _, attr = name.rpartition(".")
@@ -164,7 +157,8 @@ def project_target_embedding(draft: LlamaForCausalLM, ck: Checkpoint, fresh: boo
         found = _top_directions(emb, cfg.hidden_size)
         top[:, :found.shape[1]] = found
         top = top.float()
-    for name, source in target_matrices(ck).items():
+    for name in TARGET_SHARED_TENSORS:
+        source = target_tensor_for(name, ck.weights)
         base = ck.weights.get(source).float().to(device)  # [V, target hidden]
         if tuple(base.shape) != (cfg.vocab_size, cfg.target_hidden_size):
             raise ValueError(f"the target's {source} has shape {tuple(base.shape)}, the draft "
