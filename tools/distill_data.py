@@ -93,7 +93,7 @@ def gen_main(a: argparse.Namespace) -> dict:
                                                          4096, a.random_len + 8))
     load_s = time.perf_counter() - t0
     gen = GenSettings(user_max_tokens=a.user_max_tokens, answer_max_tokens=a.answer_max_tokens,
-                      greedy_answers=a.greedy_answers,
+                      greedy_answers=a.greedy_answers, graphs=a.sampler_graphs,
                       batch_size=a.gen_batch or (1024 if device.type == "cuda" else 16))
     if a.time_budget:
         gen.deadline = time.monotonic() + a.time_budget
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of training answers decoded greedily (the rest at T = 0.7)")
     g.add_argument("--gen-batch", type=int, default=None,
                    help="sequences sampled at once (GPU 1024, CPU 16)")
+    g.add_argument("--sampler-graphs", action="store_true", default=False,
+                   help="run the sampler's decode steps as captured CUDA graphs (the same "
+                        "samples; opt-in until measured on a GPU)")
     g.add_argument("--time-budget", type=float, default=None,
                    help="seconds of sampling: then rows keep what they have and later batches "
                         "are skipped (the data is smaller, never late)")

@@ -103,3 +103,22 @@ def test_greedy_answers_spread_evenly_and_the_flag_checks_its_range():
     assert p.parse_args(["--greedy-answers", "0.3"]).greedy_answers == 0.3
     with pytest.raises(SystemExit):
         p.parse_args(["--greedy-answers", "1.5"])
+
+
+def test_sampler_graphs_make_the_same_data(setup, tmp_path):
+    """--sampler-graphs (captured decode steps; plain calls on a CPU) writes the same documents
+    as shard 1 made without it (same seed)."""
+    root, target, shards, _, _ = setup
+    p1, r1 = shards[1]
+    common = ["--target", target, "--device", "cpu", "--text-root", r1["args"]["text_root"][0],
+              "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
+              "--multiturn-samples", "16",
+              "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
+              "--answer-max-tokens", "24", "--gen-batch", "8"]
+    out = str(tmp_path / "g1.safetensors")
+    r = data_main(["gen", *common, "--shard", "1/2", "--out", out, "--sampler-graphs"])
+    assert r["args"]["sampler_graphs"] is True
+    (a_train, a_held), (b_train, b_held) = load_splits(p1), load_splits(out)
+    assert a_train.n_tokens() == b_train.n_tokens() > 0
+    assert a_train.ids == b_train.ids and a_train.source == b_train.source
+    assert a_held.ids == b_held.ids

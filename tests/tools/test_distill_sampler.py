@@ -77,3 +77,35 @@ def test_deadline(model):
     got = sampler.generate(model, PROMPTS, N, 0.0, batch_size=4, stats=stats,
                            deadline=time.monotonic() - 1)
     assert got == [([], False)] * len(PROMPTS) and stats["skipped"] == len(PROMPTS)
+
+
+def test_captured_decode_steps_sample_the_same(model, monkeypatch):
+    """graphs=True (DecodeGraphs; plain calls on a CPU) gives the uncaptured path's tokens:
+    greedy rows that stop at different steps (the live rows shrink past row counts and are
+    padded with finished or unused slots), a smaller last batch, and sampled rows drawn from the
+    same generator state."""
+    free = [greedy_reference(model, p, N)[0] for p in PROMPTS]
+    stops = sorted({free[0][2], free[1][20]})
+    monkeypatch.setattr(sampler, "KV_BUCKET", 4)
+    monkeypatch.setattr(sampler, "GRAPH_ROWS_MIN", 1)  # row counts 1, 4, 5: padding happens
+    made = []
+    real = sampler.DecodeGraphs
+
+    class Spy(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(sampler, "DecodeGraphs", Spy)
+    want = sampler.generate(model, PROMPTS, N, 0.0, stop_ids=stops, batch_size=5)
+    got = sampler.generate(model, PROMPTS, N, 0.0, stop_ids=stops, batch_size=5, graphs=True)
+    assert got == want
+    steps = made[0]
+    assert steps.counts == [1, 4, 5] and steps.cache.n_slots == 5
+    rows = {key[0] for key in steps.pool.keys()}
+    assert {1, 4, 5} & rows and len(rows) >= 2, rows  # shrank past a row count
+    temps = [0.0, 1.0, 0.0, 0.7, 0.0, 1.0, 0.0]
+    runs = [sampler.generate(model, PROMPTS, 24, temps, top_p=0.9, stop_ids=stops,
+                             gen=torch.Generator().manual_seed(3), batch_size=4, graphs=g)
+            for g in (False, True)]
+    assert runs[0] == runs[1]

@@ -17,7 +17,11 @@ token is drawn from the target's own distribution at that row's temperature and 
 * rows that finished leave the batch at each check (the cache is not copied: the remaining rows
   keep their slots), and the batch stops when every row is done;
 * an optional ``deadline`` (time.monotonic) stops sampling: rows keep what they have (a prefix
-  of a target sample), batches not yet started return nothing.
+  of a target sample), batches not yet started return nothing;
+* ``graphs=True`` (opt-in; not measured on a GPU yet) runs each decode forward as a captured
+  CUDA graph (:class:`DecodeGraphs`; plain calls on a CPU), since an eager step of a small model
+  costs its kernel launches, not its arithmetic. One KV cache then serves every batch, and the
+  live rows are padded up to a few row counts.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import torch
 from ssdlib.engine.kv_cache import KVCache
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.models.llama import LlamaForCausalLM
+from ssdlib.ops.graph_pool import make_graph_pool
 
 PREFILL_TOKENS = 1 << 17  # rows x padded prompt length per prefill forward
 KV_BUCKET = 64  # decode key spans are rounded up to this (few distinct attention shapes)
 CHECK_EVERY = 16  # steps between host syncs (finished rows leave, all-done stops)
+GRAPH_ROWS_MIN = 8  # DecodeGraphs' smallest row count; then x4 up to the cache's slots
 
 
 def sample_next(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float,
@@ -69,6 +75,74 @@ def slot_kernel_available(device: torch.device) -> bool:
     return use_slot_kernel(device)
 
 
+class DecodeGraphs:
+    """The sampler's decode forward as captured steps keyed by (rows, kv_len), over one KV cache
+    for all batches (``make_graph_pool``: CUDA graphs, or plain calls on a CPU).
+
+    Rows come in a few counts (GRAPH_ROWS_MIN, x4, ..., the cache's slots): the live rows go
+    first and the rest are padding, which steps at position 0 of slots no live row uses (rows
+    that finished, or slots this batch does not fill) and whose logits are dropped. A finished
+    row's KV is never read again and an unused slot is written by the next batch's prefill, so
+    the padding changes no sample.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, use_kernel: bool):
+        self.model, self.cache, self.use_kernel = model, cache, use_kernel
+        device = cache.k.device
+        self.pool = make_graph_pool(device)
+        self.counts = []
+        n = GRAPH_ROWS_MIN
+        while n < cache.n_slots:
+            self.counts.append(n)
+            n *= 4
+        self.counts.append(cache.n_slots)
+        self._bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.rows = 0  # the row count of the live set (set_live)
+        self.n_live = 0
+
+    def _buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        if rows not in self._bufs:
+            z = dict(dtype=torch.long, device=self.cache.k.device)
+            self._bufs[rows] = {"tok": torch.zeros(rows, 1, **z), "pos": torch.zeros(rows, 1, **z),
+                                "slots": torch.zeros(rows, **z), "lim": torch.ones(rows, 1, **z)}
+        return self._bufs[rows]
+
+    def set_live(self, live: torch.Tensor) -> None:
+        """The slots stepping from now on (a host sync when padding is needed: call it where the
+        sampler reads back anyway)."""
+        n = int(live.numel())
+        rows = next(c for c in self.counts if c >= n)
+        buf = self._buffers(rows)
+        buf["slots"][:n] = live
+        if rows > n:
+            free = torch.ones(self.cache.n_slots, dtype=torch.bool, device=live.device)
+            free[live] = False
+            buf["slots"][n:] = free.nonzero().squeeze(-1)[:rows - n]
+            buf["tok"][n:] = 0
+            buf["pos"][n:] = 0
+            buf["lim"][n:] = 1
+        self.rows, self.n_live = rows, n
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Next-token logits [n_live, V] for the live rows' tokens ``tok`` [n] at ``pos`` [n, 1]."""
+        n, rows = self.n_live, self.rows
+        buf = self._buffers(rows)
+        buf["tok"][:n, 0] = tok
+        buf["pos"][:n] = pos
+        buf["lim"][:n] = pos + 1
+        key = (rows, kv_len)
+        if not self.pool.has(key):
+            def run(key=key, buf=buf):
+                meta = AttentionMetadata(positions=buf["pos"], slots=buf["slots"], kv_len=key[1],
+                                         kv_limit=buf["lim"], use_kernel=self.use_kernel,
+                                         kernel_backend="triton")
+                self._logits[key] = self.model(buf["tok"], self.cache, meta)[:, 0]
+            self.pool.capture(key, run)
+        self.pool.replay(key)
+        return self._logits[key][:n]
+
+
 def _add(stats: dict | None, **kw) -> None:
     if stats is not None:
         for k, v in kw.items():
@@ -81,7 +155,8 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
              stop_ids: Sequence[int] = (), gen: torch.Generator | None = None,
              batch_size: int = 64, on_batch: Callable[[int], None] | None = None,
              deadline: float | None = None, stats: dict | None = None,
-             use_kernel: bool | None = None) -> list[tuple[list[int], bool]]:
+             use_kernel: bool | None = None,
+             graphs: bool = False) -> list[tuple[list[int], bool]]:
     """Sample a continuation for every prompt.
 
     Returns, in prompt order, ``(new_token_ids, stopped)``: the new tokens include the stop token
@@ -89,7 +164,8 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
     prompt. ``on_batch(n)`` is called after each batch of ``n`` prompts (progress bars).
     ``deadline``: see the module doc. ``stats`` (a dict) accumulates batches, skipped prompts,
     decode forwards, row-steps, new tokens and seconds. ``use_kernel``: the slot-attention
-    kernel for decode steps (default: where available).
+    kernel for decode steps (default: where available). ``graphs``: decode forwards as captured
+    steps (:class:`DecodeGraphs`; the samples are the same as without).
     """
     t_start = time.perf_counter()
     device = next(model.parameters()).device
@@ -106,6 +182,13 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
     # batches of similar lengths pad less; results go back to prompt order
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+    steps = None
+    if graphs and prompts:  # one cache for every batch: the captured steps read it
+        longest_all = max(len(p) for p in prompts)
+        shared_len = -(-(longest_all + max_new_tokens + 1) // KV_BUCKET) * KV_BUCKET
+        shared = KVCache(cfg.num_hidden_layers, min(batch_size, len(prompts)),
+                         model.kv_heads_local, shared_len, cfg.head_dim, dtype, device)
+        steps = DecodeGraphs(model, shared, use_kernel)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         b = len(rows)
@@ -117,9 +200,12 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
         chunk = [list(prompts[i]) for i in rows]
         lens = torch.tensor([len(p) for p in chunk], device=device)
         longest = max(len(p) for p in chunk)
-        cache_len = longest + max_new_tokens + 1
-        cache = KVCache(cfg.num_hidden_layers, b, model.kv_heads_local, cache_len, cfg.head_dim,
-                        dtype, device)
+        if steps is not None:
+            cache, cache_len = steps.cache, steps.cache.max_len
+        else:
+            cache_len = longest + max_new_tokens + 1
+            cache = KVCache(cfg.num_hidden_layers, b, model.kv_heads_local, cache_len,
+                            cfg.head_dim, dtype, device)
         ids = torch.zeros(b, longest, dtype=torch.long)
         for i, p in enumerate(chunk):
             ids[i, :len(p)] = torch.tensor(p)
@@ -144,6 +230,8 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
         n_new = torch.full((b,), max_new_tokens, device=device)
         live = slots  # batch rows still stepping (their slots: row i owns slot i)
         n_live, forwards, row_steps = b, 0, 0
+        if steps is not None:
+            steps.set_live(live)
         for t in range(max_new_tokens):
             tok = sample_next(logits, temps, top_p, gen)
             out[live, t] = tok
@@ -166,17 +254,22 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
                     live, tok, n_live = live[idx], tok[idx], n_keep
                     if per_row:
                         temps = temps[idx]
+                    if steps is not None:
+                        steps.set_live(live)
             pos = (lens[live] + t).view(n_live, 1)  # [n, 1]
             # Built here rather than by AttentionMetadata.build, which reads values back. Keys
             # span up to the longest row (prompt + tokens so far), in buckets; the mask (or the
             # kernel's per-row limit) hides the rest.
             kv_len = min(cache_len, -(-(longest + t + 1) // KV_BUCKET) * KV_BUCKET)
+            forwards += 1
+            row_steps += n_live
+            if steps is not None:
+                logits = steps.step(tok, pos, kv_len)
+                continue
             meta = AttentionMetadata(positions=pos, slots=live, kv_len=kv_len, kv_limit=pos + 1,
                                      slot_start=0 if n_live == b else None,
                                      use_kernel=use_kernel, kernel_backend="triton")
             logits = model(tok.view(n_live, 1), cache, meta)[:, 0]
-            forwards += 1
-            row_steps += n_live
         out, n_new, done = out.cpu(), n_new.cpu(), done.cpu()
         for i, row in enumerate(rows):
             results[row] = (out[i, :int(n_new[i])].tolist(), bool(done[i]))

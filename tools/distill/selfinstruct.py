@@ -94,6 +94,7 @@ class GenSettings:
     top_p: float = 0.95
     batch_size: int = 64
     deadline: float | None = None  # time.monotonic(): sampling stops there (sampler.generate)
+    graphs: bool = False  # decode forwards as captured steps (sampler.DecodeGraphs)
     stats: dict = field(default_factory=dict)  # the sampler's counters, summed over calls
 
     def sample(self, model, prompts, max_new_tokens, temperature, top_p, stop_ids, gen,
@@ -101,7 +102,7 @@ class GenSettings:
         """sampler.generate with these settings' batch size, deadline and stats."""
         return sampler.generate(model, prompts, max_new_tokens, temperature, top_p, stop_ids,
                                 gen, self.batch_size, on_batch, deadline=self.deadline,
-                                stats=self.stats)
+                                stats=self.stats, graphs=self.graphs)
 
 
 class ChatFormat:
