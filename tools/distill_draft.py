@@ -141,6 +141,10 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--min-lr-ratio", type=float, default=0.1)
     add("--schedule", choices=("cosine", "constant"), default="cosine")
     add("--weight-decay", type=float, default=0.0)
+    add("--embeddings-first", type=int, default=0, metavar="N",
+        help="the first N steps train only the embedding and LM head (a narrower shared-"
+             "embedding draft: its two projections); the layers and norms then join. For a "
+             "draft whose embedding was replaced, e.g. by tools/widen_draft.py")
     add("--grad-clip", type=float, default=1.0)
     add("--eval-every", type=int, default=200)
     add("--eval-batch", type=int, default=16)
@@ -405,6 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps=args.steps, lr=args.lr,
         warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
         min_lr_ratio=args.min_lr_ratio, schedule=args.schedule, weight_decay=args.weight_decay,
+        embeddings_first=getattr(args, "embeddings_first", 0),
         grad_clip=args.grad_clip, eval_every=args.eval_every, save_every=args.save_every,
         eval_batch=args.eval_batch, seq_len=args.seq_len, loss=args.loss,
         amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)

@@ -125,3 +125,35 @@ def test_the_wider_draft_trains_from_where_it_starts(tiny_dirs, tmp_path):
     assert reports[1]["draft"]["params"] == sum(t.numel() for t in stored.values())
     with open(os.path.join(tmp_path / "from_wide", "config.json")) as f:
         assert json.load(f)["hidden_size"] == 64
+
+
+def test_embeddings_first_keeps_the_layers_then_trains_them(tiny_dirs, tmp_path):
+    """distill_draft.py --embeddings-first N: the first N steps move only the two projections
+    (a widened draft's layers stay as they were); later steps move the layers too; a run
+    resumed inside those N steps continues (the waiting layers are in its checkpoint)."""
+    target = tiny_dirs["smol_heads"]
+    src = make_draft(target, str(tmp_path / "src"), projected=False, perturb=0.05)
+    wide = str(tmp_path / "wide")
+    widen_main([src, wide, "--target", target, "--hidden", "64"])
+    common = ["--target", target, "--device", "cpu", "--seq-len", "24", "--batch", "4",
+              "--eval-samples", "4", "--eval-batch", "4", "--lr", "3e-3", "--warmup", "0",
+              "--embeddings-first", "2", "--storage-dtype", "float32", "--save-every", "1"]
+    start = load_file(os.path.join(wide, "model.safetensors"))
+    layer = "model.layers.0.mlp.up_proj.weight"
+    proj = "lm_head.projection"
+    out = {}
+    for steps in (2, 3):
+        d = tmp_path / f"s{steps}"
+        distill_main([*common, *DATA, "--out", str(d), "--init-from", wide, "--steps",
+                      str(steps)])
+        out[steps] = load_file(os.path.join(d, "model.safetensors"))
+    assert torch.equal(out[2][layer], start[layer])
+    assert not torch.allclose(out[2][proj], start[proj])
+    assert not torch.allclose(out[3][layer], start[layer])
+    d = tmp_path / "resumed"
+    distill_main([*common, *DATA, "--out", str(d), "--init-from", wide, "--steps", "1"])
+    report = distill_main(["--target", target, "--out", str(d), "--device", "cpu", "--resume",
+                           "--steps", "3"])
+    assert report["step"] == 3
+    resumed = load_file(os.path.join(d, "model.safetensors"))
+    assert torch.allclose(resumed[layer], out[3][layer], atol=1e-5)

@@ -45,6 +45,13 @@ class TrainSettings:
     seq_len: int = 512
     amp_dtype: torch.dtype | None = None  # autocast dtype for the draft (bf16 on GPU)
     loss: str = "kl"  # a key of LOSSES
+    # the first this many steps train only the embedding and LM head (or the projections a
+    # narrower shared-embedding draft reads the target's through); layers and norms wait, so a
+    # draft whose input/output mapping was replaced (tools/widen_draft.py) keeps its layers
+    embeddings_first: int = 0
+
+
+EMBEDDING_PARAMS = ("model.embed_tokens.", "lm_head.")  # parameter names of that mapping
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -159,6 +166,11 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.tokens_seen = 0
+        self._frozen = {name for name, p in draft.named_parameters(remove_duplicate=False)
+                        if not p.requires_grad}
+        # trained parameters that wait for s.embeddings_first steps
+        self._waiting = [p for name, p in draft.named_parameters()
+                         if p.requires_grad and not name.startswith(EMBEDDING_PARAMS)]
 
     # -- checkpoints -------------------------------------------------------------------------
     @property
@@ -198,14 +210,17 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
 
     def _frozen_names(self) -> set[str]:
-        """State-dict names of frozen parameters (all aliases: a tied head repeats its
-        embedding); they come from the target, not from the checkpoint."""
-        return {name for name, p in self.draft.named_parameters(remove_duplicate=False)
-                if not p.requires_grad}
+        """State-dict names of parameters frozen from the start (all aliases: a tied head
+        repeats its embedding); they come from the target, not from the checkpoint. (Those
+        that wait for ``embeddings_first`` steps are trained ones, saved like the rest.)"""
+        return self._frozen
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self) -> float:
         s = self.s
+        if s.embeddings_first:  # frozen parameters get no gradient, so AdamW skips them
+            for p in self._waiting:
+                p.requires_grad_(self.step >= s.embeddings_first)
         ids = self.batcher.next().to(self.device, non_blocking=True)  # [b, seq_len]
         with torch.no_grad():
             t_logits = self.teacher.forward_full(ids)
