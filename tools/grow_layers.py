@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(TOOLS), TOOLS]  # the repository (ssdlib) and tools/
 
 from ssdlib.loading import load_checkpoint  # noqa: E402
-from truncate_layers import write_layers  # noqa: E402
+from truncate_layers import copy_side_files, write_layers  # noqa: E402
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 ZEROED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -61,12 +60,7 @@ def main(argv=None) -> int:
                 t.zero_()
             tensors[f"model.layers.{j}.{part}"] = t.contiguous()
     write_layers(ck, tensors, n, out)
-    if os.path.isdir(src):
-        for fname in os.listdir(src):
-            if fname not in ("model.safetensors", "config.json", "MODEL_CARD.md"):
-                path = os.path.join(src, fname)
-                if os.path.isfile(path):
-                    shutil.copy(path, os.path.join(out, fname))
+    copy_side_files(src, out)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,6 +27,18 @@ def write_layers(ck, tensors: dict, n: int, out: str) -> None:
     cfg["num_hidden_layers"] = n
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def copy_side_files(src: str, out: str) -> None:
+    """The other files of the source directory ``src`` (tokenizer_source.json, ...) into
+    ``out``: not its weights, config.json or MODEL_CARD.md (tools/grow_layers.py's and
+    tools/widen_draft.py's)."""
+    if os.path.isdir(src):
+        for fname in os.listdir(src):
+            path = os.path.join(src, fname)
+            if fname not in ("model.safetensors", "config.json", "MODEL_CARD.md") and \
+                    os.path.isfile(path):
+                shutil.copy(path, os.path.join(out, fname))
 
 
 def main(argv=None) -> int:

@@ -29,24 +29,23 @@ Then every width grows and the function stays (up to RMSNorm's eps):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import shutil
 import sys
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from safetensors.torch import save_file  # noqa: E402
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(TOOLS), TOOLS]  # the repository (ssdlib, tools) and tools/
 
 from ssdlib.config import ModelConfig  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading.draft import target_tensor_for  # noqa: E402
 from ssdlib.loading.hf_dir import TARGET_PROJECTIONS, TARGET_SHARED_TENSORS  # noqa: E402
+from tools.distill.models import least_squares_projection, write_checkpoint  # noqa: E402
+from truncate_layers import copy_side_files  # noqa: E402
 
 EMBED, HEAD = TARGET_SHARED_TENSORS
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -64,9 +63,9 @@ NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 def fit_projection(base: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     """The projection P [T, h] with base [V, T] @ P closest to weight [V, h] (least squares),
     and the fit's relative residual ||base P - weight|| / ||weight||."""
-    base, weight = base.double(), weight.double()
-    proj = torch.linalg.lstsq(base, weight).solution
-    return proj, float((base @ proj - weight).norm() / weight.norm().clamp_min(1e-30))
+    proj = least_squares_projection(base, weight)
+    weight = weight.double()
+    return proj, float((base.double() @ proj - weight).norm() / weight.norm().clamp_min(1e-30))
 
 
 def source_projections(src, target) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -151,24 +150,6 @@ def widen(src, target, hidden: int, heads: int, kv: int, ffn: int,
     return cfg, tensors, residuals
 
 
-def write(out: str, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-          src_dir: str | None) -> None:
-    os.makedirs(out, exist_ok=True)
-    save_file({n: t.to(dtype).contiguous() for n, t in tensors.items()},
-              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(os.path.join(out, "model.safetensors"), 0o644)
-    raw = cfg.to_hf_dict()
-    raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(raw, f, indent=2)
-    if src_dir and os.path.isdir(src_dir):
-        for fname in os.listdir(src_dir):
-            path = os.path.join(src_dir, fname)
-            if fname not in ("model.safetensors", "config.json", "MODEL_CARD.md") and \
-                    os.path.isfile(path):
-                shutil.copy(path, os.path.join(out, fname))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="the draft to widen (a directory)")
@@ -186,17 +167,18 @@ def main(argv=None) -> int:
     heads = a.heads or round(c.num_attention_heads * grow)
     kv = a.kv_heads or max(1, heads // c.num_queries_per_kv)
     ffn = a.ffn or round(c.intermediate_size * grow)
-    dtype = next(iter(src.weights.get(n) for n in src.weights.names())).dtype
+    dtype = src.weights.get(src.weights.names()[0]).dtype  # stored as the source is
     try:
         cfg, tensors, residuals = widen(src, target, a.hidden, heads, kv, ffn, a.seed)
     except ValueError as e:
         raise SystemExit(f"widen_draft: {e}") from None
-    write(a.out, cfg, tensors, dtype, a.src)
+    size = write_checkpoint(a.out, cfg, tensors, str(dtype).removeprefix("torch."))
+    copy_side_files(a.src, a.out)
     n = sum(t.numel() for t in tensors.values())
     print(f"{a.out}: hidden {c.hidden_size} -> {a.hidden}, heads {c.num_attention_heads}/"
           f"{c.num_key_value_heads} -> {heads}/{kv}, ffn {c.intermediate_size} -> {ffn}, "
           f"{c.num_hidden_layers} layers; {n / 1e6:.2f} M stored parameters "
-          f"({os.path.getsize(os.path.join(a.out, 'model.safetensors')) / 1e6:.2f} MB); "
+          f"({size / 1e6:.2f} MB); "
           "projection fit residual: " + ", ".join(f"{k} {v:.4f}" for k, v in residuals.items()))
     return 0
 

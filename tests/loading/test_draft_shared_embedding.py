@@ -17,6 +17,7 @@ from ssdlib.errors import CheckpointError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.draft import load_draft, materialize_hf
 from ssdlib.models.llama import LlamaForCausalLM
+from tests.draft_helpers import checkpoint_logits
 from tests.tiny import make_tiny_llama
 
 EMBED = "model.embed_tokens.weight"
@@ -56,11 +57,7 @@ def make_shared_draft(target_dir: str, out: str, layers=(0,), noise: float = 0.0
     return out
 
 
-def logits(ck, ids):
-    model = LlamaForCausalLM(ck.config, max_positions=64)
-    model.load_weights(ck.weights)
-    with torch.no_grad():
-        return model.forward_full(ids)
+logits = checkpoint_logits
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,15 @@ DOC = '''def {name}(items, limit):
 '''
 
 
+def gen_args(target: str, texts: str) -> list[str]:
+    """distill_data.py gen's arguments for a small run on the tiny target (no shard, no out)."""
+    return ["--target", target, "--device", "cpu", "--text-root", texts,
+            "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
+            "--multiturn-samples", "16",
+            "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
+            "--answer-max-tokens", "24", "--gen-batch", "8"]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
@@ -29,11 +38,7 @@ def setup(tmp_path_factory):
     texts.mkdir()
     for i in range(12):
         (texts / f"mod{i}.py").write_text(DOC.format(name=f"smaller{i}") * 3)
-    common = ["--target", target, "--device", "cpu", "--text-root", str(texts),
-              "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
-              "--multiturn-samples", "16",
-              "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
-              "--answer-max-tokens", "24", "--gen-batch", "8"]
+    common = gen_args(target, str(texts))
     shards = []
     for i in range(2):
         out = str(root / f"s{i}.safetensors")
@@ -110,13 +115,8 @@ def test_sampler_graphs_make_the_same_data(setup, tmp_path):
     as shard 1 made without it (same seed)."""
     root, target, shards, _, _ = setup
     p1, r1 = shards[1]
-    common = ["--target", target, "--device", "cpu", "--text-root", r1["args"]["text_root"][0],
-              "--selfinstruct-samples", "9", "--docinstruct-samples", "6",
-              "--multiturn-samples", "16",
-              "--eval-samples", "4", "--pysrc-tokens", "3000", "--user-max-tokens", "40",
-              "--answer-max-tokens", "24", "--gen-batch", "8"]
     out = str(tmp_path / "g1.safetensors")
-    r = data_main(["gen", *common, "--shard", "1/2", "--out", out, "--sampler-graphs"])
+    r = data_main(["gen", *gen_args(target, r1["args"]["text_root"][0]), "--shard", "1/2", "--out", out, "--sampler-graphs"])
     assert r["args"]["sampler_graphs"] is True
     (a_train, a_held), (b_train, b_held) = load_splits(p1), load_splits(out)
     assert a_train.n_tokens() == b_train.n_tokens() > 0

@@ -19,7 +19,7 @@ from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.draft import load_draft, materialize_hf
-from ssdlib.models.llama import LlamaForCausalLM
+from tests.draft_helpers import captured_export, checkpoint_logits
 from tests.tiny import make_tiny_llama
 from tools.distill_draft import main
 
@@ -37,13 +37,6 @@ def run(target, out, *extra):
                  *extra])
 
 
-def logits(ck, ids):
-    model = LlamaForCausalLM(ck.config, max_positions=64)
-    model.load_weights(ck.weights)
-    with torch.no_grad():
-        return model.forward_full(ids)
-
-
 IDS = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -52,19 +45,9 @@ def trained(tiny_dirs, tmp_path_factory):
     """A 1-layer, 32-wide draft of the 72-wide target, 12 steps; the in-memory draft captured."""
     target = tiny_dirs["smol_heads"]
     out = tmp_path_factory.mktemp("projected_distill") / "draft"
-    captured = {}
-    real_export = models.export_hf
-
-    def export(draft, ck, out_dir, storage_dtype):
-        captured["draft"] = draft
-        return real_export(draft, ck, out_dir, storage_dtype)
-
-    models.export_hf = export
-    try:
+    with captured_export() as captured:
         report = run(target, out, *DATA, "--steps", "12", "--lr", "3e-3", "--eval-every", "6",
                      "--save-every", "6", "--storage-dtype", "float32")
-    finally:
-        models.export_hf = real_export
     return target, str(out), report, captured["draft"]
 
 
@@ -127,7 +110,7 @@ def test_export_loads_beside_the_target_as_the_trained_draft(trained):
                           ck.weights.get(HEAD)[3:7])
     with torch.no_grad():
         ref = draft.forward_full(IDS)
-    assert torch.allclose(logits(ck, IDS), ref, atol=1e-4), (logits(ck, IDS) - ref).abs().max()
+    assert torch.allclose(checkpoint_logits(ck, IDS), ref, atol=1e-4), (checkpoint_logits(ck, IDS) - ref).abs().max()
 
 
 def test_init_from_keeps_the_function_exactly(trained, tmp_path):
@@ -218,7 +201,7 @@ def test_materialize_hf_writes_the_folded_matrices(trained, tmp_path):
     tensors = load_file(os.path.join(plain, "model.safetensors"))
     assert PROJ[EMBED] not in tensors and tensors[HEAD].shape == (90, 32)
     ck = load_checkpoint(plain)
-    assert torch.allclose(logits(ck, IDS), logits(load_draft(out, target_ck), IDS), atol=1e-5)
+    assert torch.allclose(checkpoint_logits(ck, IDS), checkpoint_logits(load_draft(out, target_ck), IDS), atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import tools.distill.models as models
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.draft import load_draft
 from ssdlib.models.llama import LlamaForCausalLM
+from tests.draft_helpers import captured_export
 from tools.distill_draft import main
 
 EMBED = "model.embed_tokens.weight"
@@ -31,23 +32,13 @@ def trained(tiny_dirs, tmp_path_factory):
     """A 1-layer draft from target layer 1, 12 steps; the exported in-memory draft captured."""
     target = tiny_dirs["smol_heads"]
     out = tmp_path_factory.mktemp("shared_distill") / "draft"
-    captured = {}
-    real_export = models.export_hf
-
-    def export(draft, ck, out_dir, storage_dtype):
-        captured["draft"] = draft
-        return real_export(draft, ck, out_dir, storage_dtype)
-
-    models.export_hf = export
-    try:
-        # 1 layer + norm of the 72-wide target is ~0.070 MB in float16; with the 90 x 72
-        # embedding it would be ~0.083 MB: --max-mb 0.075 passes only if the embedding is
-        # not counted
+    # 1 layer + norm of the 72-wide target is ~0.070 MB in float16; with the 90 x 72
+    # embedding it would be ~0.083 MB: --max-mb 0.075 passes only if the embedding is
+    # not counted
+    with captured_export() as captured:
         report = run(target, out, *DATA, "--init-layers-from-target", "1", "--steps", "12",
                      "--lr", "3e-3", "--eval-every", "6", "--save-every", "6",
                      "--max-mb", "0.075")
-    finally:
-        models.export_hf = real_export
     return target, out, report, captured["draft"]
 
 

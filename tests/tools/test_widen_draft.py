@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import tools.distill.models as models
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.draft import load_draft
-from ssdlib.models.llama import LlamaForCausalLM
+from tests.draft_helpers import checkpoint_logits
 from tools.distill_draft import main as distill_main
 from tools.widen_draft import main as widen_main
 
@@ -22,11 +22,8 @@ IDS = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))
 DATA = ["--data", "random-target-samples", "--random-samples", "16", "--random-len", "24"]
 
 
-def logits(ck, ids=IDS):
-    model = LlamaForCausalLM(ck.config, max_positions=64)
-    model.load_weights(ck.weights)
-    with torch.no_grad():
-        return model.forward_full(ids)
+def logits(ck):
+    return checkpoint_logits(ck, IDS)
 
 
 def make_draft(target_dir, out, projected: bool, perturb: float = 0.0) -> str:

@@ -129,8 +129,13 @@ class FromTarget(nn.Module):
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
         """The projection whose product is closest to ``weight`` (least squares): the
         projection itself when ``weight`` is such a product (a loaded draft)."""
-        sol = torch.linalg.lstsq(self.base.double().cpu(), weight.double().cpu()).solution
-        return sol.to(weight.dtype).to(weight.device)
+        return least_squares_projection(self.base, weight).to(weight.dtype).to(weight.device)
+
+
+def least_squares_projection(base: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The projection P [T, h] (float64, on the CPU) whose product base [V, T] @ P is closest
+    to weight [V, h]."""
+    return torch.linalg.lstsq(base.double().cpu(), weight.double().cpu()).solution
 
 
 def _projection_param(name: str) -> str:
@@ -281,20 +286,27 @@ def export_hf(draft: LlamaForCausalLM, ck: Checkpoint, out_dir: str, storage_dty
     """Write ``out_dir`` as an HF Llama checkpoint (config.json, model.safetensors, the target's
     tokenizer files) that ssdlib and transformers load (a draft that uses the target's embedding:
     ssdlib only, beside its target). Returns the safetensors file size."""
+    size = write_checkpoint(out_dir, draft.config, stored_tensors(draft), storage_dtype)
+    copy_tokenizer(ck, out_dir)
+    return size
+
+
+def write_checkpoint(out_dir: str, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                     storage_dtype: str) -> int:
+    """``out_dir``/model.safetensors (``tensors`` in ``storage_dtype``, written atomically) and
+    config.json (``cfg`` naming that dtype). Returns the safetensors file size."""
     os.makedirs(out_dir, exist_ok=True)
     dtype = STORAGE_DTYPES[storage_dtype]
-    tensors = {name: p.detach().to("cpu", dtype).contiguous()
-               for name, p in stored_tensors(draft).items()}
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
     weights = os.path.join(out_dir, "model.safetensors")
     save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
     os.chmod(weights + ".tmp", 0o644)
     os.replace(weights + ".tmp", weights)
-    cfg = draft.config.to_hf_dict()
-    cfg["torch_dtype"] = storage_dtype
-    cfg["dtype"] = storage_dtype  # transformers 5 name
+    raw = cfg.to_hf_dict()
+    raw["torch_dtype"] = storage_dtype
+    raw["dtype"] = storage_dtype  # transformers 5 name
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    copy_tokenizer(ck, out_dir)
+        json.dump(raw, f, indent=2)
     return os.path.getsize(weights)
 
 

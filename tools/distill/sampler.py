@@ -265,11 +265,11 @@ def generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_
             row_steps += n_live
             if steps is not None:
                 logits = steps.step(tok, pos, kv_len)
-                continue
-            meta = AttentionMetadata(positions=pos, slots=live, kv_len=kv_len, kv_limit=pos + 1,
-                                     slot_start=0 if n_live == b else None,
-                                     use_kernel=use_kernel, kernel_backend="triton")
-            logits = model(tok.view(n_live, 1), cache, meta)[:, 0]
+            else:
+                meta = AttentionMetadata(positions=pos, slots=live, kv_len=kv_len,
+                                         kv_limit=pos + 1, slot_start=0 if n_live == b else None,
+                                         use_kernel=use_kernel, kernel_backend="triton")
+                logits = model(tok.view(n_live, 1), cache, meta)[:, 0]
         out, n_new, done = out.cpu(), n_new.cpu(), done.cpu()
         for i, row in enumerate(rows):
             results[row] = (out[i, :int(n_new[i])].tolist(), bool(done[i]))
