@@ -24,7 +24,7 @@ if [ "$STEP" = make ]; then
   for dt in bfloat16 float32; do
     sfx=$([ $dt = float32 ] && echo -fp32)
     /usr/bin/time -f "%e s" python3 tools/inflate.py smollm2-135m $W/t8b$sfx --like llama-3.1-8b --device cuda --dtype $dt 2>&1 | grep -v "it/s\]\|B/s\]" | tail -3
-    /usr/bin/time -f "%e s" python3 tools/inflate.py smollm2-135m-draft $W/d1b$sfx --like llama-3.2-1b --device cuda --dtype $dt 2>&1 | grep -v "it/s\]\|B/s\]" | tail -3
+    /usr/bin/time -f "%e s" python3 tools/inflate.py smollm2-135m-draft $W/d1b$sfx --target smollm2-135m --like llama-3.2-1b --device cuda --dtype $dt 2>&1 | grep -v "it/s\]\|B/s\]" | tail -3
   done
   echo "== fp32: greedy of the inflated target == the original's (AR, 2 prompts, 64 tokens)"
   timeout 200 python3 - <<'PY' 2>&1 | $F | tail -3

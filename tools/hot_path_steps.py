@@ -88,6 +88,7 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
     from ssdlib.engine.tree_build import TreeBuildStep
     from ssdlib.layers.attention import AttentionMetadata
     from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.draft import load_draft
     from ssdlib.sampling import SamplingParams, SamplingTensors
     from ssdlib.speculative.acceptance import DraftQ, verify_greedy, verify_sampled
     from ssdlib.speculative.fanout import geometric_fanout
@@ -119,7 +120,7 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         return verify_sampled(drafts, DraftQ.per_row([0] * b, q), p,
                               generators=reserve_streams(rows, K + 1, dev))
     steps["acceptance, sampled (T=0.7)"] = Step(sampled, False)  # host tables each call
-    dck = load_checkpoint(draft)
+    dck = load_draft(draft, tck)  # a draft reading the target's embedding gets it folded in
     # -- SD's round as the leader runs it: host inputs packed, copied, replayed, read back -----
     from ssdlib.engine.drafter import Drafter
     from ssdlib.engine.verify import read_round, verify_round

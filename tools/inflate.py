@@ -1,11 +1,15 @@
 """Grow a Llama checkpoint to a bigger shape without changing its function.
 
     python tools/inflate.py SRC OUT --like llama-3.1-8b|llama-3.2-1b [--head-dim N] [--match-total]
+                            [--target T]
     python tools/inflate.py SRC OUT --layers L --hidden D --ffn F --heads H --kv-heads KV
                             [--head-dim N] [--dtype bfloat16] [--seed 0] [--device cuda]
 
 SRC is anything ``ssdlib.loading.load_checkpoint`` reads (a named default such as
-``smollm2-135m``, a ``.gguf`` file, an HF directory). OUT becomes an HF Llama directory
+``smollm2-135m``, a ``.gguf`` file, an HF directory). A draft that reads its target's embedding
+(``ssdlib_embedding_from_target``, such as the shipped ``smollm2-135m-draft``) needs ``--target``
+(e.g. ``smollm2-135m``): the target's embedding, through the draft's projections where it has
+them, is folded in and stored, so OUT is a plain Llama. OUT becomes an HF Llama directory
 (``model-0000k-of-0000N.safetensors`` + index, config.json, generation_config.json, the
 tokenizer) whose logits equal SRC's up to float rounding, while every GEMM has the bigger shape:
 
@@ -44,7 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ssdlib.config import ModelConfig  # noqa: E402
+from ssdlib.config import (  # noqa: E402
+    EMBEDDING_FROM_TARGET_KEY,
+    TARGET_HIDDEN_SIZE_KEY,
+    ModelConfig,
+)
 from ssdlib.errors import SSDError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -276,6 +284,9 @@ class Inflater:
 def out_config(cfg: ModelConfig, dst: Shape, dtype: str) -> dict:
     src = source_shape(cfg)
     hf = cfg.to_hf_dict()
+    # every tensor is stored (a target's embedding folded in): a plain Llama
+    hf.pop(EMBEDDING_FROM_TARGET_KEY, None)
+    hf.pop(TARGET_HIDDEN_SIZE_KEY, None)
     hf.update(hidden_size=dst.hidden, intermediate_size=dst.ffn, num_hidden_layers=dst.layers,
               num_attention_heads=dst.heads, num_key_value_heads=dst.kv_heads,
               head_dim=dst.head_dim, torch_dtype=dtype,
@@ -355,21 +366,30 @@ def _write_json(path: str, data: dict) -> None:
 def inflate(src, out_dir: str, like: str | None = None, *, dtype: str = "bfloat16",
             seed: int = 0, device: str = "cpu", shard_mb: int = 2048, force: bool = False,
             progress: bool = True, match_total: bool = False, dry_run: bool = False, say=None,
-            **sizes) -> list[str]:
+            target=None, **sizes) -> list[str]:
     """Write the inflated checkpoint of ``src`` (a ``load_checkpoint`` spec or a loaded
     :class:`~ssdlib.loading.Checkpoint`) to ``out_dir``; returns the report lines (also passed to
     ``say`` before writing starts). ``sizes``: layers, hidden, ffn, heads, kv_heads, head_dim
-    (see ``target_shape``). ``dry_run``: only the report, nothing written."""
+    (see ``target_shape``). ``dry_run``: only the report, nothing written. ``target`` (a spec):
+    the target whose embedding a draft ``src`` reads (needed for such a draft unless
+    ``dry_run``)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.draft import load_draft
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: one of {', '.join(DTYPES)}, got {dtype!r}")
     if not dry_run and os.path.exists(os.path.join(out_dir, "config.json")) and not force:
         raise ValueError(f"{out_dir} already holds a checkpoint (config.json); use --force")
     ckpt = load_checkpoint(src) if isinstance(src, (str, os.PathLike)) else src
+    if target is not None:
+        ckpt = load_draft(ckpt.source, load_checkpoint(target))
+    elif ckpt.config.embedding_from_target and not dry_run:
+        raise ValueError(f"{ckpt.source} reads its target's embedding "
+                         f"({EMBEDDING_FROM_TARGET_KEY}): give --target (the target it drafts "
+                         "for, e.g. smollm2-135m)")
     src_shape = source_shape(ckpt.config)
     dst = target_shape(ckpt.config, like, match_total=match_total, **sizes)
     lines, dev = report(src_shape, dst, dtype, like, match_total)
@@ -415,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + flag, type=int, help="explicit size (overrides --like's)")
     parser.add_argument("--match-total", action="store_true",
                         help="pad ffn so total parameters (source vocab) match --like's")
+    parser.add_argument("--target", help="for a draft that reads its target's embedding: that "
+                        "target (named, .gguf or HF directory); its embedding is folded in")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="seed of the cancelled random weights")
     parser.add_argument("--device", default="cpu", help="where weights are made (cuda: fast)")
@@ -427,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inflate(args.src, args.out, args.like, dtype=args.dtype, seed=args.seed,
                         device=args.device, shard_mb=args.shard_mb, force=args.force,
-                        match_total=args.match_total, dry_run=args.dry_run, say=print, **sizes)
+                        match_total=args.match_total, dry_run=args.dry_run, say=print,
+                        target=args.target, **sizes)
     except (SSDError, ValueError) as e:
         print(f"inflate: error: {e}", file=sys.stderr)
         return 2

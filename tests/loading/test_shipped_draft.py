@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ssdlib.loading import load_checkpoint
+from ssdlib.loading.draft import load_draft
 from ssdlib.loading.registry import resolve_named
 
 
@@ -22,13 +23,17 @@ def test_draft_size_and_config():
     assert size <= 16 * 10**6, size
     ck = load_checkpoint("smollm2-135m-draft")
     c = ck.config
+    # version 5: width 256, reading the target's 576-wide embedding through two projections
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.tie_word_embeddings) == \
-        (49152, 128, 6, True)
+        (49152, 256, 6, False)
+    assert c.embedding_from_target and c.projects_target_embedding
+    assert c.target_hidden_size == 576
+    assert "model.embed_tokens.weight" not in ck.weights.names()  # the target's, not stored
 
 
 def test_draft_tokenizer_is_the_targets():
     target = _target_or_skip()
-    draft = load_checkpoint("smollm2-135m-draft")
+    draft = load_draft("smollm2-135m-draft", target)
     assert draft.tokenizer.fingerprint() == target.tokenizer.fingerprint()
 
 
@@ -38,7 +43,7 @@ def test_draft_agrees_with_target_greedy():
     from ssdlib.models.llama import LlamaForCausalLM
 
     target = _target_or_skip()
-    draft = load_checkpoint("smollm2-135m-draft")
+    draft = load_draft("smollm2-135m-draft", target)  # folds in the target's embedding
     models = []
     for ck in (target, draft):
         m = LlamaForCausalLM(ck.config, None, 512)

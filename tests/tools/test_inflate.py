@@ -175,8 +175,9 @@ def test_like_dry_run_prints_counts_and_writes_nothing(tmp_path, capsys):
     out = str(tmp_path / "d1b")
     assert main([DRAFT, out, "--like", "llama-3.2-1b", "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "heads 64/16 x head_dim 32" in printed and "1,073,809,408" in printed
-    assert "non-embedding +0.0%" in printed and "2.15 GB in bfloat16" in printed
+    # the shipped draft (version 5) is untied: its own head beside the embedding
+    assert "heads 64/16 x head_dim 32" in printed and "1,174,472,704" in printed
+    assert "non-embedding +0.0%" in printed and "2.35 GB in bfloat16" in printed
     assert not os.path.exists(out)
 
 
@@ -190,14 +191,28 @@ def test_cli_errors(tiny_dirs, tmp_path, capsys):
     assert not os.path.exists(os.path.join(out, "config.json"))
 
 
-def test_shipped_draft_keeps_its_tokenizer_pointer(tmp_path, capsys):
+def test_shipped_draft_keeps_its_tokenizer_pointer(smollm2_path, tmp_path, capsys):
+    """The shipped draft reads SmolLM2's embedding through projections: without --target it is
+    refused by name; with it, the target's embedding is folded in and OUT is a plain Llama that
+    computes the draft's function."""
+    from ssdlib.loading.draft import load_draft
+
     out = str(tmp_path / "draft")
-    assert main([DRAFT, out, "--layers", "8", "--hidden", "192", "--ffn", "640", "--heads", "6",
-                 "--kv-heads", "3", "--dtype", "float32"]) == 0
+    grow = ["--layers", "8", "--hidden", "320", "--ffn", "1280", "--heads", "10",
+            "--kv-heads", "5", "--dtype", "float32"]
+    assert main([DRAFT, out] + grow) == 2
+    assert "reads its target's embedding" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "config.json"))
+    assert main([DRAFT, out, "--target", smollm2_path] + grow) == 0
     assert "parameters" in capsys.readouterr().out
     assert open(os.path.join(out, "tokenizer_source.json")).read() == open(
         os.path.join(DRAFT, "tokenizer_source.json")).read()
-    src, big = build(DRAFT), build(out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert not any(k.startswith("ssdlib_") for k in config), config
+    src_ck = load_draft(DRAFT, load_checkpoint(smollm2_path))
+    src = LlamaForCausalLM(src_ck.config, None, 128)
+    src.load_weights(src_ck.weights)
+    src, big = src.eval(), build(out)
     for ids in prompts(49152)[:2]:
         with torch.no_grad():
             assert (big.forward_full(ids) - src.forward_full(ids)).abs().max().item() <= 1e-4

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 KS = tuple(range(1, 9))
 # Step shapes: (layers, hidden, ffn, q heads, kv heads, head_dim, vocab)
 TARGET_SHAPE = (30, 576, 1536, 9, 3, 64, 49152)  # SmolLM2-135M
-CURRENT_DRAFT_SHAPE = (6, 128, 512, 4, 2, 32, 49152)  # ssdlib/assets/smollm2-135m-draft
+CURRENT_DRAFT_SHAPE = (6, 128, 512, 4, 2, 32, 49152)  # v1-v4 of smollm2-135m-draft (issue 12)
 MAX_TAR_BYTES = 16 * 2**20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
