@@ -45,6 +45,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -340,8 +341,41 @@ def fmt_eval(r: dict) -> str:
     return "  |  ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = resolve_args(argv)
+@dataclass
+class Shared:
+    """What drafts trained on the same target and data share (tools/distill_many.py trains
+    several on one of these): the target, its teacher model, the documents and one batcher."""
+    ck: object  # the target's Checkpoint
+    teacher: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    dtype_name: str
+    max_positions: int
+    train_docs: object
+    held_docs: object
+    data_s: float
+    rows: torch.Tensor
+    batcher: Batcher
+
+
+@dataclass
+class Candidate:
+    """One draft being trained: its arguments, shape, model, trainer and export."""
+    args: argparse.Namespace
+    dcfg: ModelConfig
+    n_params: int
+    draft: torch.nn.Module
+    trainer: Trainer
+    ck: object
+    exported_bytes: int = 0
+
+    def export(self) -> None:
+        self.exported_bytes = models.export_hf(self.draft, self.ck, self.args.out,
+                                               self.args.storage_dtype)
+
+
+def load_shared(args, say=print) -> Shared:
+    """The target, teacher and data of ``args`` (and the batcher over its packed rows)."""
     device = torch.device(args.device if args.device != "auto"
                           else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = args.dtype if args.dtype != "auto" else (
@@ -360,23 +394,34 @@ def main(argv: list[str] | None = None) -> dict:
     data_s = time.perf_counter() - t0
     if len(held_docs) == 0:
         raise SystemExit("no held-out documents: raise --eval-samples or give more data")
-    print(f"data: {train_docs.n_tokens():,} training tokens in {len(train_docs)} documents "
-          f"{train_docs.by_source()}, {len(held_docs)} held out ({data_s:.0f} s)")
+    say(f"data: {train_docs.n_tokens():,} training tokens in {len(train_docs)} documents "
+        f"{train_docs.by_source()}, {len(held_docs)} held out ({data_s:.0f} s)")
+    eos = ck.config.eos_token_ids
+    rows = pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None)
+    return Shared(ck, teacher, device, dtype, dtype_name, max_positions, train_docs, held_docs,
+                  data_s, rows, Batcher(rows, args.batch, args.seed))
 
+
+def build_candidate(args, shared: Shared, say=print) -> Candidate:
+    """The draft of ``args`` (new, ``--init-from`` or resumed) and its trainer, on ``shared``'s
+    batcher and teacher. The torch seed is set again first, so a draft starts the same whether
+    it is built alone or after others."""
+    ck, device, dtype = shared.ck, shared.device, shared.dtype
+    torch.manual_seed(args.seed)
     dcfg, init_layers = draft_shape(args, ck.config)
     n_params = models.count_params(dcfg)  # stored parameters (not a shared target embedding)
     est_bytes = n_params * torch.finfo(models.STORAGE_DTYPES[args.storage_dtype]).bits // 8
-    shared = (", the target's embedding through two projections" if
-              dcfg.projects_target_embedding else
-              ", the target's embedding (not stored)" if dcfg.embedding_from_target else "")
-    print(f"draft: hidden {dcfg.hidden_size}, {dcfg.num_hidden_layers} layers, "
-          f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads} heads, ffn "
-          f"{dcfg.intermediate_size}{shared}: {n_params / 1e6:.2f} M params, "
-          f"~{est_bytes / 1e6:.2f} MB as {args.storage_dtype}")
+    shared_emb = (", the target's embedding through two projections" if
+                  dcfg.projects_target_embedding else
+                  ", the target's embedding (not stored)" if dcfg.embedding_from_target else "")
+    say(f"draft: hidden {dcfg.hidden_size}, {dcfg.num_hidden_layers} layers, "
+        f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads} heads, ffn "
+        f"{dcfg.intermediate_size}{shared_emb}: {n_params / 1e6:.2f} M params, "
+        f"~{est_bytes / 1e6:.2f} MB as {args.storage_dtype}")
     if args.max_mb is not None and est_bytes > args.max_mb * 1e6:
         raise SystemExit(f"the draft needs ~{est_bytes / 1e6:.2f} MB > --max-mb {args.max_mb}")
 
-    draft = models.build_draft(dcfg, device, max_positions, args.seed)
+    draft = models.build_draft(dcfg, device, shared.max_positions, args.seed)
     if args.init_from and not args.resume:  # on --resume the checkpoint has the weights
         try:
             src = models.init_from_draft(draft, ck, args.init_from)
@@ -385,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         differ = [f"{k} {getattr(src, k)} -> {getattr(dcfg, k)}"
                   for k in ("rms_norm_eps", "rope_theta", "rope_scaling")
                   if getattr(src, k) != getattr(dcfg, k)]
-        print(f"init: weights from {args.init_from}" + (
+        say(f"init: weights from {args.init_from}" + (
             f" (note: the target's settings differ from its config.json: {', '.join(differ)})"
             if differ else ""))
     if dcfg.projects_target_embedding:  # also on --resume (then the checkpoint's projections)
@@ -402,9 +447,6 @@ def main(argv: list[str] | None = None) -> dict:
             models.init_layers_from_target(draft, ck, init_layers)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    eos = ck.config.eos_token_ids
-    rows = pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None)
-    batcher = Batcher(rows, args.batch, args.seed)
     settings = TrainSettings(
         steps=args.steps, lr=args.lr,
         warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
@@ -413,15 +455,56 @@ def main(argv: list[str] | None = None) -> dict:
         grad_clip=args.grad_clip, eval_every=args.eval_every, save_every=args.save_every,
         eval_batch=args.eval_batch, seq_len=args.seq_len, loss=args.loss,
         amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
-    trainer = Trainer(draft, teacher, batcher, held_docs, settings, args.work_dir)
+    trainer = Trainer(draft, shared.teacher, shared.batcher, shared.held_docs, settings,
+                      args.work_dir)
     if args.resume:
         trainer.load()
-        print(f"resumed at step {trainer.step} (epoch {batcher.epoch}, row {batcher.cursor})")
+        batcher = shared.batcher
+        say(f"resumed at step {trainer.step} (epoch {batcher.epoch}, row {batcher.cursor})")
+    return Candidate(args, dcfg, n_params, draft, trainer, ck)
 
-    size = {"bytes": 0}
 
-    def export():
-        size["bytes"] = models.export_hf(draft, ck, args.out, args.storage_dtype)
+def finish(cand: Candidate, shared: Shared, command: str, train_s: float, say=print) -> dict:
+    """After training: the output written (also when the run was resumed at its last step),
+    distill.json, and the summary line. Returns the report."""
+    args, trainer = cand.args, cand.trainer
+    if trainer.step == args.steps and not os.path.exists(os.path.join(args.out, "config.json")):
+        cand.export()  # resumed at the last step already: still write the output
+    train_docs, device = shared.train_docs, shared.device
+    report = {
+        "command": command,
+        "target": str(args.target),
+        "args": {k: v for k, v in vars(args).items() if k != "init_from_config"},
+        "init_from": ({"path": args.init_from, "config": args.init_from_config}
+                      if args.init_from else None),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "device": device.type,
+                    "device_name": (torch.cuda.get_device_name(device)
+                                    if device.type == "cuda" else platform.processor())},
+        "draft": {"params": cand.n_params, "config": cand.dcfg.to_hf_dict(),
+                  "safetensors_bytes": cand.exported_bytes or os.path.getsize(
+                      os.path.join(args.out, "model.safetensors"))},
+        "data": {"train_tokens": train_docs.n_tokens(), "train_docs": len(train_docs),
+                 "held_out_docs": len(shared.held_docs), "by_source": train_docs.by_source(),
+                 "rows": int(shared.rows.shape[0])},
+        "seconds": {"data": round(shared.data_s, 1), "train": round(train_s, 1)},
+        "step": trainer.step, "tokens_seen": trainer.tokens_seen, "history": trainer.history,
+    }
+    with open(os.path.join(args.out, "distill.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    last = trainer.history[-1]
+    say(f"done: step {trainer.step}, held-out KL {last['kl']:.4f}, greedy agreement "
+        f"{last['agreement']:.4f}, sampled acceptance {last.get('acceptance', 0):.4f}; "
+        f"wrote {args.out} "
+        f"({report['draft']['safetensors_bytes'] / 1e6:.2f} MB model.safetensors)")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = resolve_args(argv)
+    shared = load_shared(args)
+    cand = build_candidate(args, shared)
+    trainer = cand.trainer
 
     bar = tqdm(total=args.steps, initial=trainer.step, desc="distil", unit="step",
                dynamic_ncols=True)
@@ -433,41 +516,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     t1 = time.perf_counter()
     trainer.run(on_step=on_step, on_eval=lambda r: tqdm.write("eval " + fmt_eval(r)),
-                on_save=export)
+                on_save=cand.export)
     bar.close()
-    train_s = time.perf_counter() - t1
-    if trainer.step == args.steps and not os.path.exists(os.path.join(args.out, "config.json")):
-        export()  # resumed at the last step already: still write the output
-    report = {
-        "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "target": str(args.target),
-        "args": {k: v for k, v in vars(args).items() if k != "init_from_config"},
-        "init_from": ({"path": args.init_from, "config": args.init_from_config}
-                      if args.init_from else None),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "device": device.type,
-                    "device_name": (torch.cuda.get_device_name(device)
-                                    if device.type == "cuda" else platform.processor())},
-        "draft": {"params": n_params, "config": dcfg.to_hf_dict(),
-                  "safetensors_bytes": size["bytes"] or os.path.getsize(
-                      os.path.join(args.out, "model.safetensors"))},
-        "data": {"train_tokens": train_docs.n_tokens(), "train_docs": len(train_docs),
-                 "held_out_docs": len(held_docs), "by_source": train_docs.by_source(),
-                 "rows": int(rows.shape[0])},
-        "seconds": {"data": round(data_s, 1), "train": round(train_s, 1)},
-        "step": trainer.step, "tokens_seen": trainer.tokens_seen, "history": trainer.history,
-    }
-    with open(os.path.join(args.out, "distill.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    last = trainer.history[-1]
-    print(f"done: step {trainer.step}, held-out KL {last['kl']:.4f}, greedy agreement "
-          f"{last['agreement']:.4f}, sampled acceptance {last.get('acceptance', 0):.4f}; "
-          f"wrote {args.out} "
-          f"({report['draft']['safetensors_bytes'] / 1e6:.2f} MB model.safetensors)")
+    command = " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    report = finish(cand, shared, command, time.perf_counter() - t1)
     if args.eval:
         report["eval"] = evaluate.run(str(args.target), args.out, args.eval_humaneval,
                                       args.eval_prompts, max_new_tokens=args.eval_max_new_tokens,
-                                      device=device.type, dtype=dtype_name,
+                                      device=shared.device.type, dtype=shared.dtype_name,
                                       card=os.path.join(args.out, "MODEL_CARD.md"))
         with open(os.path.join(args.out, "distill.json"), "w") as f:
             json.dump(report, f, indent=2)

@@ -100,3 +100,15 @@ def test_gpu_draft_dry_run(tmp_path):
     assert os.path.exists(tmp_path / "work" / "cand_t1.tar")
     log = (out2 / "log").read_text()
     assert "| t1 |" in log and "STEP=train finished (rc 0)" in log
+
+    # SHARED_TEACHER=1: both candidates in one tools/distill_many.py process on "GPU" 0, with
+    # the same results as apart (the same steps on the same batches)
+    out4 = tmp_path / "out4"
+    log = run_step("train", {**env, "OUT": str(out4), "DATA_PARTS": str(part), "NGPU": "1",
+                             "SHARED_TEACHER": "1", "TARS_TO_OUT": "0"})
+    assert "in lockstep on one teacher per GPU" in log and "gpu 0 (t1 t2) finished: rc 0" in log
+    shared = json.loads((out4 / "draft_candidates.json").read_text())["candidates"]
+    for name in ("t1", "t2"):
+        assert shared[name]["train_rc"] == 0 and shared[name]["train"]["step"] == 4
+        for k in ("held_out_kl", "agreement", "acceptance", "params"):
+            assert shared[name]["train"][k] == res[name]["train"][k], (name, k)

@@ -216,14 +216,21 @@ class Trainer:
         return self._frozen
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self) -> float:
+    def train_step(self) -> torch.Tensor:
+        """One step on the batcher's next batch, the teacher's logits computed here."""
+        ids = self.batcher.next().to(self.device, non_blocking=True)  # [b, seq_len]
+        with torch.no_grad():
+            t_logits = self.teacher.forward_full(ids)
+        return self.train_on(ids, t_logits)
+
+    def train_on(self, ids: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
+        """One optimiser step on ``ids`` [b, seq_len] against the teacher's logits for them
+        (computed once and shared when several drafts train on the same batches:
+        ``tools/distill/lockstep.py``). Returns the loss (on the device, not read)."""
         s = self.s
         if s.embeddings_first:  # frozen parameters get no gradient, so AdamW skips them
             for p in self._waiting:
                 p.requires_grad_(self.step >= s.embeddings_first)
-        ids = self.batcher.next().to(self.device, non_blocking=True)  # [b, seq_len]
-        with torch.no_grad():
-            t_logits = self.teacher.forward_full(ids)
         with _autocast(self.device, s.amp_dtype):
             d_logits = self.draft.forward_full(ids)
         loss = LOSSES[s.loss](d_logits, t_logits).mean()
@@ -245,6 +252,45 @@ class Trainer:
             self.history.append(result)
         return result
 
+    def begin(self, on_eval: Callable[[dict], None] | None = None) -> None:
+        """Before the first step of a run: training mode, and the step-0 evaluation unless
+        the history (a resumed run's) has one."""
+        self.draft.train()
+        if not self.history:
+            result = self.run_eval()
+            if on_eval:
+                on_eval(result)
+        self._t0, self._tokens0 = time.perf_counter(), self.tokens_seen
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.s.steps
+
+    def after_step(self, loss: torch.Tensor,
+                   on_step: Callable[[int, float | None, float | None], None] | None = None,
+                   on_eval: Callable[[dict], None] | None = None,
+                   on_save: Callable[[], None] | None = None) -> None:
+        """The schedule after a step: report, evaluate and checkpoint when due (and at the
+        last step)."""
+        s = self.s
+        last = self.step == s.steps
+        if on_step:
+            # reading the loss syncs with the GPU: only every few steps
+            if self.step % 10 == 0 or last or self.step < 10:
+                rate = (self.tokens_seen - self._tokens0) / max(
+                    time.perf_counter() - self._t0, 1e-9)
+                on_step(self.step, float(loss), rate)
+            else:
+                on_step(self.step, None, None)
+        if (s.eval_every and self.step % s.eval_every == 0) or last:
+            result = self.run_eval()
+            if on_eval:
+                on_eval(result)
+        if (s.save_every and self.step % s.save_every == 0) or last:
+            self.save()
+            if on_save:
+                on_save()
+
     def run(self, on_step: Callable[[int, float | None, float | None], None] | None = None,
             on_eval: Callable[[dict], None] | None = None,
             on_save: Callable[[], None] | None = None) -> None:
@@ -254,28 +300,6 @@ class Trainer:
         on steps where they are not read, to keep the GPU busy), ``on_eval(result)`` after each
         evaluation, ``on_save()`` after each checkpoint.
         """
-        s = self.s
-        self.draft.train()
-        if not self.history:
-            result = self.run_eval()
-            if on_eval:
-                on_eval(result)
-        t0, tokens0 = time.perf_counter(), self.tokens_seen
-        while self.step < s.steps:
-            loss = self.train_step()
-            last = self.step == s.steps
-            if on_step:
-                # reading the loss syncs with the GPU: only every few steps
-                if self.step % 10 == 0 or last or self.step < 10:
-                    rate = (self.tokens_seen - tokens0) / max(time.perf_counter() - t0, 1e-9)
-                    on_step(self.step, float(loss), rate)
-                else:
-                    on_step(self.step, None, None)
-            if (s.eval_every and self.step % s.eval_every == 0) or last:
-                result = self.run_eval()
-                if on_eval:
-                    on_eval(result)
-            if (s.save_every and self.step % s.save_every == 0) or last:
-                self.save()
-                if on_save:
-                    on_save()
+        self.begin(on_eval)
+        while not self.done:
+            self.after_step(self.train_step(), on_step, on_eval, on_save)

@@ -1,0 +1,65 @@
+"""Several drafts trained on the same batches, one teacher forward per batch.
+
+By a FLOP count, distillation's step is mostly the teacher's forward: for SmolLM2-135M and a
+6-layer draft of width 256, the teacher's matmuls are ~270 MFLOP a token against ~110 for the
+draft's forward and backward together. Candidates trained side by side in separate processes
+(how ``tools/gpu_draft.sh`` runs them unless ``SHARED_TEACHER=1``) each pay for it; trained
+here, in lockstep, they share it.
+Each draft still has its own optimiser, schedule, evaluations and checkpoints (its
+:class:`~tools.distill.train.Trainer`), and sees exactly the batches, in the same order, that it
+would see trained alone with the same data, batch, sequence length and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tools.distill.train import Trainer
+
+
+@dataclass
+class Hooks:
+    """One draft's callbacks (see :meth:`Trainer.run`)."""
+    on_step: Callable[[int, float | None, float | None], None] | None = None
+    on_eval: Callable[[dict], None] | None = None
+    on_save: Callable[[], None] | None = None
+
+
+def check_lockstep(trainers: list[Trainer]) -> None:
+    """Raise ValueError unless the trainers can run in lockstep: one batcher and one teacher
+    object shared by all, one device, and all at the same step (a resumed set must resume
+    together)."""
+    if not trainers:
+        raise ValueError("no drafts to train")
+    first = trainers[0]
+    if any(t.batcher is not first.batcher for t in trainers):
+        raise ValueError("drafts trained in lockstep must share one Batcher")
+    if any(t.teacher is not first.teacher for t in trainers):
+        raise ValueError("drafts trained in lockstep must share one teacher")
+    if any(t.device != first.device for t in trainers):
+        raise ValueError("drafts trained in lockstep must be on one device")
+    steps = {t.step for t in trainers}
+    if len(steps) > 1:
+        raise ValueError(f"drafts trained in lockstep must be at the same step, got "
+                         f"{sorted(steps)} (resume them together, from checkpoints of one run)")
+
+
+def run_lockstep(trainers: list[Trainer], hooks: list[Hooks] | None = None) -> None:
+    """Train every trainer until its own ``steps``: each batch is drawn once, the teacher's
+    logits for it computed once, and every unfinished draft takes its step on them. A draft
+    with fewer steps drops out; the others go on."""
+    check_lockstep(trainers)
+    hooks = hooks or [Hooks() for _ in trainers]
+    first = trainers[0]
+    for t, h in zip(trainers, hooks):
+        t.begin(h.on_eval)
+    while not all(t.done for t in trainers):
+        ids = first.batcher.next().to(first.device, non_blocking=True)
+        with torch.no_grad():
+            t_logits = first.teacher.forward_full(ids)
+        for t, h in zip(trainers, hooks):
+            if not t.done:
+                t.after_step(t.train_on(ids, t_logits), h.on_step, h.on_eval, h.on_save)
