@@ -24,6 +24,9 @@
 # steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
 # the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough);
 # sd8: b = 8 AR and SD, compiled and not (one GPU).
+# chat1 / chat07: b = 1 greedy / T = 0.7 on the 24 held-out chat prompts
+# (tools/distill/heldout_chat.jsonl, never trained on): AR (chat1 only), SD, and SD with each
+# draft in CANDS (one GPU; CANDS="$PWD/.stage/cand/v4", carried, compares the previous default).
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer since session 12: ready s was 11-20 s at b = 1, 26-31 s at b = 8.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -94,6 +97,8 @@ for b in ${BENCHES:-b1}; do
       timeout 150 $B --modes ar,sd,ssd --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 \
           --json "$OUT/exact1.json" 2>&1 | $F | tail -6 ;;
     sd1) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/sd1.json" 2>&1 | $F | tail -10 ;;
+    chat1) timeout 240 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --modes "ar,sd$(cand_modes sd)" --n-prompts 24 --k 3 --json "$OUT/chat1.json" 2>&1 | $F | tail -12 ;;
+    chat07) timeout 240 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --modes "sd$(cand_modes sd)" --n-prompts 24 --k 3 --temperature 0.7 --json "$OUT/chat07.json" 2>&1 | $F | tail -12 ;;
     sd07) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/sd07.json" 2>&1 | $F | tail -10 ;;
     b8) timeout 150 $B --n-prompts 16 --batch 8 --k 3 --json "$OUT/b8_k3.json" 2>&1 | $F | tail -14 ;;
     sd8)  # one GPU: b = 8 AR and SD, compiled (the default) and not
