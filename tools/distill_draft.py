@@ -55,10 +55,16 @@ from tqdm import tqdm  # noqa: E402
 
 from ssdlib.config import ModelConfig  # noqa: E402
 from ssdlib.errors import CheckpointError  # noqa: E402
-from ssdlib.loading import load_checkpoint  # noqa: E402
+from ssdlib.loading import Checkpoint, load_checkpoint  # noqa: E402
 from tools.distill import evaluate, models  # noqa: E402
-from tools.distill.data import (Batcher, default_text_roots, load_splits, pack_rows,  # noqa: E402
-                                 save_splits)
+from tools.distill.data import (  # noqa: E402
+    Batcher,
+    Docs,
+    default_text_roots,
+    load_splits,
+    pack_rows,
+    save_splits,
+)
 from tools.distill.selfinstruct import GenSettings, unit_fraction  # noqa: E402
 from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  # noqa: E402
                                    parse_sources)
@@ -345,14 +351,14 @@ def fmt_eval(r: dict) -> str:
 class Shared:
     """What drafts trained on the same target and data share (tools/distill_many.py trains
     several on one of these): the target, its teacher model, the documents and one batcher."""
-    ck: object  # the target's Checkpoint
+    ck: Checkpoint  # the target's
     teacher: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
     dtype_name: str
     max_positions: int
-    train_docs: object
-    held_docs: object
+    train_docs: Docs
+    held_docs: Docs
     data_s: float
     rows: torch.Tensor
     batcher: Batcher
@@ -366,7 +372,7 @@ class Candidate:
     n_params: int
     draft: torch.nn.Module
     trainer: Trainer
-    ck: object
+    ck: Checkpoint  # the target's (export writes its tokenizer pointer)
     exported_bytes: int = 0
 
     def export(self) -> None:
