@@ -62,7 +62,7 @@ def candidate_args(root: str, name: str, flags: list[str], common: list[str],
 
 
 def check_shared(named: dict[str, argparse.Namespace]) -> None:
-    first_name, first = next(iter(named.items()))
+    first = next(iter(named.values()))
     if not first.data_from:
         raise SystemExit("--data-from is required: candidates trained together read one data "
                          "file (make it with tools/distill_data.py)")

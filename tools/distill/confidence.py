@@ -25,11 +25,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0000001)  # p_max edges
-
-
-def encode(tokenizer, prompt: dict) -> list[int]:
-    text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+MAX_POSITIONS = 4096  # prompt + answer
 
 
 def greedy_answers(target: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -43,22 +39,15 @@ def greedy_answers(target: str, prompts: list[list[int]], max_new_tokens: int) -
 def build(ck) -> torch.nn.Module:
     from ssdlib.models.llama import LlamaForCausalLM
 
-    m = LlamaForCausalLM(ck.config, None, 4096)
+    m = LlamaForCausalLM(ck.config, None, MAX_POSITIONS)
     m.load_weights(ck.weights)
     return m.eval()
 
 
-@torch.no_grad()
-def position_stats(target_model, draft_model, prompt: list[int], answer: list[int]):
-    """Per answer position: (p_max, draft argmax == target argmax, sum min(p, q))."""
+def answer_probs(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """The model's next-token distributions at the answer's positions: [len(answer), V]."""
     ids = torch.tensor([prompt + answer])
-    n = len(prompt)
-    t = target_model.forward_full(ids)[0, n - 1:-1].float().softmax(-1)
-    d = draft_model.forward_full(ids)[0, n - 1:-1].float().softmax(-1)
-    p_max, t_arg = t.max(-1)
-    agree = (d.argmax(-1) == t_arg).float()
-    accept = torch.minimum(t, d).sum(-1)
-    return p_max, agree, accept
+    return model.forward_full(ids)[0, len(prompt) - 1:-1].float().softmax(-1)
 
 
 def bucket_table(p_max: torch.Tensor, agree: torch.Tensor, accept: torch.Tensor) -> list[dict]:
@@ -73,27 +62,39 @@ def bucket_table(p_max: torch.Tensor, agree: torch.Tensor, accept: torch.Tensor)
     return rows
 
 
+@torch.no_grad()
 def run(target: str, drafts: list[str], humaneval: str | None, n_prompts: int,
         max_new_tokens: int) -> dict:
     from ssdlib.loading import load_checkpoint
     from ssdlib.loading.draft import load_draft
+    from ssdlib.prompts import PromptEncoder
     from tools.distill.evaluate import prompt_sets
 
     ck = load_checkpoint(target)
+    encoder = PromptEncoder(ck.tokenizer, ck.config.vocab_size, MAX_POSITIONS)
     t_model = build(ck)
-    sets = prompt_sets(humaneval, n_prompts)
+    d_models = {path: build(load_draft(path, ck)) for path in drafts}
     result = {"target": target, "sets": {}}
-    for name, prompts in sets.items():
-        ids = [encode(ck.tokenizer, p) for p in prompts]
+    for name, prompts in prompt_sets(humaneval, n_prompts).items():
+        ids = [encoder.encode(p, chat=True) for p in prompts]
         answers = greedy_answers(target, ids, max_new_tokens)
+        p_max, agree, accept = [], {d: [] for d in drafts}, {d: [] for d in drafts}
+        for prompt, answer in zip(ids, answers):
+            if not answer:
+                continue
+            t = answer_probs(t_model, prompt, answer)  # the target's, once for all drafts
+            top, t_arg = t.max(-1)
+            p_max.append(top)
+            for path, d_model in d_models.items():
+                d = answer_probs(d_model, prompt, answer)
+                agree[path].append((d.argmax(-1) == t_arg).float())
+                accept[path].append(torch.minimum(t, d).sum(-1))
+        p_max = torch.cat(p_max)
         per_draft = {}
         for path in drafts:
-            d_model = build(load_draft(path, ck))
-            stats = [position_stats(t_model, d_model, p, a) for p, a in zip(ids, answers) if a]
-            p_max, agree, accept = (torch.cat([s[i] for s in stats]) for i in range(3))
-            per_draft[path] = {"agreement": float(agree.mean()),
-                               "acceptance": float(accept.mean()),
-                               "buckets": bucket_table(p_max, agree, accept)}
+            a, c = torch.cat(agree[path]), torch.cat(accept[path])
+            per_draft[path] = {"agreement": float(a.mean()), "acceptance": float(c.mean()),
+                               "buckets": bucket_table(p_max, a, c)}
         result["sets"][name] = {"prompts": len(prompts), "positions": int(p_max.numel()),
                                 "mean_p_max": float(p_max.mean()), "drafts": per_draft}
     return result
