@@ -90,6 +90,9 @@ PER_GPU=${PER_GPU:-2}  # candidates trained at once on one GPU
 # the teacher is ~70 % of a step for a 6-layer width-256 draft of SmolLM2. Same results as separate
 # processes (tested on CPU); its speed on the GPU is not measured yet.
 SHARED_TEACHER=${SHARED_TEACHER:-0}
+# TRAIN_ONLY=1: STEP=train stops after training (a later call's STEP=eval evaluates), so a long
+# training run does not share its call's 10 minutes with the evaluation
+TRAIN_ONLY=${TRAIN_ONLY:-0}
 
 # evaluation
 BASELINE=${BASELINE-ssdlib/assets/smollm2-135m-draft}  # also evaluated (name: base); "" skips
@@ -198,7 +201,9 @@ step_train() {
   [ -s "$DATA" ] || { say "no data at $DATA: run STEP=data first"; return 1; }
   local names=() pids=() i=0 name g
   mapfile -t names < <(candidate_names)
-  if [ "$SHARED_TEACHER" = 1 ]; then train_shared "${names[@]}"; step_eval; return; fi
+  if [ "$SHARED_TEACHER" = 1 ]; then
+    train_shared "${names[@]}"; [ "$TRAIN_ONLY" = 1 ] || step_eval; return
+  fi
   say "train: ${names[*]}: $STEPS steps each, $PER_GPU per GPU at once, timeout ${TRAIN_TIMEOUT}s"
   local slots=$((NGPU * PER_GPU))
   for name in "${names[@]}"; do
@@ -222,7 +227,7 @@ step_train() {
     say "--- $name: $(candidate_flags "$name")"
     tr '\r' '\n' < "$W/train_$name.log" | grep -v '^\s*$' | grep -v '%|' | tail -n 25
   done
-  step_eval
+  [ "$TRAIN_ONLY" = 1 ] || step_eval
 }
 
 train_shared() {  # SHARED_TEACHER=1: one tools/distill_many.py process per GPU, all its
