@@ -23,7 +23,7 @@ def test_draft_size_and_config():
     assert size <= 16 * 10**6, size
     ck = load_checkpoint("smollm2-135m-draft")
     c = ck.config
-    # version 5: width 256, reading the target's 576-wide embedding through two projections
+    # versions 5 and 6: width 256, reading the target's 576-wide embedding through two projections
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.tie_word_embeddings) == \
         (49152, 256, 6, False)
     assert c.embedding_from_target and c.projects_target_embedding
