@@ -112,3 +112,13 @@ def test_gpu_draft_dry_run(tmp_path):
         assert shared[name]["train_rc"] == 0 and shared[name]["train"]["step"] == 4
         for k in ("held_out_kl", "agreement", "acceptance", "params"):
             assert shared[name]["train"][k] == res[name]["train"][k], (name, k)
+
+    # TRAIN_ONLY=1: training alone (a later call's STEP=eval evaluates): the candidates are
+    # exported, nothing is evaluated, packed or reported
+    out5 = tmp_path / "out5"
+    log = run_step("train", {**env, "OUT": str(out5), "DATA_PARTS": str(part), "NGPU": "1",
+                             "SHARED_TEACHER": "1", "TRAIN_ONLY": "1", "TARS_TO_OUT": "1"})
+    assert "gpu 0 (t1 t2) finished: rc 0" in log and "eval:" not in log
+    assert sorted(os.listdir(out5)) == ["log"]
+    for name in ("t1", "t2"):
+        assert os.path.exists(tmp_path / "work" / f"cand_{name}" / "config.json")
