@@ -68,6 +68,8 @@ from tools.distill.data import (  # noqa: E402
 from tools.distill.selfinstruct import GenSettings, unit_fraction  # noqa: E402
 from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  # noqa: E402
                                    parse_sources)
+from tools.distill.budget import StepBudget  # noqa: E402
+from tools.distill.lockstep import Hooks, run_lockstep  # noqa: E402
 from tools.distill.train import LOSSES, Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
@@ -138,6 +140,10 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
              "target's (shapes must match: --embedding-from-target or the target's widths)")
     # optimisation
     add("--steps", type=int, default=2000)
+    add("--train-budget", type=float, default=None, metavar="SECONDS",
+        help="wall-clock seconds for the whole run from its start: after timing its first "
+             "steps the run cuts its step count once to what fits (evaluations and exports "
+             "included), so its schedule ends on time (tools/distill/budget.py)")
     add("--batch", type=int, default=32)
     add("--seq-len", type=int, default=512)
     add("--loss", choices=tuple(LOSSES), default="kl",
@@ -470,7 +476,8 @@ def build_candidate(args, shared: Shared, say=print) -> Candidate:
     return Candidate(args, dcfg, n_params, draft, trainer, ck)
 
 
-def finish(cand: Candidate, shared: Shared, command: str, train_s: float, say=print) -> dict:
+def finish(cand: Candidate, shared: Shared, command: str, train_s: float, say=print,
+           budget: StepBudget | None = None) -> dict:
     """After training: the output written (also when the run was resumed at its last step),
     distill.json, and the summary line. Returns the report."""
     args, trainer = cand.args, cand.trainer
@@ -495,6 +502,7 @@ def finish(cand: Candidate, shared: Shared, command: str, train_s: float, say=pr
                  "rows": int(shared.rows.shape[0])},
         "seconds": {"data": round(shared.data_s, 1), "train": round(train_s, 1)},
         "step": trainer.step, "tokens_seen": trainer.tokens_seen, "history": trainer.history,
+        "train_budget": budget.report if budget is not None else None,
     }
     with open(os.path.join(args.out, "distill.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -506,8 +514,24 @@ def finish(cand: Candidate, shared: Shared, command: str, train_s: float, say=pr
     return report
 
 
+def time_budget(args, say=print) -> StepBudget | None:
+    """``--train-budget``'s budget, counting from now (call it first thing)."""
+    if args.train_budget is None:
+        return None
+    if args.train_budget <= 0:
+        raise SystemExit(f"--train-budget must be positive, got {args.train_budget}")
+
+    def on_decide(r: dict) -> None:
+        say(f"train budget {r['seconds']:.0f} s: {r['seconds_per_step'] * 1e3:.1f} ms a step, "
+            f"{r['seconds_left']:.0f} s left at step {r['decided_at_step']}: "
+            + (f"steps cut from {r['steps_before']} to {r['steps']}"
+               if r['steps'] < r['steps_before'] else f"all {r['steps']} steps fit"))
+    return StepBudget(args.train_budget, on_decide=on_decide)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = resolve_args(argv)
+    budget = time_budget(args, say=tqdm.write)
     shared = load_shared(args)
     cand = build_candidate(args, shared)
     trainer = cand.trainer
@@ -521,11 +545,12 @@ def main(argv: list[str] | None = None) -> dict:
             bar.set_postfix(kl=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
 
     t1 = time.perf_counter()
-    trainer.run(on_step=on_step, on_eval=lambda r: tqdm.write("eval " + fmt_eval(r)),
-                on_save=cand.export)
+    run_lockstep([trainer], [Hooks(on_step=on_step,
+                                   on_eval=lambda r: tqdm.write("eval " + fmt_eval(r)),
+                                   on_save=cand.export)], budget)
     bar.close()
     command = " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    report = finish(cand, shared, command, time.perf_counter() - t1)
+    report = finish(cand, shared, command, time.perf_counter() - t1, budget=budget)
     if args.eval:
         report["eval"] = evaluate.run(str(args.target), args.out, args.eval_humaneval,
                                       args.eval_prompts, max_new_tokens=args.eval_max_new_tokens,

@@ -31,7 +31,8 @@ from tools import distill_draft  # noqa: E402
 from tools.distill.lockstep import Hooks, check_lockstep, run_lockstep  # noqa: E402
 
 # settings the candidates share (one target, one data file, one batch sequence, one device)
-SHARED_KEYS = ("target", "data_from", "batch", "seq_len", "seed", "device", "dtype")
+SHARED_KEYS = ("target", "data_from", "batch", "seq_len", "seed", "device", "dtype",
+               "train_budget")
 
 
 def parse_candidate(text: str) -> tuple[str, list[str]]:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"candidate names must differ, got {names}")
     named = {n: candidate_args(a.root, n, flags, common, a.resume) for n, flags in cands}
     check_shared(named)
+    budget = distill_draft.time_budget(next(iter(named.values())))
 
     def say_for(name):
         return lambda text: print(f"[{name}] {text}", flush=True)
@@ -106,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def hooks(name, cand):
         say = say_for(name)
-        steps = cand.args.steps
 
         def on_step(step, loss, rate):
+            steps = cand.trainer.s.steps  # (a budget may have cut it)
             if loss is not None and (step % 100 == 0 or step == steps):
                 say(f"step {step}/{steps}  loss {loss:.4f}  {rate:,.0f} tokens/s")
         return Hooks(on_step=on_step,
@@ -116,9 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
                      on_save=cand.export)
 
     t1 = time.perf_counter()
-    run_lockstep(trainers, [hooks(n, c) for n, c in built.items()])
+    run_lockstep(trainers, [hooks(n, c) for n, c in built.items()], budget)
     train_s = time.perf_counter() - t1
-    return {n: distill_draft.finish(c, shared, command, train_s, say=say_for(n))
+    return {n: distill_draft.finish(c, shared, command, train_s, say=say_for(n), budget=budget)
             for n, c in built.items()}
 
 

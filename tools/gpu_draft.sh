@@ -35,8 +35,9 @@
 # * train: 4 candidates, two per GPU at once. A d576 1-3 layer draft with the target's embedding
 #   costs about 1.5x the d128 draft per step (its 576-wide tied head dominates), two sharing a GPU
 #   about 2x: ~150-200 ms a step each, so 1400 steps ~ 210-280 s, + ~30 s start-up (target, 5 M
-#   data tokens); TRAIN_TIMEOUT (330 s) kills a straggler (its last export, every 250 steps, is
-#   still evaluated). Evaluation (24 chat + 32 HumanEval prompts, 128 tokens, T 0 and 0.7, K 5,
+#   data tokens); each run cuts its own STEPS to end within TRAIN_BUDGET (TRAIN_TIMEOUT - 20 s,
+#   --train-budget), and TRAIN_TIMEOUT (330 s) kills a straggler (its last export, every 250
+#   steps, is still evaluated). Evaluation (24 chat + 32 HumanEval prompts, 128 tokens, T 0 and 0.7, K 5,
 #   all candidates at once) ~60-90 s, probe ~20 s, packing ~5 s: ~7 min in all. If the call runs
 #   out, STEP=eval redoes the evaluation part on the trained candidates.
 set -uo pipefail
@@ -83,6 +84,12 @@ p2|--hidden 128 --layers 2 --heads 4 --kv-heads 2 --ffn 2048 --init-embeddings-f
 TRAIN_COMMON=${TRAIN_COMMON:-"--storage-dtype float16 --max-mb 16 --batch 32 --seq-len 512 --eval-every 250 --save-every 250"}
 STEPS=${STEPS:-1400}
 TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-330}
+# each training process's --train-budget (seconds): it times its first steps and cuts its
+# step count once so that it ends (evaluated and exported) before TRAIN_TIMEOUT kills it;
+# TRAIN_BUDGET=0: no budget (STEPS as given; the timeout may cut the run)
+TRAIN_BUDGET=${TRAIN_BUDGET:-$((TRAIN_TIMEOUT - 20))}
+BUDGET_FLAG=()
+[ "${TRAIN_BUDGET:-0}" -gt 0 ] 2>/dev/null && BUDGET_FLAG=(--train-budget "$TRAIN_BUDGET")
 PER_GPU=${PER_GPU:-2}  # candidates trained at once on one GPU
 # SHARED_TEACHER=1: each GPU's candidates train in one process (tools/distill_many.py), in
 # lockstep on the same batches with one teacher forward per batch instead of one per
@@ -216,7 +223,7 @@ step_train() {
       CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$TRAIN_TIMEOUT" python tools/distill_draft.py \
         --target "$TARGET" --out "$W/cand_$name" --work-dir "$W/cand_$name.work" \
         --data-from "$DATA" $TRAIN_COMMON $(candidate_flags "$name") --steps "$STEPS" \
-        > "$W/train_$name.log" 2>&1
+        "${BUDGET_FLAG[@]}" > "$W/train_$name.log" 2>&1
       rc=$?
       echo "{\"train_rc\": $rc, \"train_wall_s\": $(( $(now) - s )), \"gpu\": $g}" > "$W/status_$name.json"
       echo "[gpu_draft] $name finished: rc $rc in $(( $(now) - s ))s" ) &
@@ -250,10 +257,10 @@ train_shared() {  # SHARED_TEACHER=1: one tools/distill_many.py process per GPU,
     ( s=$(now)
       CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$TRAIN_TIMEOUT" python tools/distill_many.py \
         --root "$W" "${cands[@]}" -- --target "$TARGET" --data-from "$DATA" $TRAIN_COMMON \
-        --steps "$STEPS" > "$W/train_gpu$g.log" 2>&1
+        --steps "$STEPS" "${BUDGET_FLAG[@]}" > "$W/train_gpu$g.log" 2>&1
       rc=$?
       for name in "${mine[@]}"; do
-        grep -a "^\[$name\] \|^data: " "$W/train_gpu$g.log" | sed "s/^\[$name\] //" > "$W/train_$name.log"
+        grep -a "^\[$name\] \|^data: \|^train budget " "$W/train_gpu$g.log" | sed "s/^\[$name\] //" > "$W/train_$name.log"
         [ $rc = 0 ] || tail -n 5 "$W/train_gpu$g.log" >> "$W/train_$name.log"
         echo "{\"train_rc\": $rc, \"train_wall_s\": $(( $(now) - s )), \"gpu\": $g, \"shared_teacher\": true}" > "$W/status_$name.json"
       done

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tools.distill.budget import StepBudget
 from tools.distill.train import Trainer
 
 
 @dataclass
 class Hooks:
-    """One draft's callbacks (see :meth:`Trainer.run`)."""
+    """One draft's callbacks. ``on_step(step, loss, tokens_per_s)`` after each step (loss and
+    rate are None on steps where they are not read, to keep the GPU busy), ``on_eval(result)``
+    after each evaluation, ``on_save()`` after each checkpoint (e.g. the export)."""
     on_step: Callable[[int, float | None, float | None], None] | None = None
     on_eval: Callable[[dict], None] | None = None
     on_save: Callable[[], None] | None = None
@@ -49,16 +52,21 @@ def check_lockstep(trainers: list[Trainer]) -> None:
                          f"{sorted(steps)} (resume them together, from checkpoints of one run)")
 
 
-def run_lockstep(trainers: list[Trainer], hooks: list[Hooks] | None = None) -> None:
+def run_lockstep(trainers: list[Trainer], hooks: list[Hooks] | None = None,
+                 budget: StepBudget | None = None) -> None:
     """Train every trainer until its own ``steps``: each batch is drawn once, the teacher's
     logits for it computed once, and every unfinished draft takes its step on them. A draft
-    with fewer steps drops out; the others go on."""
+    with fewer steps drops out; the others go on. One trainer alone trains exactly as it
+    would in this loop with others. ``budget`` may lower the trainers' ``steps`` once, early,
+    so that the run ends in time (tools/distill/budget.py)."""
     check_lockstep(trainers)
     hooks = hooks or [Hooks() for _ in trainers]
     first = trainers[0]
     for t, h in zip(trainers, hooks):
         t.begin(h.on_eval)
     while not all(t.done for t in trainers):
+        if budget is not None:
+            budget.before_step(trainers)
         ids = first.batcher.next().to(first.device, non_blocking=True)
         with torch.no_grad():
             t_logits = first.teacher.forward_full(ids)

@@ -166,6 +166,9 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.tokens_seen = 0
+        # wall time in evaluations and checkpoints (with their hooks), for a StepBudget
+        self.eval_seconds = self.last_eval_seconds = 0.0
+        self.save_seconds = self.last_save_seconds = 0.0
         self._frozen = {name for name, p in draft.named_parameters(remove_duplicate=False)
                         if not p.requires_grad}
         # trained parameters that wait for s.embeddings_first steps
@@ -216,13 +219,6 @@ class Trainer:
         return self._frozen
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self) -> torch.Tensor:
-        """One step on the batcher's next batch, the teacher's logits computed here."""
-        ids = self.batcher.next().to(self.device, non_blocking=True)  # [b, seq_len]
-        with torch.no_grad():
-            t_logits = self.teacher.forward_full(ids)
-        return self.train_on(ids, t_logits)
-
     def train_on(self, ids: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
         """One optimiser step on ``ids`` [b, seq_len] against the teacher's logits for them
         (computed once and shared when several drafts train on the same batches:
@@ -246,10 +242,13 @@ class Trainer:
         return loss.detach()
 
     def run_eval(self) -> dict:
+        t0 = time.perf_counter()
         result = {"step": self.step, "tokens": self.tokens_seen,
                   **evaluate(self.draft, self.teacher, self.held_out, self.s)}
         if not self.history or self.history[-1]["step"] != self.step:
             self.history.append(result)
+        self.last_eval_seconds = time.perf_counter() - t0
+        self.eval_seconds += self.last_eval_seconds
         return result
 
     def begin(self, on_eval: Callable[[dict], None] | None = None) -> None:
@@ -287,19 +286,9 @@ class Trainer:
             if on_eval:
                 on_eval(result)
         if (s.save_every and self.step % s.save_every == 0) or last:
+            t0 = time.perf_counter()
             self.save()
             if on_save:
                 on_save()
-
-    def run(self, on_step: Callable[[int, float | None, float | None], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None,
-            on_save: Callable[[], None] | None = None) -> None:
-        """Train until ``steps``, evaluating and checkpointing on schedule (and at the end).
-
-        ``on_step(step, loss, tokens_per_s)`` is called after each step (loss and rate are None
-        on steps where they are not read, to keep the GPU busy), ``on_eval(result)`` after each
-        evaluation, ``on_save()`` after each checkpoint.
-        """
-        self.begin(on_eval)
-        while not self.done:
-            self.after_step(self.train_step(), on_step, on_eval, on_save)
+            self.last_save_seconds = time.perf_counter() - t0
+            self.save_seconds += self.last_save_seconds
