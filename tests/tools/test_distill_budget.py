@@ -56,7 +56,7 @@ class FakeTrainer:
 def test_step_budget_times_the_steps_without_evaluations_and_cuts_once():
     now = [0.0]
     reports = []
-    budget = StepBudget(100.0, calibrate=4, reserve=0.0, clock=lambda: now[0],
+    budget = StepBudget(100.0, calibrate=4, skip=0, reserve=0.0, clock=lambda: now[0],
                         on_decide=reports.append)
     a, b = FakeTrainer(1000, eval_every=10), FakeTrainer(800, eval_every=10)
     a.last_eval_seconds = b.last_eval_seconds = 1.5  # their step-0 evaluations
@@ -86,6 +86,8 @@ def test_step_budget_refuses_nonsense():
         StepBudget(0)
     with pytest.raises(ValueError, match="calibrate"):
         StepBudget(10, calibrate=0)
+    with pytest.raises(ValueError, match="skip"):
+        StepBudget(10, skip=-1)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_a_budget_that_fits_changes_nothing(setup, tmp_path):
     budgeted = main([*common, "--out", str(tmp_path / "budgeted"), "--train-budget", "3600"])
     assert plain["train_budget"] is None
     r = budgeted["train_budget"]
-    assert r["decided_at_step"] == 20 and r["steps"] == r["steps_before"] == 24
+    assert r["decided_at_step"] == 23 and r["steps"] == r["steps_before"] == 24  # 3 + 20
     assert budgeted["step"] == 24
     w1 = load_file(os.path.join(tmp_path / "plain", "model.safetensors"))
     w2 = load_file(os.path.join(tmp_path / "budgeted", "model.safetensors"))
@@ -137,7 +139,7 @@ def test_a_tight_budget_ends_the_schedule_early_and_exports_there(setup, tmp_pat
     run_lockstep([t], [Hooks(on_step=lambda *_: lrs.append(t.opt.param_groups[0]["lr"]),
                              on_save=cand.export)], budget)
     r = budget.report
-    assert r["decided_at_step"] == 5 and 0.9 < r["seconds_per_step"] <= 1.0
+    assert r["decided_at_step"] == 8 and 0.9 < r["seconds_per_step"] <= 1.0  # 3 skipped + 5
     assert 30 <= r["steps"] < 60 and r["steps_before"] == 1000
     assert t.step == t.s.steps == r["steps"]
     assert t.history[-1]["step"] == r["steps"]  # evaluated at its last step
@@ -145,3 +147,15 @@ def test_a_tight_budget_ends_the_schedule_early_and_exports_there(setup, tmp_pat
     # the last step's learning rate is the schedule's end (min_lr_ratio * lr), not mid-way
     assert lrs[-1] == pytest.approx(lr_at(t.s.steps - 1, t.s))
     assert lrs[-1] < 0.15 * args.lr
+
+
+def test_the_first_steps_are_not_timed():
+    """A slow first step (a GPU's warm-up) is skipped: the steps are timed after it."""
+    now = [0.0]
+    budget = StepBudget(1000.0, calibrate=4, skip=1, reserve=0.0, clock=lambda: now[0])
+    t = FakeTrainer(10_000)
+    for step in range(6):
+        t.step = step
+        budget.before_step([t])
+        now[0] += 50.0 if step == 0 else 1.0
+    assert budget.report["decided_at_step"] == 5 and budget.report["seconds_per_step"] == 1.0

@@ -44,26 +44,29 @@ def fit_steps(step: int, target: int, per_step: float, rounds: list[tuple[int, f
 class StepBudget:
     """Cuts the step count of drafts trained together (``run_lockstep``) to fit ``seconds``.
 
-    ``before_step(trainers)`` is called before every step. It marks the first step it sees,
-    times the next ``calibrate`` steps (minus the time spent in evaluations and checkpoints
-    meanwhile), and then decides once. A draft's evaluation and checkpoint cost what it last
+    ``before_step(trainers)`` is called before every step. It lets ``skip`` steps pass (the
+    first steps on a GPU also pay for its warm-up), times the next ``calibrate`` steps (minus
+    the time spent in evaluations and checkpoints meanwhile), and then decides once. A draft's evaluation and checkpoint cost what it last
     measured (``Trainer.last_eval_seconds`` / ``last_save_seconds``): its step-0 evaluation,
     and nothing for checkpoints until its first. ``reserve`` (a fraction of ``seconds``) is kept for what is not timed:
-    the first checkpoints, and the exit.
+    the first checkpoints, and the exit. (A resumed run has no step-0 evaluation, so until
+    its first one its evaluations count as free: give it a larger ``reserve``.)
     """
 
     def __init__(self, seconds: float, start: float | None = None, calibrate: int = 20,
-                 reserve: float = 0.05, clock: Callable[[], float] = time.perf_counter,
+                 skip: int = 3, reserve: float = 0.05, clock: Callable[[], float] = time.perf_counter,
                  on_decide: Callable[[dict], None] | None = None):
         if seconds <= 0:
             raise ValueError(f"a time budget must be positive, got {seconds}")
-        if calibrate < 1:
-            raise ValueError(f"calibrate must be at least 1 step, got {calibrate}")
-        self.seconds, self.calibrate, self.reserve, self.clock, self.on_decide = (
-            seconds, calibrate, reserve, clock, on_decide)
+        if calibrate < 1 or skip < 0:
+            raise ValueError(f"calibrate must be at least 1 step and skip at least 0, got "
+                             f"{calibrate} and {skip}")
+        self.seconds, self.calibrate, self.skip, self.reserve, self.clock, self.on_decide = (
+            seconds, calibrate, skip, reserve, clock, on_decide)
         self.start = clock() if start is None else start
         self.decided = False
         self.report: dict | None = None  # what was measured and decided (for distill.json)
+        self._first_step: int | None = None
         self._mark: tuple[float, int, float] | None = None
 
     def before_step(self, trainers) -> None:
@@ -74,8 +77,11 @@ class StepBudget:
             return
         now, step = self.clock(), live[0].step
         busy = sum(t.eval_seconds + t.save_seconds for t in trainers)
+        if self._first_step is None:
+            self._first_step = step
         if self._mark is None:
-            self._mark = (now, step, busy)
+            if step - self._first_step >= self.skip:
+                self._mark = (now, step, busy)
             return
         t0, step0, busy0 = self._mark
         if step - step0 < self.calibrate:
