@@ -5,7 +5,10 @@ Prediction (the standard SD model, acceptances independent with probability ``a`
 token): a round of K draft steps and one target verify yields (1 - a^(K+1)) / (1 - a) tokens on
 average and costs K * c + 1 target steps, where c = draft step / target step (one CUDA-graph
 replay each, b = 1, bf16: .stage/floor_probe.py). The predicted speedup over plain decoding is
-their ratio at the best K in 1..8.
+their ratio at the best K in 1..8. It overrates cheap drafts: in the engine (compiled steps) a
+round's draft phase was measured as ~0.3 ms fixed plus ~0.43 of the probe's step per draft
+step (session 15, model card "Version 6"), so a 2-layer draft predicted level with a 6-layer
+one ran 0.88x it. Compare finalists in the engine (``gpu_quick.sh`` ``chat1`` / ``cands``).
 
     python -m tools.distill.candidates evaluate --target T --draft DIR --out rows.json ...
     python -m tools.distill.candidates probe --probe .stage/floor_probe.py --out probe.json \
