@@ -74,7 +74,8 @@ from tools.distill.train import LOSSES, Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
 RESUME_OVERRIDES = {"steps", "eval_every", "save_every", "device", "resume", "out", "work_dir",
-                    "eval", "eval_humaneval", "eval_prompts", "eval_max_new_tokens"}
+                    "eval", "eval_humaneval", "eval_prompts", "eval_max_new_tokens",
+                    "train_budget"}  # (a time limit is the invocation's own)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -159,3 +159,17 @@ def test_the_first_steps_are_not_timed():
         budget.before_step([t])
         now[0] += 50.0 if step == 0 else 1.0
     assert budget.report["decided_at_step"] == 5 and budget.report["seconds_per_step"] == 1.0
+
+
+def test_a_resumed_run_takes_its_own_budget(setup, tmp_path):
+    """The time limit belongs to an invocation: --resume neither inherits the first run's
+    budget nor refuses a new one."""
+    common = [*setup, "--eval-every", "3", "--save-every", "3", "--out", str(tmp_path / "r")]
+    first = main([*common, "--steps", "3", "--train-budget", "3600"])
+    assert first["step"] == 3
+    # long enough to decide (3 skipped + 20 timed after step 3) had it kept the budget
+    resumed = main([*common, "--steps", "30", "--resume"])
+    assert resumed["step"] == 30 and resumed["train_budget"] is None
+    again = main([*common, "--steps", "60", "--resume", "--train-budget", "1800"])
+    assert again["step"] == 60
+    assert again["train_budget"]["seconds"] == 1800 and again["train_budget"]["steps"] == 60
