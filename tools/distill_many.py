@@ -13,8 +13,9 @@ step). Every candidate sees the same batches in the same order, exactly those it
 trained alone by ``distill_draft.py`` with the same flags; the teacher's logits for each batch
 are computed once (tools/distill/lockstep.py), where separate processes would each compute
 them. The candidates must agree on what they share: the target, ``--data-from`` (required),
-``--batch``, ``--seq-len``, ``--seed``, ``--device`` and ``--dtype``. Output lines are prefixed
-with ``[NAME]``.
+``--batch``, ``--seq-len``, ``--seed``, ``--device``, ``--dtype`` and ``--train-budget`` (one
+budget for the run, which cuts every candidate's steps alike). Output lines are prefixed with
+``[NAME]``.
 """
 
 from __future__ import annotations

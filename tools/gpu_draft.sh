@@ -37,8 +37,8 @@
 #   about 2x: ~150-200 ms a step each, so 1400 steps ~ 210-280 s, + ~30 s start-up (target, 5 M
 #   data tokens); each run cuts its own STEPS to end within TRAIN_BUDGET (TRAIN_TIMEOUT - 20 s,
 #   --train-budget), and TRAIN_TIMEOUT (330 s) kills a straggler (its last export, every 250
-#   steps, is still evaluated). Evaluation (24 chat + 32 HumanEval prompts, 128 tokens, T 0 and 0.7, K 5,
-#   all candidates at once) ~60-90 s, probe ~20 s, packing ~5 s: ~7 min in all. If the call runs
+#   steps, is still evaluated). Evaluation (24 chat + 32 HumanEval prompts, 128 tokens, T 0
+#   and 0.7, K 5, all candidates at once) ~60-90 s, probe ~20 s, packing ~5 s: ~7 min in all. If the call runs
 #   out, STEP=eval redoes the evaluation part on the trained candidates.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
@@ -208,11 +208,14 @@ merge_parts() {  # DATA_PARTS -> $W/data_parts.safetensors, which becomes $DATA
 step_train() {
   if [ -n "$DATA_PARTS" ]; then merge_parts || return 1; fi
   [ -s "$DATA" ] || { say "no data at $DATA: run STEP=data first"; return 1; }
-  local names=() pids=() i=0 name g
+  local names=()
   mapfile -t names < <(candidate_names)
-  if [ "$SHARED_TEACHER" = 1 ]; then
-    train_shared "${names[@]}"; [ "$TRAIN_ONLY" = 1 ] || step_eval; return
-  fi
+  if [ "$SHARED_TEACHER" = 1 ]; then train_shared "${names[@]}"; else train_apart "${names[@]}"; fi
+  [ "$TRAIN_ONLY" = 1 ] || step_eval
+}
+
+train_apart() {  # one tools/distill_draft.py process per candidate, PER_GPU at once per GPU
+  local names=("$@") pids=() i=0 name g
   say "train: ${names[*]}: $STEPS steps each, $PER_GPU per GPU at once, timeout ${TRAIN_TIMEOUT}s"
   local slots=$((NGPU * PER_GPU))
   for name in "${names[@]}"; do
@@ -236,7 +239,6 @@ step_train() {
     say "--- $name: $(candidate_flags "$name")"
     tr '\r' '\n' < "$W/train_$name.log" | grep -v '^\s*$' | grep -v '%|' | tail -n 25
   done
-  [ "$TRAIN_ONLY" = 1 ] || step_eval
 }
 
 train_shared() {  # SHARED_TEACHER=1: one tools/distill_many.py process per GPU, all its

@@ -46,15 +46,17 @@ class StepBudget:
 
     ``before_step(trainers)`` is called before every step. It lets ``skip`` steps pass (the
     first steps on a GPU also pay for its warm-up), times the next ``calibrate`` steps (minus
-    the time spent in evaluations and checkpoints meanwhile), and then decides once. A draft's evaluation and checkpoint cost what it last
-    measured (``Trainer.last_eval_seconds`` / ``last_save_seconds``): its step-0 evaluation,
-    and nothing for checkpoints until its first. ``reserve`` (a fraction of ``seconds``) is kept for what is not timed:
-    the first checkpoints, and the exit. (A resumed run has no step-0 evaluation, so until
-    its first one its evaluations count as free: give it a larger ``reserve``.)
+    the time spent in evaluations and checkpoints meanwhile), and then decides once. A
+    draft's evaluation and checkpoint cost what it last measured (``Trainer.last_eval_seconds``
+    / ``last_save_seconds``): its step-0 evaluation, and nothing for checkpoints until its
+    first. ``reserve`` (a fraction of ``seconds``) is kept for what is not timed: the first
+    checkpoints, and the exit. (A resumed run has no step-0 evaluation, so until its first one
+    its evaluations count as free: give it a larger ``reserve``.)
     """
 
     def __init__(self, seconds: float, start: float | None = None, calibrate: int = 20,
-                 skip: int = 3, reserve: float = 0.05, clock: Callable[[], float] = time.perf_counter,
+                 skip: int = 3, reserve: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter,
                  on_decide: Callable[[dict], None] | None = None):
         if seconds <= 0:
             raise ValueError(f"a time budget must be positive, got {seconds}")
@@ -64,10 +66,13 @@ class StepBudget:
         self.seconds, self.calibrate, self.skip, self.reserve, self.clock, self.on_decide = (
             seconds, calibrate, skip, reserve, clock, on_decide)
         self.start = clock() if start is None else start
-        self.decided = False
         self.report: dict | None = None  # what was measured and decided (for distill.json)
         self._first_step: int | None = None
         self._mark: tuple[float, int, float] | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self.report is not None
 
     def before_step(self, trainers) -> None:
         if self.decided:
@@ -86,7 +91,6 @@ class StepBudget:
         t0, step0, busy0 = self._mark
         if step - step0 < self.calibrate:
             return
-        self.decided = True
         per_step = max(0.0, (now - t0) - (busy - busy0)) / (step - step0)
         rounds = [(t.s.eval_every, t.last_eval_seconds) for t in live] + \
                  [(t.s.save_every, t.last_save_seconds) for t in live]
