@@ -1,9 +1,11 @@
 """Sampling parameters and the target distribution they define.
 
 Conventions (also what SD/SSD verification must reproduce exactly):
-temperature 0 = greedy; otherwise logits / temperature, then top-k, then top-p, where top-p keeps
+temperature 0 = greedy, and so is any temperature below :data:`GREEDY_BELOW` (dividing float32
+logits by a smaller one overflows; vLLM draws the same line); otherwise logits / temperature, then top-k, then top-p, where top-p keeps
 the smallest set of most likely tokens whose cumulative probability reaches ``top_p`` (HF/vLLM;
-among equally likely tokens the lower id comes first).
+among equally likely tokens the lower id comes first); the most likely token is always kept, so
+no ``top_p`` can empty the distribution.
 
 :func:`target_probs` states the rule for one parameter set; :func:`target_distributions` applies
 it to a batch whose rows have their own parameters (:class:`SamplingTensors`), with no per-row
@@ -12,6 +14,7 @@ Python and no host read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -21,8 +24,32 @@ from ssdlib.errors import ConfigError
 from ssdlib.speculative.rng import RowStream
 
 
+# Temperatures below this mean greedy: logits / 1e-5 stays far inside float32's range for any
+# logit a model produces, while a subnormal or 1e-300 temperature (0 in float32) would give inf/NaN.
+GREEDY_BELOW = 1e-5
+# top_k at or above any vocabulary means "off"; larger values are clamped here so that they fit
+# the int64 / float64 tensors that carry them (the speculator's wire included).
+TOP_K_MAX = 2**31 - 1
+# Seeds are taken modulo this (the modulus RowStream.from_seed already applies), so any Python
+# int seeds the same stream as before and fits an int64 on the wire.
+SEED_MODULUS = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
+    """How one request samples. :meth:`validate` (run at construction) raises ConfigError on a
+    bad value and normalises the rest: a temperature below :data:`GREEDY_BELOW` becomes 0
+    (greedy), top_k is clamped to :data:`TOP_K_MAX`, a seed is taken modulo
+    :data:`SEED_MODULUS` (the same random stream)."""
+
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -37,19 +64,27 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> "SamplingParams":
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or \
-                self.temperature != self.temperature:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or \
+                self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                              f"got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop must be a list of non-empty strings")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.top_k = min(self.top_k, TOP_K_MAX)
+        if self.seed is not None:
+            self.seed %= SEED_MODULUS
         return self
 
     @property
@@ -77,10 +112,11 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
 def _top_p_cut(probs: torch.Tensor, top_p) -> torch.Tensor:
     """probs [..., V] restricted to the smallest set of tokens reaching ``top_p`` (a float, or a
     tensor broadcasting over [..., 1]) and renormalised: token i is kept if the mass strictly
-    before it (in descending order, ties in index order) is < top_p."""
+    before it (in descending order, ties in index order) is < top_p; the first always is."""
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     cum = torch.cumsum(sorted_p, dim=-1)
     keep_sorted = (cum - sorted_p) < top_p
+    keep_sorted[..., 0] = True  # the most likely token survives any top_p (1e-300 is 0 in float32)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     cut = probs * keep
     return cut / cut.sum(dim=-1, keepdim=True)
