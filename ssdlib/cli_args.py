@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1]")
     s.add_argument("--fallback", default="auto", choices=["auto", "jit", "ngram", "random"])
     s.add_argument("--draft-placement", default="leader", choices=["leader", "separate"])
+    s.add_argument("--speculator-placement", default="auto", choices=["auto", "stream", "rank"],
+                   help="ssd: 'stream' runs the speculator in the leader's process on a CUDA "
+                        "stream of its own (one GPU), 'rank' on its own rank (its own GPU); "
+                        "'auto': rank when a GPU is free for it, stream otherwise")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +60,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
                 dtype=a.dtype, k=a.k, fan_out=a.fan_out, fan_out_budget=a.fan_out_budget,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
+                speculator_placement=a.speculator_placement,
                 max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,
                 compile=a.compile)
 

@@ -12,6 +12,7 @@ import torch
 from ssdlib.errors import ConfigError
 
 MODES = ("ar", "sd", "ssd")
+PLACEMENTS = ("auto", "stream", "rank")
 FALLBACKS = ("auto", "jit", "ngram", "random")
 
 
@@ -29,6 +30,10 @@ class EngineConfig:
     saguaro_c: float = 1.0
     fallback: str = "auto"
     draft_placement: str = "leader"  # sd only: "leader" (on verifier rank 0) or "separate"
+    # ssd only: where the speculator runs. "stream": in the leader's process, on a CUDA stream of
+    # its own (one GPU serves both); "rank": its own rank (its own GPU); "auto": stream when the
+    # speculator would share a GPU with a verifier rank (or on CPU), rank when a GPU is free
+    speculator_placement: str = "auto"
     max_batch: int = 8
     max_len: int = 2048  # tokens per sequence, prompt + generated
     backend: str | None = None  # default: gloo on CPU, nccl on CUDA
@@ -69,6 +74,9 @@ class EngineConfig:
             raise ConfigError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         if self.draft_placement not in ("leader", "separate"):
             raise ConfigError("--draft-placement must be leader or separate")
+        if self.speculator_placement not in PLACEMENTS:
+            raise ConfigError(f"--speculator-placement must be one of {', '.join(PLACEMENTS)}, "
+                              f"got {self.speculator_placement!r}")
         for name, flag, low in (("max_batch", "--max-batch", 1), ("max_len", "--max-len", 8),
                                 ("fan_out_budget", "--fan-out-budget", 1)):
             value = getattr(self, name)
@@ -105,9 +113,27 @@ class EngineConfig:
         return getattr(torch, name)
 
     @property
+    def placement(self) -> str:
+        """Where the ssd speculator runs, resolved: "stream" or "rank" (see the field)."""
+        if self.speculator_placement != "auto":
+            return self.speculator_placement
+        if self.device == "cuda" and torch.cuda.device_count() > self.tp:
+            return "rank"  # a GPU of its own
+        return "stream"
+
+    def adopt_world_size(self, world_size: int) -> None:
+        """Under torchrun the launch decides an "auto" placement: tp ranks = stream, tp + 1 =
+        rank."""
+        if self.mode == "ssd" and self.speculator_placement == "auto" and \
+                world_size in (self.tp, self.tp + 1):
+            self.speculator_placement = "stream" if world_size == self.tp else "rank"
+
+    @property
     def world_size(self) -> int:
-        """Ranks this configuration needs: tp verifier ranks (+1 speculator / separate draft)."""
-        extra = self.mode == "ssd" or (self.mode == "sd" and self.draft_placement == "separate")
+        """Ranks this configuration needs: tp verifier ranks (+1 speculator rank / separate
+        draft)."""
+        extra = (self.mode == "ssd" and self.placement == "rank") or \
+            (self.mode == "sd" and self.draft_placement == "separate")
         return self.tp + (1 if extra else 0)
 
     @property
@@ -115,6 +141,7 @@ class EngineConfig:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
 
     def check_world_size(self, world_size: int) -> None:
+        self.adopt_world_size(world_size)
         if world_size != self.world_size:
             extra = " + 1 speculator rank" if self.world_size > self.tp else ""
             raise ConfigError(

@@ -2,17 +2,23 @@
 
 - leader (rank 0): target shard + sequences + the mode's loop; serves generate requests;
 - TP follower (ranks 1..tp-1): target shard; executes the leader's forwards;
-- speculator (rank tp): mode ssd: draft + speculation cache (``Speculator``); mode sd with the
-  draft on its own rank: the draft alone (``JitSpeculator``), both in ``ssdlib.engine.speculator``.
+- speculator (rank tp, rank placement): mode ssd: draft + speculation cache (``Speculator``);
+  mode sd with the draft on its own rank: the draft alone (``JitSpeculator``), both in
+  ``ssdlib.engine.speculator``. Under the stream placement the leader builds the speculator in
+  its own process (``ssd_verifier.build_ssd_verifier``) and there is no such rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+
+import torch
 
 from ssdlib.distributed.tp_channel import TargetExecutor, TPChannel
 from ssdlib.distributed.world import World, destroy_world, init_world
 from ssdlib.engine.leader import Leader
+from ssdlib.engine.local_link import leader_stream
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
@@ -26,21 +32,30 @@ log = get_logger(__name__)
 class LeaderRuntime:
     """Everything rank 0 holds; ``generate`` runs one batch of requests."""
 
-    def __init__(self, cfg: EngineConfig, world: World, leader: Leader, shutdown):
+    def __init__(self, cfg: EngineConfig, world: World, leader: Leader, shutdown,
+                 stream: torch.cuda.Stream | None = None):
         self.cfg = cfg
         self.world = world
         self.leader = leader
         self._shutdown = shutdown
         self._profiler = CallProfiler(cfg.mode)
+        # the leader's own stream (the stream placement's: the verify's priority over the
+        # speculator's), current in whichever thread generates or serves
+        self._stream = stream
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None \
+            else contextlib.nullcontext()
 
     def generate(self, requests, on_event=None, interrupted=None):
-        with self._profiler.call():
+        with self._profiler.call(), self._on_stream():
             return self.leader.generate(requests, on_event, interrupted)
 
     def serve(self, commands, on_event, on_output) -> None:
         """Serve ``("submit", Request)`` / ``("cancel", index)`` messages from ``commands`` (a
         queue) until ``("stop",)``; see :meth:`Leader.serve`."""
-        self.leader.serve(lambda idle: poll_commands(commands, idle), on_event, on_output)
+        with self._on_stream():
+            self.leader.serve(lambda idle: poll_commands(commands, idle), on_event, on_output)
 
     def close(self) -> None:
         self._shutdown()
@@ -72,6 +87,8 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
                      | set([] if tokenizer is None else tokenizer.eos_token_ids))
     loop, loop_close = _build_loop(cfg, world, target, target_ck)
     leader = Leader(loop, tokenizer, eos_ids, cfg.max_batch, cfg.max_len, world.device)
+    stream = leader_stream(world.device) if cfg.mode == "ssd" and cfg.placement == "stream" \
+        else None
 
     def shutdown():
         loop_close()
@@ -79,7 +96,7 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
         runner.release_graphs()
         destroy_world()
 
-    return LeaderRuntime(cfg, world, leader, shutdown)
+    return LeaderRuntime(cfg, world, leader, shutdown, stream)
 
 
 def _build_loop(cfg, world, target, target_ck):

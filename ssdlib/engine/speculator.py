@@ -76,32 +76,50 @@ class SpeculatorLoop:
         return 0
 
     def run(self) -> None:
+        """The rank placement's loop: serve the link's messages until SHUTDOWN."""
         while True:
             t0 = time.perf_counter()
             header = self.link.recv_header()
             t1 = time.perf_counter()
             self.stats["idle_s"] += t1 - t0
             if header.op == Op.SHUTDOWN:
-                self.profiler.close()
+                self.shutdown()
                 return
             if header.op == Op.ADMIT:
                 self.admit(self.link.recv_admit(header))
             elif header.op == Op.OUTCOME:
-                if header.verify_us > 0:
-                    self.t_verify = header.verify_us / 1e6
-                self.profiler.tick()
-                self.clock.start()
-                self.timer.start()
-                outcome = self.link.recv_outcome(header)
-                self.sampling = outcome.sampling
-                if self.respond(outcome):
-                    self.after_answer()
-                    self.end_round()
-                else:
-                    self.send_stats()
+                if self.begin_round(header, self.link.recv_outcome(header)):
+                    self.finish_round()
             else:
                 raise RuntimeError(f"speculator: unknown op {header.op}")
             self.stats["busy_s"] += time.perf_counter() - t1
+
+    # -- one round, in the order both placements run it ---------------------------------------
+    def begin_round(self, header, outcome: Outcome) -> bool:
+        """An OUTCOME arrived: commit it and answer (a SPEC when due). True when the round goes
+        on to :meth:`finish_round` (a row is live); False when STATS were the answer."""
+        if header.verify_us > 0:
+            self.t_verify = header.verify_us / 1e6
+        self.profiler.tick()
+        self.clock.start()
+        self.timer.start()
+        self.sampling = outcome.sampling
+        if self.respond(outcome):
+            return True
+        self.send_stats()
+        return False
+
+    def finish_round(self, read_times: bool = True) -> None:
+        """The answer is out and the verifier verifies it: the role's work after the answer
+        (SSD: build and push the cache). ``read_times``: add the round's phase times now (waits
+        for the round's last mark); otherwise :meth:`read_round_times` does it later."""
+        self.after_answer()
+        if read_times:
+            self.end_round()
+
+    def shutdown(self) -> None:
+        self.profiler.close()
+        self.runner.release_graphs()
 
     def admit(self, msg: Admit) -> None:
         """New sequences join (their slots may have been used by finished ones)."""
@@ -299,16 +317,29 @@ class JitSpeculator(SpeculatorLoop):
     after its outcome (the verifier waits for it)."""
 
 
-def serve_speculator(cfg, world, target_ck) -> None:
-    """Body of the speculator rank (mode ssd) or of the draft's own rank (mode sd, separate)."""
+def speculator_role(cfg) -> type[SpeculatorLoop]:
+    """The role a configuration's speculator plays: SSD's cache, or plain SD's separate draft."""
+    return Speculator if cfg.mode == "ssd" else JitSpeculator
+
+
+def build_speculator(cfg, device, target_ck, link) -> SpeculatorLoop:
+    """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
+    between ranks, or a :class:`~ssdlib.engine.local_link.LocalLink` in the leader's process):
+    its draft (checked against the target) and its model runner."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
-    role = Speculator if cfg.mode == "ssd" else JitSpeculator
-    runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch,
+    role = speculator_role(cfg)
+    runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=role.tree_len(cfg),
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
+    return role(cfg, runner, link, target_ck.config.vocab_size)
+
+
+def serve_speculator(cfg, world, target_ck) -> None:
+    """Body of the speculator rank (rank placement of mode ssd) or of the draft's own rank (mode
+    sd, separate)."""
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged,
-                    branches=role.cache_branches(cfg))
-    role(cfg, runner, link, target_ck.config.vocab_size).run()
+                    branches=speculator_role(cfg).cache_branches(cfg))
+    build_speculator(cfg, world.device, target_ck, link).run()

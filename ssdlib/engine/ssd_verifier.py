@@ -5,10 +5,14 @@ here from a per-row stream of the leader's own, or the speculator's jit draft.""
 
 from __future__ import annotations
 
+import torch
+
 from ssdlib.engine.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
 from ssdlib.engine.metrics import record_lookup
 from ssdlib.engine.protocol import Choice
+from ssdlib.engine.local_link import LocalLink
 from ssdlib.engine.spec_link import SpecLink
+from ssdlib.engine.speculator import build_speculator
 from ssdlib.engine.verifier import LinkVerifier, link_for
 from ssdlib.speculative.fanout import cache_branches
 from ssdlib.speculative.rng import RowStream
@@ -22,7 +26,7 @@ class SSDVerifier(LinkVerifier):
     completed after the round's read-back. Misses are drawn here (n-gram / random, from a
     per-row stream) or asked of the speculator (jit), as the CACHE says."""
 
-    def __init__(self, target, link: SpecLink, k: int, device):
+    def __init__(self, target, link: SpecLink | LocalLink, k: int, device):
         super().__init__(target, link, k, device)
         self.mirror = CacheMirror()  # the leader's copy of the speculation cache
         # the rows (slots, in order) of the last OUTCOME whose CACHE is still to be received
@@ -75,7 +79,17 @@ class SSDVerifier(LinkVerifier):
 
 
 def build_ssd_verifier(cfg, world, target, target_ck):
-    link = link_for(cfg, world, target_ck,
-                    cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k))
+    """The leader's SSD loop and its link to the speculator: a rank of its own (``rank``
+    placement), or built here, in this process, on a stream of its own (``stream``)."""
+    branches = cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
+    if cfg.placement == "rank":
+        link = link_for(cfg, world, target_ck, branches)
+    else:
+        link = LocalLink(world.device, cfg.max_batch, cfg.k, target_ck.config.vocab_size,
+                         branches)
+        with link.on_stream():
+            link.attach(build_speculator(cfg, world.device, target_ck, link))
+        if link.cuda:  # what was set up on other streams is done before either side runs
+            torch.cuda.synchronize(world.device)
     loop = SSDVerifier(target, link, cfg.k, world.device)
     return loop, loop.close

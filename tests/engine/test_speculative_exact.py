@@ -73,16 +73,20 @@ def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     assert all(o.metrics["mean_accepted"] > 3.0 for o in outs)
 
 
+@pytest.mark.parametrize("placement", ["stream", "rank"])
 @pytest.mark.parametrize("fallback,fan_out,draft,batch,tp", [
     ("jit", "all-accepted:4", "smol_heads_draft", 2, 1),
     ("ngram", "auto", "smol_heads_draft", 1, 1),
     ("random", "3,2,2,1,4", "smol_heads_draft", 3, 1),
     ("auto", "auto", "smol_heads_bad_draft", 4, 2),
-    ("jit", "auto", "smol_heads_draft", 2, 4),  # world 5: TP 4 + speculator
+    ("jit", "auto", "smol_heads_draft", 2, 4),  # rank placement: world 5, TP 4 + speculator
 ])
-def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft, batch, tp):
+def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft, batch, tp,
+                              placement):
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs[draft], mode="ssd", k=4,
-                   tp=tp, max_batch=batch, max_len=128, fallback=fallback, fan_out=fan_out) as g:
+                   tp=tp, max_batch=batch, max_len=128, fallback=fallback, fan_out=fan_out,
+                   speculator_placement=placement) as g:
+        assert g.cfg.world_size == tp + (placement == "rank")
         outs = g.generate(PROMPTS, GREEDY)
     check_equal(tiny_dirs, ar_reference, outs)
     hits = sum(o.metrics.get("hits", 0) for o in outs)
@@ -174,17 +178,20 @@ def test_sd_wrong_verifier_is_detected(small_vocab, monkeypatch):
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) < 1e-3
 
 
+@pytest.mark.parametrize("placement", ["stream", "rank"])
 @pytest.mark.parametrize("fallback,saguaro_c,batch", [("jit", 0.5, 1000), ("random", 1.0, 1000),
                                                    ("ngram", 0.7, 400)])
-def test_ssd_sampling_distribution(small_vocab, fallback, saguaro_c, batch):
+def test_ssd_sampling_distribution(small_vocab, fallback, saguaro_c, batch, placement):
     t, d = small_vocab
     with Generator(target=t, draft=d, mode="ssd", k=3, max_batch=batch, max_len=32,
-                   fallback=fallback, saguaro_c=saguaro_c, fan_out="2,1,1,2") as g:
+                   fallback=fallback, saguaro_c=saguaro_c, fan_out="2,1,1,2",
+                   speculator_placement=placement) as g:
         counts = sample_pairs(g, 0.8, 0.9, seed=1)
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
 
 
-def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference):
+@pytest.mark.parametrize("placement", ["stream", "rank"])
+def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference, placement):
     """Greedy rows keep their exact output, and accept exactly as much as when run alone, while
     sampled rows join and leave the batch."""
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -192,7 +199,7 @@ def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference):
     prompts = [PROMPTS[0], [7, 8, 9], PROMPTS[1], [4, 5], [6, 6, 6]]
     params = [greedy, sampled, greedy, sampled, sampled]
     kw = dict(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"], mode="ssd",
-              k=4, max_len=128, fallback="jit")
+              k=4, max_len=128, fallback="jit", speculator_placement=placement)
     with Generator(max_batch=2, **kw) as g:
         outs = g.generate(prompts, params)
     with Generator(max_batch=1, **kw) as g:

@@ -1,0 +1,191 @@
+"""The in-process transport of the stream placement: the speculator lives in the leader's process
+on a CUDA stream of its own, and :class:`LocalLink` hands it protocol.py's messages as they are
+(dataclasses and device tensors, nothing serialised, no collective).
+
+One host thread drives both sides. The leader's calls (the same as :class:`SpecLink`'s leader
+side) run the speculator's round at the point where the rank placement's speculator would be
+working:
+
+- ``send_outcome``: the speculator commits the outcome and answers at once only when the leader
+  waits for the answer (a SPEC with jit rows or q, or STATS); otherwise the answer waits for the
+  next point, so that a greedy round that hits adds no speculator work before the verify launch;
+- ``post_cache`` (called once the verify forward is launched): the speculator answers if it has
+  not, then launches the cache build on its stream; the GPU runs it beside the verify while the
+  host goes on to read the verify back;
+- ``recv_cache``: waits (on the host) for the pushed rows' copy, which follows the build.
+
+Measured against a speculator thread: see docs/ARCHITECTURE.md ("SSD on one GPU"). A thread
+would let the two sides' host work overlap only where neither holds the GIL, and its hand-off
+costs a thread switch per message; one thread keeps the order of every launch fixed.
+
+Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's
+stream and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
+speculator's stream and the leader waits for that copy's event. The speculator's stream has the
+lowest priority and the leader's (:func:`leader_stream`) the highest, so the verify keeps the
+GPU when both have work queued. On CPU the same code runs with no streams (nothing overlaps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ssdlib.engine.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
+
+
+def leader_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The verifier's stream under the stream placement: the device's highest priority."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device, priority=_priorities()[0])
+
+
+def _priorities() -> tuple[int, int]:
+    """(highest, lowest) stream priority: CUDA counts down, lower numbers run first."""
+    low, high = torch.cuda.Stream.priority_range()
+    return high, low
+
+
+class LocalLink:
+    """Leader and speculator in one process (see the module doc). ``attach`` gives it the
+    speculator (a :class:`~ssdlib.engine.speculator.Speculator`) after both are built."""
+
+    def __init__(self, device: torch.device, max_batch: int, k: int, vocab_size: int,
+                 branches: int = 0):
+        self.device = torch.device(device)
+        self.k, self.vocab_size, self.max_batch, self.branches = k, vocab_size, max_batch, branches
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device, priority=_priorities()[1]) \
+            if self.cuda else None
+        self.speculator = None
+        self._pending: tuple | None = None  # (header, outcome) answered at the next point
+        self._build_due = False  # answered; the build (finish_round) not launched yet
+        self._times_due = False  # a finished round whose phase times are not read yet
+        # the speculator's answers, as it sent them
+        self._spec: Speculation | None = None
+        self._stats: SpeculatorStats | None = None
+        self._cache_rows = 0
+        width = CacheRows.width(branches, k)
+        self._cache_host = torch.zeros(max_batch, width, dtype=torch.int64, pin_memory=self.cuda)
+        self._spec_ready = torch.cuda.Event() if self.cuda else None
+        self._cache_ready = torch.cuda.Event() if self.cuda else None
+
+    def attach(self, speculator) -> None:
+        self.speculator = speculator
+
+    def on_stream(self):
+        """Context: the speculator's work goes to its stream."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _run(self, fn, *args):
+        """Run a speculator step on its stream, its host time counted as the speculator's."""
+        t0 = time.perf_counter()
+        with self.on_stream():
+            out = fn(*args)
+        self.speculator.stats["busy_s"] += time.perf_counter() - t0
+        return out
+
+    # -- driving the speculator's round -----------------------------------------------------
+    def _answer(self) -> None:
+        """The speculator answers the OUTCOME in hand, if it has not yet."""
+        if self._pending is None:
+            return
+        header, outcome = self._pending
+        self._pending = None
+        self._build_due = self._run(self.speculator.begin_round, header, outcome)
+
+    def _build(self) -> None:
+        """The speculator launches its work after the answer (the cache build and push)."""
+        self._answer()
+        if self._build_due:
+            self._build_due = False
+            self._run(self.speculator.finish_round, False)
+            self._times_due = True
+
+    def _read_times(self) -> None:
+        """The last finished round's phase times (its build is done: the leader took its CACHE
+        before sending anything new, so this does not wait)."""
+        if self._times_due:
+            self._times_due = False
+            self._run(self.speculator.end_round)
+
+    # -- leader side (SpecLink's interface) ---------------------------------------------------
+    def send_admit(self, msg: Admit) -> None:
+        self._read_times()
+        self._run(self.speculator.admit, msg)
+
+    def send_outcome(self, msg: Outcome) -> None:
+        if len(msg.slots) > self.max_batch:
+            raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
+        self._read_times()
+        self._spec = self._stats = None
+        self._pending = (msg.header(), msg)
+        tokens, q = msg.spec_parts()
+        if tokens or q or not any(msg.active):  # the leader waits for this answer
+            self._answer()
+
+    def recv_spec_tokens(self, b: int) -> Speculation:
+        self._answer()
+        spec = self._spec
+        if spec is None or spec.tokens.shape[0] != b:
+            raise RuntimeError(f"no SPEC of {b} rows was sent")
+        return Speculation(spec.tokens.clone(), spec.kinds.clone(), None)
+
+    def recv_q(self, b: int) -> torch.Tensor:
+        """The SPEC's q [b, K, V] on the device, usable on the caller's stream."""
+        self._answer()
+        q = self._spec.q if self._spec is not None else None
+        if q is None or q.shape[0] != b:
+            raise RuntimeError(f"no q of {b} rows was sent")
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._spec_ready)
+            q.record_stream(stream)  # freed by the leader's side: reused after its last use
+        return q
+
+    def post_cache(self, b: int) -> None:
+        """The verify forward is launched: the speculator builds beside it now."""
+        self._build()
+
+    def recv_cache(self, b: int) -> CacheRows:
+        self._build()
+        if self._cache_rows != b:
+            raise RuntimeError(f"CACHE of {self._cache_rows} rows pushed, {b} expected")
+        if self._cache_ready is not None:
+            self._cache_ready.synchronize()
+        return CacheRows.unpack(self._cache_host[:b].clone(), self.branches, self.k)
+
+    def recv_stats(self) -> SpeculatorStats:
+        self._answer()
+        if self._stats is None:
+            raise RuntimeError("no STATS were sent")
+        return self._stats
+
+    def send_shutdown(self) -> None:
+        self._read_times()
+        self._run(self.speculator.shutdown)
+
+    def drain(self) -> None:
+        """Nothing is in flight between the two sides of one process."""
+
+    # -- speculator side ----------------------------------------------------------------------
+    def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:
+        self._spec = spec
+        if self._spec_ready is not None:
+            self._spec_ready.record(self.stream)
+
+    def send_held_q(self) -> None:
+        """q is never held back here: it is the answer's own tensor, handed over with an
+        event."""
+
+    def send_cache(self, rows: torch.Tensor) -> None:
+        b = rows.shape[0]
+        self._cache_host[:b].copy_(rows, non_blocking=self.cuda)
+        self._cache_rows = b
+        if self._cache_ready is not None:
+            self._cache_ready.record(self.stream)
+
+    def send_stats(self, stats: SpeculatorStats) -> None:
+        self._stats = stats
