@@ -3,7 +3,8 @@
 Reads a user turn per line from stdin (``/exit`` or EOF ends), streams the answer, keeps the
 conversation in the chat template. When the conversation outgrows the context (``--max-len``),
 the oldest turns are dropped (it says so on stderr); a message too long on its own is refused and
-the session goes on. Ctrl-C during an answer stops that answer; Ctrl-C at the prompt exits.
+the session goes on. Ctrl-C after Enter stops that answer (what came so far stays in the
+conversation); Ctrl-C at the prompt exits.
 """
 
 from __future__ import annotations
@@ -53,48 +54,60 @@ def chat(args) -> int:
             if interactive:
                 sys.stdout.write("> ")
                 sys.stdout.flush()
-            line = sys.stdin.readline()  # Ctrl-C here ends the session (exit 130)
-            if not line or line.strip() == "/exit":
-                return 0
-            if not line.strip():
-                continue
-            try:
-                messages, dropped = fit_conversation(
-                    gen, messages + [{"role": "user", "content": line.rstrip("\n")}], params)
-            except SSDError as e:  # this message only: the session goes on
-                report_error(e)
-                continue
-            if dropped:
-                sys.stderr.write(f"[ssdlib] the conversation outgrew --max-len {args.max_len}: "
-                                 f"dropped the {dropped} oldest exchange(s)\n")
+            line = None
             pieces: list[str] = []
-
-            def show(_i, delta):
-                pieces.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-
             try:
-                gen.generate([{"messages": list(messages)}], params, on_text=show)
-                sys.stdout.write("\n")
-            except KeyboardInterrupt:  # stop this answer (what came so far is kept), go on
+                line = sys.stdin.readline()
+                if not line or line.strip() == "/exit":
+                    return 0
+                if line.strip():
+                    messages = answer(gen, args, params, messages, line.rstrip("\n"), pieces)
+            except KeyboardInterrupt:
+                if line is None:  # at the prompt: end the session (exit 130)
+                    raise
+                # from Enter on, a Ctrl-C stops this answer only, wherever it lands (the
+                # Generator keeps itself in step with its ranks), and the session goes on
                 sys.stdout.write("\n[interrupted]\n")
                 sys.stdout.flush()
-                messages.append({"role": "assistant", "content": "".join(pieces)})
-                continue
-            except RankFailure:
-                raise
-            except SSDError as e:  # this message only
-                report_error(e)
-                messages.pop()
-                continue
-            messages.append({"role": "assistant", "content": "".join(pieces)})
-            if args.metrics:
-                m = gen.last_run_metrics
-                extra = "".join(f" {k}={m[k]:.3f}" for k in ("acceptance_rate", "hit_rate")
-                                if k in m)
-                sys.stdout.write(f"[{m['tokens']} tokens, {m['decode_tok_s']:.1f} tok/s{extra}]\n")
-            sys.stdout.flush()
+                if pieces:  # what came so far is kept; a turn with no answer is dropped
+                    messages = messages + [{"role": "user", "content": line.rstrip("\n")},
+                                           {"role": "assistant", "content": "".join(pieces)}]
+
+
+def answer(gen, args, params: SamplingParams, messages: list[dict], text: str,
+           pieces: list[str]) -> list[dict]:
+    """Send the user message ``text`` after ``messages`` and stream the answer, collecting its
+    pieces in ``pieces``; returns the conversation with this exchange added (and old ones
+    dropped if it outgrew the context), or ``messages`` unchanged if the message was refused."""
+    try:
+        turn, dropped = fit_conversation(gen, messages + [{"role": "user", "content": text}],
+                                         params)
+    except SSDError as e:  # this message only: the session goes on
+        report_error(e)
+        return messages
+    if dropped:
+        sys.stderr.write(f"[ssdlib] the conversation outgrew --max-len {args.max_len}: "
+                         f"dropped the {dropped} oldest exchange(s)\n")
+
+    def show(_i, delta):
+        pieces.append(delta)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    try:
+        gen.generate([{"messages": list(turn)}], params, on_text=show)
+    except RankFailure:
+        raise
+    except SSDError as e:  # this message only
+        report_error(e)
+        return messages
+    sys.stdout.write("\n")
+    if args.metrics:
+        m = gen.last_run_metrics
+        extra = "".join(f" {k}={m[k]:.3f}" for k in ("acceptance_rate", "hit_rate") if k in m)
+        sys.stdout.write(f"[{m['tokens']} tokens, {m['decode_tok_s']:.1f} tok/s{extra}]\n")
+    sys.stdout.flush()
+    return turn + [{"role": "assistant", "content": "".join(pieces)}]
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+from collections import abc
 from typing import Callable, Iterable, Sequence
 
 import torch.multiprocessing as mp
@@ -27,7 +28,8 @@ from ssdlib.distributed.world import under_torchrun
 from ssdlib.engine.metrics import mean_accepted_by_source
 from ssdlib.engine.sequence import Output, Request
 from ssdlib.engine_config import EngineConfig
-from ssdlib.errors import RankFailure, SSDError
+from ssdlib.errors import ConfigError, RankFailure, SSDError
+from ssdlib.interrupts import held_interrupt
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_vocab
 from ssdlib.log import get_logger
@@ -134,6 +136,14 @@ class Generator:
         self._requests(prompts, params, chat)
 
     def _requests(self, prompts, params, chat) -> list[Request]:
+        if isinstance(prompts, (bytes, bytearray, memoryview)) or \
+                not isinstance(prompts, abc.Iterable):
+            # bytes would be read as a list of token ids (one per byte); None and other
+            # non-iterables would fail as a bare TypeError
+            hint = ": decode it to a str first" if isinstance(prompts, (bytes, bytearray)) \
+                else ""
+            raise ConfigError("prompts must be one prompt (a string, a token-id list or a dict) "
+                              f"or a list of prompts, got {type(prompts).__name__}{hint}")
         prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         return self.prompts.requests(prompts, params, chat)
 
@@ -161,33 +171,58 @@ class Generator:
         if self._runtime is not None:
             outputs = self._runtime.generate(reqs, on_event)
         else:
-            self._drain_interrupted()
-            self._inbox.put(("generate", reqs, on_text is not None))
-            self._pending += 1
-            try:
-                while True:
-                    kind, payload = self._ranks.wait(self._outbox)
-                    if kind == "event":
-                        on_event(*payload)
-                    elif kind == "result":
-                        self._pending -= 1
-                        outputs = payload
-                        break
-            except KeyboardInterrupt:
-                # the leader cancels the call's sequences before its next round (their
-                # outputs are dropped by the next call)
-                self._inbox.put(("interrupt",))
-                raise
+            outputs = self._generate_spawned(reqs, on_event)
         self.last_run_metrics = run_metrics(outputs, time.perf_counter() - t0)
         return outputs
+
+    def _generate_spawned(self, reqs: list[Request], on_event) -> list[Output]:
+        """One generate call on the spawned leader. ``_pending`` counts the calls whose result
+        is still to come; a Ctrl-C may land anywhere here, so the steps that must go together
+        (queue a request and count it, take a result and count it) run with it held back, and
+        every call that was queued gets an interrupt message."""
+        self._drain_interrupted()
+        queued = False
+        try:
+            with held_interrupt():
+                self._inbox.put(("generate", reqs, on_event is not None))
+                self._pending += 1
+                queued = True
+            while True:
+                kind, payload = self._receive()
+                if kind == "event":
+                    on_event(*payload)
+                elif kind == "result":
+                    return payload
+        except KeyboardInterrupt:
+            if queued:
+                # the leader cancels the call's sequences before its next round (the next
+                # call drops their result); after the result it is ignored
+                with held_interrupt():
+                    self._inbox.put(("interrupt",))
+            raise
+
+    def _receive(self) -> tuple[str, object]:
+        """The leader's next message, watching the ranks. A result is taken off the queue and
+        counted with Ctrl-C held back, so an interrupt never loses one; a Ctrl-C waits at most
+        one poll (0.1 s) to be raised."""
+        while True:
+            with held_interrupt():
+                try:
+                    kind, payload = self._outbox.get(timeout=0.1)
+                except queue.Empty:
+                    kind = None
+                else:
+                    if kind == "result":
+                        self._pending -= 1
+            if kind is not None:
+                return kind, payload
+            self._ranks.check()
 
     def _drain_interrupted(self) -> None:
         """Wait out the calls a KeyboardInterrupt left running on the leader (their output is
         dropped), so the next answer is not mixed with theirs."""
         while self._pending:
-            kind, _ = self._ranks.wait(self._outbox)
-            if kind == "result":
-                self._pending -= 1
+            self._receive()
 
     def open_session(self, on_event: Callable[[int, str, list], None],
                      on_output: Callable[[Output], None],
@@ -366,7 +401,9 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
 
     ``speculator_rounds`` and ``speculator_ms_per_round`` ({phase: mean ms per OUTCOME round},
     phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output;
-    so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``).
+    so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``),
+    and ``stream_overlap`` (the stream placement on a GPU: mean ms per round of the verify's
+    span, the build's span and the part of the build the verify hides).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -402,7 +439,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         if vals:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
-    for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round"):
+    for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round",
+                "stream_overlap"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

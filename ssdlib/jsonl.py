@@ -69,6 +69,18 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: directory {directory} is not writable")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ConfigError(f"{flag} {path}: file is not writable")
+    # Permission bits do not tell (root passes os.access; /proc or a read-only mount refuse
+    # writes anyway): open an existing file for append (which writes nothing) and create a
+    # temporary file beside it, as the atomic writes do.
+    try:
+        if os.path.exists(path):
+            with open(path, "a", encoding="utf-8"):
+                pass
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
 
 
 def _umask() -> int:

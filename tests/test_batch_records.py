@@ -1,6 +1,7 @@
 """Batch records: no id invented or repeated, strict fields and types, output files with ordinary
-permissions (issue 14, item 4); outputs checked writable before any model loads (item 6); an SSD
-batch whose records end on their first token completes, every record once (item 1)."""
+permissions (issue 14, item 4); outputs checked writable (by opening them) before any model loads
+(item 6), an output that is the input refused; an SSD batch whose records end on their first token
+completes, every record once (item 1)."""
 
 import json
 import os
@@ -113,6 +114,68 @@ def test_unwritable_outputs_fail_before_models_load(tiny_dirs, tmp_path, flag, m
     assert batch_generate.main(argv) == 2
     err = capsys.readouterr().err
     assert f"ssdlib error: {flag}" in err and "does not exist" in err, err
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Any attempt to load a model (in-process or in spawned ranks) fails the test."""
+    import ssdlib.generator as generator
+
+    def refuse(*a, **k):
+        raise AssertionError("models loaded before the output was checked")
+
+    monkeypatch.setattr(generator, "build_rank", refuse)
+    monkeypatch.setattr(generator, "RankGroup", refuse)
+
+
+@pytest.mark.parametrize("alias", ["same path", "another path", "symlink", "hard link"])
+def test_output_that_is_the_input_is_refused_before_models_load(tiny_dirs, tmp_path, alias,
+                                                                no_models, capsys):
+    from tools import batch_generate
+
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [json.dumps({"id": 1, "prompt_ids": [5, 6]})])
+    before = inp.read_bytes()
+    (tmp_path / "sub").mkdir()
+    out = {"same path": str(inp), "another path": str(tmp_path / "sub" / ".." / "in.jsonl"),
+           "symlink": str(tmp_path / "link.jsonl"), "hard link": str(tmp_path / "hard.jsonl")}
+    if alias == "symlink":
+        os.symlink(inp, out[alias])
+    elif alias == "hard link":
+        os.link(inp, out[alias])
+    rc = batch_generate.main(["--target", tiny_dirs["gqa"], "--input", str(inp), "--output",
+                              out[alias]])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("ssdlib")]
+    assert rc == 2 and lines == [f"ssdlib error: --output {out[alias]} is the --input file; "
+                                 "choose another path for the output"], err
+    assert inp.read_bytes() == before
+
+
+def test_output_that_cannot_be_opened_fails_before_models_load(tiny_dirs, tmp_path, no_models,
+                                                               capsys):
+    """/proc takes no new files, even from root (whom the permission bits let through)."""
+    from tools import batch_generate
+
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [json.dumps({"id": 1, "prompt_ids": [5, 6]})])
+    out = "/proc/ssdlib-batch-out.jsonl"
+    rc = batch_generate.main(["--target", tiny_dirs["gqa"], "--input", str(inp), "--output",
+                              out])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("ssdlib")]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"ssdlib error: --output {out}"), \
+        err
+
+
+def test_the_writability_check_leaves_no_file_behind(tmp_path):
+    from ssdlib.jsonl import check_writable
+
+    check_writable(str(tmp_path / "new.jsonl"), "--output")
+    (tmp_path / "old.jsonl").write_text("kept\n")
+    check_writable(str(tmp_path / "old.jsonl"), "--output")
+    assert sorted(os.listdir(tmp_path)) == ["old.jsonl"]
+    assert (tmp_path / "old.jsonl").read_text() == "kept\n"
 
 
 def test_ssd_batch_with_records_ending_on_their_first_token(tiny_dirs, tmp_path):

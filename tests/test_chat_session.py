@@ -157,3 +157,103 @@ def test_an_interrupted_spawned_call_stops_on_the_ranks(chat_model, tmp_path):
     assert len(out.token_ids) == 4
     # running the interrupted call to its end would take ~1900 tokens' time
     assert waited < 300 * per_token + 2.0, (waited, per_token)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process (a test run started in the background
+    inherits it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+# where a Ctrl-C lands in an interrupted turn, each raised as a real SIGINT at that instant
+CTRL_C_POINTS = ("in chat, before the request is made", "just before the request is queued",
+                 "just after the request is queued", "while the answer streams",
+                 "just after the answer came")
+
+
+def test_ctrl_c_anywhere_after_enter_keeps_an_ssd_session_in_step(chat_model, tmp_path,
+                                                                  monkeypatch, capsys,
+                                                                  sigint_raises):
+    """An SSD chat (the speculator on a rank of its own: spawned ranks) whose turns alternate:
+    one interrupted by a Ctrl-C at one of CTRL_C_POINTS, then one that runs. Every answer that
+    completes is the one the target alone gives for its own conversation (never the interrupted
+    one's), and /exit exits 0."""
+    from ssdlib import chat
+    from ssdlib.generator import Generator as Gen
+    from tests.tiny import make_noisy_draft
+
+    draft = make_noisy_draft(chat_model, str(tmp_path / "draft"), 0.03)
+    turns = [f"Question {i}?" for i in range(2 * len(CTRL_C_POINTS))]
+    plan = {2 * i: point for i, point in enumerate(CTRL_C_POINTS)}  # turn -> where Ctrl-C lands
+    state = {"turn": -1, "streamed": False, "last_message": time.time()}
+    completed = []  # (prompt, params, token ids) of each generate call that returned
+
+    def at(point):
+        return plan.get(state["turn"]) == point
+
+    real_fit = chat.fit_conversation
+
+    def fit(*a, **kw):
+        state["turn"] += 1
+        state["streamed"] = False
+        out = real_fit(*a, **kw)
+        if at(CTRL_C_POINTS[0]):
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    real_start = Gen.start
+
+    def start(self):
+        started = self._started
+        real_start(self)
+        if started:  # generate calls start too: spy once
+            return
+        put, get = self._inbox.put, self._outbox.get
+
+        def put_spy(msg, *a, **kw):
+            if msg[0] == "generate" and at(CTRL_C_POINTS[1]):
+                signal.raise_signal(signal.SIGINT)
+            put(msg, *a, **kw)
+            if msg[0] == "generate" and at(CTRL_C_POINTS[2]):
+                signal.raise_signal(signal.SIGINT)
+
+        def get_spy(*a, **kw):
+            # a session out of step waits for a result that never comes: fail instead of hang
+            assert time.time() - state["last_message"] < 60, "no message from the leader"
+            msg = get(*a, **kw)
+            state["last_message"] = time.time()
+            if msg[0] == "event" and not state["streamed"] and at(CTRL_C_POINTS[3]):
+                state["streamed"] = True
+                signal.raise_signal(signal.SIGINT)
+            if msg[0] == "result" and at(CTRL_C_POINTS[4]):
+                signal.raise_signal(signal.SIGINT)
+            return msg
+
+        self._inbox.put, self._outbox.get = put_spy, get_spy
+
+    real_generate = Gen.generate
+
+    def generate(self, prompts, params=None, *a, **kw):
+        outputs = real_generate(self, prompts, params, *a, **kw)
+        completed.append((prompts[0], params, outputs[0].token_ids))
+        return outputs
+
+    monkeypatch.setattr(chat, "fit_conversation", fit)
+    monkeypatch.setattr(Gen, "start", start)
+    monkeypatch.setattr(Gen, "generate", generate)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(t + "\n" for t in turns) + "/exit\n"))
+    rc = chat.main(["--target", chat_model, "--draft", draft, "--mode", "ssd",
+                    "--speculator-placement", "rank", "--max-len", "256", "--max-new-tokens",
+                    "12", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    assert rc == 0, err
+    assert out.count("[interrupted]") == len(CTRL_C_POINTS), out
+    assert len(completed) == len(turns) - len(CTRL_C_POINTS), out
+    with Generator(target=chat_model, max_len=256) as ref:
+        for i, (prompt, params, ids) in enumerate(completed):
+            assert ids == ref.generate([prompt], params)[0].token_ids, \
+                f"answer {i} (after the Ctrl-C {CTRL_C_POINTS[i]!r}) is not its own"

@@ -38,10 +38,16 @@ def test_a_single_prompt_is_one_prompt(gen):
     ([""], "empty"),
     ([[]], "non-empty"),
     (["Hi", 3.5], "a prompt must be"),
+    (b"Hello", "got bytes: decode it to a str first"),  # not 5 token ids
+    (bytearray(b"Hi"), "got bytearray"),
+    (None, "a list of prompts, got NoneType"),
+    (7, "a list of prompts, got int"),
 ])
 def test_bad_prompts_are_clear_errors(gen, bad, needle):
     with pytest.raises(ConfigError, match=needle):
         gen.generate(bad, P)
+    with pytest.raises(ConfigError, match=needle):
+        gen.validate(bad, P)
 
 
 # -- memory ---------------------------------------------------------------------------------

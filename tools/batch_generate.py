@@ -27,6 +27,11 @@ def run(args) -> int:
     params = sampling_params(args)
     if not os.path.exists(args.input):
         raise ConfigError(f"--input {args.input}: no such file")
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        # the output is rewritten after every chunk: it would replace the records being read
+        # (and a rerun would take the input records for finished ones)
+        raise ConfigError(f"--output {args.output} is the --input file; choose another path "
+                          "for the output")
     for flag, path in (("--output", args.output), ("--summary-json", args.summary_json)):
         if path:
             check_writable(path, flag)

@@ -128,7 +128,8 @@ def sync(device: str) -> None:
 # those values instead of the command line's (so variants are compared within one invocation);
 # ``ssd:draft=DIR`` compares drafts (a name or a directory without ':'), ``ssd:compile=1``
 # torch.compile inside the captured steps, ``ssd:env=SSDLIB_NAME=VALUE`` an engine environment
-# variable for that row's ranks (an experiment's switch)
+# variable for that row's ranks (an experiment's switch), ``ssd:placement=stream`` (or ``rank``)
+# the speculator's placement
 
 
 def _flag(value: str) -> bool:
@@ -151,7 +152,8 @@ def _env(value: str) -> tuple[str, str]:
 
 _env.__name__ = "SSDLIB_NAME=VALUE"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
-                "fallback": str, "draft": str, "compile": _flag, "env": _env}
+                "fallback": str, "draft": str, "compile": _flag, "env": _env,
+                "placement": str}
 ENGINE_MODES = ("ar", "sd", "ssd")
 
 
@@ -205,6 +207,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     if mode != "ar":
         kw["draft"] = args.draft
     kw.update(options)
+    if "placement" in kw:  # ssd:placement=stream|rank (the speculator's placement)
+        kw["speculator_placement"] = kw.pop("placement")
     env = kw.pop("env", None)
     t_start = time.perf_counter()
     with _environment(env), Generator(**kw) as gen:
@@ -247,6 +251,8 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
         out["speculator_ms_per_round"] = dict(run["speculator_ms_per_round"])
         if "speculator_host_ms_per_round" in run:  # SSDLIB_HOST_TIMES=1
             out["speculator_host_ms_per_round"] = dict(run["speculator_host_ms_per_round"])
+    if "stream_overlap" in run:  # the stream placement on a GPU
+        out["stream_overlap"] = dict(run["stream_overlap"])
     return out
 
 
@@ -428,6 +434,15 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         cells += f" {device_sum:8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
             f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)
         print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells}")
+    overlaps = [b for b in breakdowns if "stream_overlap" in b]
+    if overlaps:
+        print("\nspeculator on its own stream (mean ms per round): verify span (OUTCOME to the "
+              "verify's end), build span, build hidden under the verify")
+        for b in overlaps:
+            o = b["stream_overlap"]
+            share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
+            print(f"{b['mode']:12} verify {o['verify_ms']:.3f}  build {o['build_ms']:.3f}  "
+                  f"hidden {o['hidden_ms']:.3f} ({100 * share:.0f}% of the build)")
 
 
 def parse_args(argv):

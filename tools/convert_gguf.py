@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+from typing import Callable
 
 # Run from a checkout without installing ssdlib: the package sits next to tools/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,10 +30,32 @@ from ssdlib.loading.registry import resolve_named  # noqa: E402
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then rename it to ``path``: an
+    interrupted conversion never leaves a truncated file. The temporary file is created 0600
+    (and safetensors writes 0600 of its own), so the result gets the mode an ordinary file
+    would: 0666 less the umask."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    os.close(fd)
+    try:
+        write(tmp)
+        mask = os.umask(0)  # os has no getter for it (a one-threaded tool: set and restore)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def _write_json(path: str, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+    _write_atomic(path, write)
 
 
 def convert(spec: str, out_dir: str, dtype: str = "float32", force: bool = False) -> None:
@@ -47,7 +71,8 @@ def convert(spec: str, out_dir: str, dtype: str = "float32", force: bool = False
     os.makedirs(out_dir, exist_ok=True)
     tensors = {name: ckpt.weights.get(name).to(DTYPES[dtype]).contiguous()
                for name in ckpt.weights.names()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_atomic(os.path.join(out_dir, "model.safetensors"),
+                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     config = ckpt.config.to_hf_dict()
     config["torch_dtype"] = dtype
     _write_json(os.path.join(out_dir, "config.json"), config)

@@ -33,6 +33,7 @@ import time
 import torch
 
 from ssdlib.engine.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
+from ssdlib.errors import SSDError
 
 
 def leader_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -60,6 +61,7 @@ class LocalLink:
         self.stream = torch.cuda.Stream(device=self.device, priority=_priorities()[1]) \
             if self.cuda else None
         self.speculator = None
+        self.failed: BaseException | None = None  # the speculator's error, if one was raised
         self._pending: tuple | None = None  # (header, outcome) answered at the next point
         self._build_due = False  # answered; the build (finish_round) not launched yet
         self._times_due = False  # a finished round whose phase times are not read yet
@@ -71,6 +73,9 @@ class LocalLink:
         self._cache_host = torch.zeros(max_batch, width, dtype=torch.int64, pin_memory=self.cuda)
         self._spec_ready = torch.cuda.Event() if self.cuda else None
         self._cache_ready = torch.cuda.Event() if self.cuda else None
+        # how much of the build the verify hides (GPU): per round, the leader's stream from the
+        # OUTCOME to the verify's end against the speculator's build; read a round later
+        self.overlap = OverlapMeter() if self.cuda else None
 
     def attach(self, speculator) -> None:
         self.speculator = speculator
@@ -80,10 +85,18 @@ class LocalLink:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _run(self, fn, *args):
-        """Run a speculator step on its stream, its host time counted as the speculator's."""
+        """Run a speculator step on its stream, its host time counted as the speculator's. An
+        exception is the job's error (it reaches the leader's caller as it is); the link is
+        broken from then on."""
+        if self.failed is not None:
+            raise SSDError(f"the speculator failed earlier: {self.failed}")
         t0 = time.perf_counter()
-        with self.on_stream():
-            out = fn(*args)
+        try:
+            with self.on_stream():
+                out = fn(*args)
+        except BaseException as e:
+            self.failed = e
+            raise
         self.speculator.stats["busy_s"] += time.perf_counter() - t0
         return out
 
@@ -96,12 +109,16 @@ class LocalLink:
         self._pending = None
         self._build_due = self._run(self.speculator.begin_round, header, outcome)
 
-    def _build(self) -> None:
+    def _build(self, verify_launched: bool = False) -> None:
         """The speculator launches its work after the answer (the cache build and push)."""
         self._answer()
         if self._build_due:
             self._build_due = False
+            if self.overlap is not None:
+                self.overlap.build_starts(self.stream, verify_launched)
             self._run(self.speculator.finish_round, False)
+            if self.overlap is not None:
+                self.overlap.build_ends(self.stream)
             self._times_due = True
 
     def _read_times(self) -> None:
@@ -110,6 +127,8 @@ class LocalLink:
         if self._times_due:
             self._times_due = False
             self._run(self.speculator.end_round)
+            if self.overlap is not None:
+                self.overlap.read()
 
     # -- leader side (SpecLink's interface) ---------------------------------------------------
     def send_admit(self, msg: Admit) -> None:
@@ -120,6 +139,8 @@ class LocalLink:
         if len(msg.slots) > self.max_batch:
             raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
         self._read_times()
+        if self.overlap is not None:
+            self.overlap.verify_may_start()
         self._spec = self._stats = None
         self._pending = (msg.header(), msg)
         tokens, q = msg.spec_parts()
@@ -147,7 +168,7 @@ class LocalLink:
 
     def post_cache(self, b: int) -> None:
         """The verify forward is launched: the speculator builds beside it now."""
-        self._build()
+        self._build(verify_launched=True)
 
     def recv_cache(self, b: int) -> CacheRows:
         self._build()
@@ -164,7 +185,9 @@ class LocalLink:
         return self._stats
 
     def send_shutdown(self) -> None:
-        self._read_times()
+        if self.failed is None:
+            self._read_times()
+        self.failed = None  # what is left to do is to let go of the graphs
         self._run(self.speculator.shutdown)
 
     def drain(self) -> None:
@@ -189,3 +212,52 @@ class LocalLink:
 
     def send_stats(self, stats: SpeculatorStats) -> None:
         self._stats = stats
+
+
+class OverlapMeter:
+    """Per round, on the GPU: the leader's verify span (from the OUTCOME, when the leader's
+    stream is idle, to the end of the verify forward launched after it) and the speculator's
+    build span (its first kernel's queue point to the CACHE's copy); their intersection is the
+    build time the verify hides. Events are read a round later, when both spans are done."""
+
+    def __init__(self):
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        self._armed = False  # this round's four events are recorded
+        self._verify = False  # the verify forward was launched before the build
+        self.rounds = 0
+        self.build_s = self.verify_s = self.hidden_s = 0.0
+
+    def verify_may_start(self) -> None:
+        self._events[0].record()  # the leader's stream: the next verify is launched after this
+        self._armed = False
+
+    def build_starts(self, stream, verify_launched: bool) -> None:
+        self._verify = verify_launched
+        if verify_launched:
+            self._events[1].record()  # the leader's stream: the verify forward's end
+        self._events[2].record(stream)
+
+    def build_ends(self, stream) -> None:
+        self._events[3].record(stream)
+        self._armed = self._verify
+
+    def read(self) -> None:
+        if not self._armed:
+            return
+        self._armed = False
+        v0, v1, b0, b1 = self._events
+        ms = v0.elapsed_time  # ms from v0 to the argument (CUDA events of one device)
+        verify, start, end = ms(v1), ms(b0), ms(b1)
+        self.rounds += 1
+        self.verify_s += verify / 1e3
+        self.build_s += (end - start) / 1e3
+        self.hidden_s += max(0.0, min(verify, end) - max(0.0, start)) / 1e3
+
+    def take(self) -> dict:
+        """Mean ms per measured round (verify span, build span, hidden) since the last take."""
+        n = self.rounds
+        out = {"rounds": n, "verify_ms": 1e3 * self.verify_s / n if n else 0.0,
+               "build_ms": 1e3 * self.build_s / n if n else 0.0,
+               "hidden_ms": 1e3 * self.hidden_s / n if n else 0.0}
+        self.rounds, self.build_s, self.verify_s, self.hidden_s = 0, 0.0, 0.0, 0.0
+        return out

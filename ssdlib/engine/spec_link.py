@@ -31,6 +31,10 @@ class SpecLink:
     """The transport: sends and receives protocol.py's messages between leader and
     speculator."""
 
+    # a speculator rank's failure ends the job through the launcher, never through the link
+    # (the in-process LocalLink keeps its speculator's error here)
+    failed: BaseException | None = None
+
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
                  vocab_size: int, staged: bool = False, branches: int = 0):
         self.group, self.peer, self.device = group, peer, device

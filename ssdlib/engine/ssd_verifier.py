@@ -77,6 +77,13 @@ class SSDVerifier(LinkVerifier):
         self._streams.pop(seq.slot, None)
         super().release(seq)
 
+    def batch_metrics(self) -> dict:
+        out = super().batch_metrics()
+        overlap = getattr(self.link, "overlap", None)  # the stream placement, on a GPU
+        if overlap is not None and overlap.rounds:
+            out["stream_overlap"] = overlap.take()
+        return out
+
 
 def build_ssd_verifier(cfg, world, target, target_ck):
     """The leader's SSD loop and its link to the speculator: a rank of its own (``rank``

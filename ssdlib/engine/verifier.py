@@ -263,7 +263,8 @@ class LinkVerifier:
         return out
 
     def close(self) -> None:
-        self._take_cache()
+        if self.link.failed is None:  # a failed speculator has nothing more to send
+            self._take_cache()
         self.link.send_shutdown()
 
 

@@ -1,0 +1,74 @@
+"""The stream placement of the SSD speculator (in the leader's process, ``LocalLink``): the same
+round code as the rank placement, so the exactness tests run both (test_speculative_exact.py);
+here what is particular to it. GPU tests skip without CUDA."""
+
+import pytest
+import torch
+
+from ssdlib import Generator, SamplingParams
+from ssdlib.engine_config import EngineConfig
+from ssdlib.errors import ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 11], [1, 7, 3]]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_auto_placement_and_world_size(tiny_dirs):
+    kw = dict(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"], mode="ssd")
+    assert EngineConfig(**kw, speculator_placement="stream").world_size == 1
+    assert EngineConfig(**kw, speculator_placement="rank").world_size == 2
+    assert EngineConfig(**kw, tp=2, speculator_placement="stream").world_size == 2
+    assert EngineConfig(**kw).placement == "stream"  # CPU: the speculator shares the host
+    cfg = EngineConfig(**kw)
+    cfg.check_world_size(2)  # torchrun with tp + 1 ranks decides an auto placement
+    assert cfg.placement == "rank"
+    with pytest.raises(ConfigError, match="speculator-placement"):
+        EngineConfig(**kw, speculator_placement="gpu")
+
+
+def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch):
+    """An exception inside the in-process speculator ends the generate call with that error;
+    the Generator closes cleanly."""
+    from ssdlib.engine.speculator import Speculator
+
+    def broken(self, *args):
+        raise RuntimeError("speculator exploded")
+
+    monkeypatch.setattr(Speculator, "finish_round", broken)
+    gen = Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                    mode="ssd", k=3, max_len=64, speculator_placement="stream")
+    try:
+        with pytest.raises(Exception, match="speculator exploded"):
+            gen.generate(PROMPTS, GREEDY)
+    finally:
+        gen.close()
+
+
+def _tokens(tiny_dirs, **kw):
+    with Generator(target=tiny_dirs["smol_heads"], max_len=64, max_batch=2, k=3,
+                   **kw) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        return [o.token_ids for o in outs], g.last_run_metrics
+
+
+@cuda
+@pytest.mark.parametrize("placement", ["stream", "rank"])
+def test_cuda_fp32_greedy_ssd_equals_ar(tiny_dirs, placement):
+    ar, _ = _tokens(tiny_dirs, mode="ar", device="cuda", dtype="float32")
+    ssd, _ = _tokens(tiny_dirs, mode="ssd", device="cuda", dtype="float32",
+                     draft=tiny_dirs["smol_heads_draft"], speculator_placement=placement)
+    assert ssd == ar
+
+
+@cuda
+def test_cuda_stream_captured_equals_eager_and_overlaps(tiny_dirs):
+    """The speculator's captured steps on its stream give the eager tokens; the GPU runs the
+    build beside the verify (some of its time hidden)."""
+    kw = dict(mode="ssd", device="cuda", dtype="float32", draft=tiny_dirs["smol_heads_draft"],
+              speculator_placement="stream")
+    eager, _ = _tokens(tiny_dirs, cuda_graphs=False, **kw)
+    captured, metrics = _tokens(tiny_dirs, cuda_graphs=True, **kw)
+    assert captured == eager
+    overlap = metrics["stream_overlap"]
+    assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0
