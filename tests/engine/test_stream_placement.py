@@ -48,6 +48,7 @@ def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch):
 def _tokens(tiny_dirs, **kw):
     with Generator(target=tiny_dirs["smol_heads"], max_len=64, max_batch=2, k=3,
                    **kw) as g:
+        g.generate(PROMPTS, GREEDY)  # capture (and compile) before the measured call
         outs = g.generate(PROMPTS, GREEDY)
         return [o.token_ids for o in outs], g.last_run_metrics
 
@@ -62,13 +63,29 @@ def test_cuda_fp32_greedy_ssd_equals_ar(tiny_dirs, placement):
 
 
 @cuda
-def test_cuda_stream_captured_equals_eager_and_overlaps(tiny_dirs):
-    """The speculator's captured steps on its stream give the eager tokens; the GPU runs the
-    build beside the verify (some of its time hidden)."""
+def test_cuda_stream_captured_equals_eager(tiny_dirs):
+    """The speculator's captured steps on its stream give the eager tokens."""
     kw = dict(mode="ssd", device="cuda", dtype="float32", draft=tiny_dirs["smol_heads_draft"],
               speculator_placement="stream")
     eager, _ = _tokens(tiny_dirs, cuda_graphs=False, **kw)
     captured, metrics = _tokens(tiny_dirs, cuda_graphs=True, **kw)
     assert captured == eager
-    overlap = metrics["stream_overlap"]
-    assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0
+    assert metrics["stream_overlap"]["rounds"] > 0
+
+
+@cuda
+def test_cuda_build_overlaps_the_verify(tmp_path):
+    """With a target whose verify takes long enough to matter, the GPU runs the speculator's
+    build beside it: part of the build's time is hidden under the verify."""
+    from tests.tiny import make_tiny_llama
+
+    target = make_tiny_llama(str(tmp_path / "t"), "gqa", hidden_size=1024,
+                             intermediate_size=4096, num_hidden_layers=12,
+                             num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
+    draft = make_tiny_llama(str(tmp_path / "d"), "gqa", seed=1, vocab_size=4096)
+    with Generator(target=target, draft=draft, mode="ssd", device="cuda", k=3, max_len=256,
+                   max_batch=1, speculator_placement="stream") as g:
+        g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=64, ignore_eos=True))
+        overlap = g.last_run_metrics["stream_overlap"]
+    assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0, overlap
