@@ -22,9 +22,8 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor,
                  after_launch: Callable[[], None] | None = None) -> VerifyOutcome:
     """draft_tokens [b, K] (host or device) -> outcome (k accepted, bonus t*) per row. Does not
     commit. ``draft_q`` may be a callable, called once the target forward is launched (so that
-    receiving q overlaps the forward); ``after_launch`` is called in every round once the forward
-    and the acceptance are launched (e.g. to post a receive whose host cost then overlaps
-    them)."""
+    receiving q overlaps the forward); ``after_launch`` likewise, in every round (e.g. to post
+    a receive whose host cost then overlaps the forward)."""
     b, k = draft_tokens.shape
     # host inputs in numpy (a few µs; torch's small CPU ops cost tens of µs each, every round)
     last = np.array([[q.tokens[-1]] for q in seqs], dtype=np.int64)     # [b, 1]
@@ -36,22 +35,18 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor,
         ids = torch.cat([torch.from_numpy(last).to(device, non_blocking=True), draft_tokens],
                         dim=1)
     logits = target.forward(ids, pos, slots_tensor(seqs))               # [b, K+1, V]
-    draft_tokens = draft_tokens.to(device, non_blocking=True)
-    if all(q.params.greedy for q in seqs):
-        outcome = verify_greedy(draft_tokens, logits)
-    else:
-        p = row_distributions(logits, seqs)
-        if callable(draft_q):
-            draft_q = draft_q()
-        if draft_q is None:
-            raise ValueError("sampling rows need the draft q")
-        streams = reserve_streams(seqs, k + 1, logits.device)  # K accept tests + the bonus draw
-        outcome = verify_sampled(draft_tokens, draft_q, p, generators=streams)
-    # the whole verify is queued: what runs now overlaps it on the device without delaying
-    # any of its launches (a stream-placed speculator launches its build here)
     if after_launch is not None:
         after_launch()
-    return outcome
+    draft_tokens = draft_tokens.to(device, non_blocking=True)
+    if all(q.params.greedy for q in seqs):
+        return verify_greedy(draft_tokens, logits)
+    p = row_distributions(logits, seqs)
+    if callable(draft_q):
+        draft_q = draft_q()
+    if draft_q is None:
+        raise ValueError("sampling rows need the draft q")
+    streams = reserve_streams(seqs, k + 1, logits.device)  # K accept tests + the bonus draw
+    return verify_sampled(draft_tokens, draft_q, p, generators=streams)
 
 
 @dataclass
