@@ -28,6 +28,9 @@ GPU when both have work queued. On CPU the same code runs with no streams (nothi
 from __future__ import annotations
 
 import contextlib
+import queue
+import sys
+import threading
 import time
 
 import torch
@@ -50,8 +53,10 @@ def _priorities() -> tuple[int, int]:
 
 
 class LocalLink:
-    """Leader and speculator in one process (see the module doc). ``attach`` gives it the
-    speculator (a :class:`~ssdlib.engine.speculator.Speculator`) after both are built."""
+    """Leader and speculator in one process, one host thread driving both (see the module
+    doc). ``attach`` gives it the speculator (a :class:`~ssdlib.engine.speculator.Speculator`)
+    after both are built. :class:`ThreadedLocalLink` drives the speculator from a thread of its
+    own instead."""
 
     def __init__(self, device: torch.device, max_batch: int, k: int, vocab_size: int,
                  branches: int = 0):
@@ -84,12 +89,15 @@ class LocalLink:
         """Context: the speculator's work goes to its stream."""
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise SSDError(f"the speculator failed: {self.failed}") from self.failed
+
     def _run(self, fn, *args):
         """Run a speculator step on its stream, its host time counted as the speculator's. An
         exception is the job's error (it reaches the leader's caller as it is); the link is
         broken from then on."""
-        if self.failed is not None:
-            raise SSDError(f"the speculator failed earlier: {self.failed}")
+        self._check()
         t0 = time.perf_counter()
         try:
             with self.on_stream():
@@ -100,7 +108,7 @@ class LocalLink:
         self.speculator.stats["busy_s"] += time.perf_counter() - t0
         return out
 
-    # -- driving the speculator's round -----------------------------------------------------
+    # -- driving the speculator's round (this class: inline, at the leader's calls) ----------
     def _answer(self) -> None:
         """The speculator answers the OUTCOME in hand, if it has not yet."""
         if self._pending is None:
@@ -109,17 +117,20 @@ class LocalLink:
         self._pending = None
         self._build_due = self._run(self.speculator.begin_round, header, outcome)
 
-    def _build(self, verify_launched: bool = False) -> None:
+    def _build(self) -> None:
         """The speculator launches its work after the answer (the cache build and push)."""
         self._answer()
         if self._build_due:
             self._build_due = False
-            if self.overlap is not None:
-                self.overlap.build_starts(self.stream, verify_launched)
-            self._run(self.speculator.finish_round, False)
-            if self.overlap is not None:
-                self.overlap.build_ends(self.stream)
+            self._build_round()
             self._times_due = True
+
+    def _build_round(self) -> None:
+        if self.overlap is not None:
+            self.overlap.build_starts(self.stream)
+        self._run(self.speculator.finish_round, False)
+        if self.overlap is not None:
+            self.overlap.build_ends(self.stream)
 
     def _read_times(self) -> None:
         """The last finished round's phase times (its build is done: the leader took its CACHE
@@ -127,25 +138,31 @@ class LocalLink:
         if self._times_due:
             self._times_due = False
             self._run(self.speculator.end_round)
-            if self.overlap is not None:
-                self.overlap.read()
+
+    def _submit_admit(self, msg: Admit) -> None:
+        self._run(self.speculator.admit, msg)
+
+    def _submit_outcome(self, header, msg: Outcome, waits: bool) -> None:
+        self._pending = (header, msg)
+        if waits:
+            self._answer()
 
     # -- leader side (SpecLink's interface) ---------------------------------------------------
     def send_admit(self, msg: Admit) -> None:
         self._read_times()
-        self._run(self.speculator.admit, msg)
+        self._submit_admit(msg)
 
     def send_outcome(self, msg: Outcome) -> None:
         if len(msg.slots) > self.max_batch:
             raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
         self._read_times()
         if self.overlap is not None:
+            self.overlap.read()  # the last round's: its build is done
             self.overlap.verify_may_start()
         self._spec = self._stats = None
-        self._pending = (msg.header(), msg)
         tokens, q = msg.spec_parts()
-        if tokens or q or not any(msg.active):  # the leader waits for this answer
-            self._answer()
+        # the leader waits for this answer: a SPEC (jit rows or q), or STATS
+        self._submit_outcome(msg.header(), msg, bool(tokens or q or not any(msg.active)))
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         self._answer()
@@ -168,7 +185,9 @@ class LocalLink:
 
     def post_cache(self, b: int) -> None:
         """The verify forward is launched: the speculator builds beside it now."""
-        self._build(verify_launched=True)
+        if self.overlap is not None:
+            self.overlap.verify_launched()
+        self._build()
 
     def recv_cache(self, b: int) -> CacheRows:
         self._build()
@@ -214,6 +233,97 @@ class LocalLink:
         self._stats = stats
 
 
+class ThreadedLocalLink(LocalLink):
+    """The stream placement with the speculator driven from a host thread of its own: an
+    OUTCOME is queued to it and it answers and launches its build at once, while the leader
+    launches the verify and waits for it (the leader's waits release the GIL). The leader's
+    receives wait for the thread's signals."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._jobs: queue.Queue = queue.Queue()
+        self._answered = threading.Event()
+        self._built = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    def attach(self, speculator) -> None:
+        super().attach(speculator)
+        # a thread that holds the GIL in Python code gives it up to a waiting one only every
+        # switch interval (5 ms by default): far longer than a round
+        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-4))
+        self._worker = threading.Thread(target=self._serve, name="ssdlib-speculator",
+                                        daemon=True)
+        self._worker.start()
+
+    def _serve(self) -> None:
+        if self.cuda:
+            torch.cuda.set_stream(self.stream)  # this thread's current stream
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                job()
+            except BaseException as e:  # the leader raises it at its next wait
+                self.failed = e
+                self._answered.set()
+                self._built.set()
+                return
+            self.speculator.stats["busy_s"] += time.perf_counter() - t0
+
+    def _round(self, header, msg: Outcome) -> None:
+        live = self.speculator.begin_round(header, msg)
+        self._answered.set()
+        if live:
+            self._build_round_here()
+        self._built.set()
+        if live:
+            self.speculator.end_round()  # waits for the build's marks here, off the leader
+
+    def _build_round_here(self) -> None:
+        if self.overlap is not None:
+            self.overlap.build_starts(self.stream)
+        self.speculator.finish_round(False)
+        if self.overlap is not None:
+            self.overlap.build_ends(self.stream)
+
+    def _wait(self, event: threading.Event) -> None:
+        event.wait()
+        self._check()
+
+    # the leader's side of the driving
+    def _answer(self) -> None:
+        self._wait(self._answered)
+
+    def _build(self) -> None:
+        self._wait(self._built)
+
+    def _read_times(self) -> None:
+        """The thread reads its rounds' times itself."""
+
+    def _submit_admit(self, msg: Admit) -> None:
+        self._check()
+        self._jobs.put(lambda: self.speculator.admit(msg))
+
+    def _submit_outcome(self, header, msg: Outcome, waits: bool) -> None:
+        self._check()
+        self._answered.clear()
+        self._built.clear()
+        self._jobs.put(lambda: self._round(header, msg))
+
+    def post_cache(self, b: int) -> None:
+        if self.overlap is not None:
+            self.overlap.verify_launched()
+
+    def send_shutdown(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+        self.failed = None
+        self._run(self.speculator.shutdown)
+
+
 class OverlapMeter:
     """Per round, on the GPU: the leader's verify span (from the OUTCOME, when the leader's
     stream is idle, to the end of the verify forward launched after it) and the speculator's
@@ -222,30 +332,31 @@ class OverlapMeter:
 
     def __init__(self):
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        self._armed = False  # this round's four events are recorded
-        self._verify = False  # the verify forward was launched before the build
+        self._verify = self._build = False  # this round's spans are marked
         self.rounds = 0
         self.build_s = self.verify_s = self.hidden_s = 0.0
 
     def verify_may_start(self) -> None:
         self._events[0].record()  # the leader's stream: the next verify is launched after this
-        self._armed = False
+        self._verify = self._build = False
 
-    def build_starts(self, stream, verify_launched: bool) -> None:
-        self._verify = verify_launched
-        if verify_launched:
-            self._events[1].record()  # the leader's stream: the verify forward's end
+    def verify_launched(self) -> None:
+        self._events[1].record()  # the leader's stream: the verify forward's end
+        self._verify = True
+
+    def build_starts(self, stream) -> None:
         self._events[2].record(stream)
 
     def build_ends(self, stream) -> None:
         self._events[3].record(stream)
-        self._armed = self._verify
+        self._build = True
 
     def read(self) -> None:
-        if not self._armed:
+        if not (self._verify and self._build):
             return
-        self._armed = False
+        self._verify = self._build = False
         v0, v1, b0, b1 = self._events
+        b1.synchronize()
         ms = v0.elapsed_time  # ms from v0 to the argument (CUDA events of one device)
         verify, start, end = ms(v1), ms(b0), ms(b1)
         self.rounds += 1
