@@ -14,9 +14,12 @@ working:
   host goes on to read the verify back;
 - ``recv_cache``: waits (on the host) for the pushed rows' copy, which follows the build.
 
-Measured against a speculator thread: see docs/ARCHITECTURE.md ("SSD on one GPU"). A thread
-would let the two sides' host work overlap only where neither holds the GIL, and its hand-off
-costs a thread switch per message; one thread keeps the order of every launch fixed.
+Why one thread and not a speculator thread of its own: a thread would let the speculator's host
+work (its answer and the build's launch) start at the OUTCOME instead of after the verify's
+launch, but CUDA-graph capture is not safe beside another thread's work: on one H200 the
+speculator thread's first captures failed with ``cudaErrorStreamCaptureInvalidated`` while the
+leader ran (docs/ARCHITECTURE.md, "SSD on one GPU"). One thread also keeps the order of every
+launch fixed, so a run is reproducible and CPU runs take the GPU's path.
 
 Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's
 stream and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
@@ -28,9 +31,6 @@ GPU when both have work queued. On CPU the same code runs with no streams (nothi
 from __future__ import annotations
 
 import contextlib
-import queue
-import sys
-import threading
 import time
 
 import torch
@@ -55,8 +55,7 @@ def _priorities() -> tuple[int, int]:
 class LocalLink:
     """Leader and speculator in one process, one host thread driving both (see the module
     doc). ``attach`` gives it the speculator (a :class:`~ssdlib.engine.speculator.Speculator`)
-    after both are built. :class:`ThreadedLocalLink` drives the speculator from a thread of its
-    own instead."""
+    after both are built."""
 
     def __init__(self, device: torch.device, max_batch: int, k: int, vocab_size: int,
                  branches: int = 0):
@@ -231,97 +230,6 @@ class LocalLink:
 
     def send_stats(self, stats: SpeculatorStats) -> None:
         self._stats = stats
-
-
-class ThreadedLocalLink(LocalLink):
-    """The stream placement with the speculator driven from a host thread of its own: an
-    OUTCOME is queued to it and it answers and launches its build at once, while the leader
-    launches the verify and waits for it (the leader's waits release the GIL). The leader's
-    receives wait for the thread's signals."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._jobs: queue.Queue = queue.Queue()
-        self._answered = threading.Event()
-        self._built = threading.Event()
-        self._worker: threading.Thread | None = None
-
-    def attach(self, speculator) -> None:
-        super().attach(speculator)
-        # a thread that holds the GIL in Python code gives it up to a waiting one only every
-        # switch interval (5 ms by default): far longer than a round
-        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-4))
-        self._worker = threading.Thread(target=self._serve, name="ssdlib-speculator",
-                                        daemon=True)
-        self._worker.start()
-
-    def _serve(self) -> None:
-        if self.cuda:
-            torch.cuda.set_stream(self.stream)  # this thread's current stream
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                job()
-            except BaseException as e:  # the leader raises it at its next wait
-                self.failed = e
-                self._answered.set()
-                self._built.set()
-                return
-            self.speculator.stats["busy_s"] += time.perf_counter() - t0
-
-    def _round(self, header, msg: Outcome) -> None:
-        live = self.speculator.begin_round(header, msg)
-        self._answered.set()
-        if live:
-            self._build_round_here()
-        self._built.set()
-        if live:
-            self.speculator.end_round()  # waits for the build's marks here, off the leader
-
-    def _build_round_here(self) -> None:
-        if self.overlap is not None:
-            self.overlap.build_starts(self.stream)
-        self.speculator.finish_round(False)
-        if self.overlap is not None:
-            self.overlap.build_ends(self.stream)
-
-    def _wait(self, event: threading.Event) -> None:
-        event.wait()
-        self._check()
-
-    # the leader's side of the driving
-    def _answer(self) -> None:
-        self._wait(self._answered)
-
-    def _build(self) -> None:
-        self._wait(self._built)
-
-    def _read_times(self) -> None:
-        """The thread reads its rounds' times itself."""
-
-    def _submit_admit(self, msg: Admit) -> None:
-        self._check()
-        self._jobs.put(lambda: self.speculator.admit(msg))
-
-    def _submit_outcome(self, header, msg: Outcome, waits: bool) -> None:
-        self._check()
-        self._answered.clear()
-        self._built.clear()
-        self._jobs.put(lambda: self._round(header, msg))
-
-    def post_cache(self, b: int) -> None:
-        if self.overlap is not None:
-            self.overlap.verify_launched()
-
-    def send_shutdown(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
-            self._jobs.put(None)
-            self._worker.join()
-        self.failed = None
-        self._run(self.speculator.shutdown)
 
 
 class OverlapMeter:

@@ -5,14 +5,12 @@ here from a per-row stream of the leader's own, or the speculator's jit draft.""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ssdlib.engine.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
 from ssdlib.engine.metrics import record_lookup
 from ssdlib.engine.protocol import Choice
-from ssdlib.engine.local_link import LocalLink, ThreadedLocalLink
+from ssdlib.engine.local_link import LocalLink
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.speculator import build_speculator
 from ssdlib.engine.verifier import LinkVerifier, link_for
@@ -94,9 +92,8 @@ def build_ssd_verifier(cfg, world, target, target_ck):
     if cfg.placement == "rank":
         link = link_for(cfg, world, target_ck, branches)
     else:
-        driver = ThreadedLocalLink if os.environ.get("SSDLIB_SPECULATOR_THREAD") == "1" \
-            else LocalLink
-        link = driver(world.device, cfg.max_batch, cfg.k, target_ck.config.vocab_size, branches)
+        link = LocalLink(world.device, cfg.max_batch, cfg.k, target_ck.config.vocab_size,
+                         branches)
         with link.on_stream():
             link.attach(build_speculator(cfg, world.device, target_ck, link))
         if link.cuda:  # what was set up on other streams is done before either side runs
