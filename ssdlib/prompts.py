@@ -29,12 +29,19 @@ def is_single_prompt(prompts: object) -> bool:
 
 
 class PromptEncoder:
-    """Encodes prompts with the target's tokenizer; checks ids and length against the target."""
+    """Encodes prompts with the target's tokenizer; checks ids and length against the target.
 
-    def __init__(self, tokenizer, vocab_size: int, max_context: int):
+    In chat messages, text that spells a special token (``<|im_start|>``) is plain text: only the
+    chat template writes control tokens, so a message cannot forge a turn. Set
+    ``allow_special_tokens_in_content`` to let message contents write them too.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_context: int,
+                 allow_special_tokens_in_content: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.allow_special_tokens_in_content = allow_special_tokens_in_content
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """A prompt (text, token ids, or a dict, see the module docstring) -> token ids."""
@@ -80,8 +87,9 @@ class PromptEncoder:
     def _encode_chat(self, messages) -> list[int]:
         if self.tokenizer is None:
             raise ConfigError("this checkpoint has no tokenizer: chat prompts need one")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(
+            messages, add_generation_prompt=True,
+            allow_special_tokens_in_content=self.allow_special_tokens_in_content)
 
     def fits(self, ids: list[int]) -> bool:
         """Whether a prompt of these ids leaves room for at least one generated token."""

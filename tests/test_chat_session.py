@@ -122,7 +122,8 @@ def test_generator_is_usable_after_an_interrupted_spawned_call(chat_model, tmp_p
 
     with Generator(target=chat_model, max_len=128) as g:
         ref = g.generate(["Hi"], p)[0].token_ids
-    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=128, max_batch=2) as g:
+    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=128, max_batch=2,
+                   speculator_placement="rank") as g:
         with pytest.raises(KeyboardInterrupt):
             g.generate(["Hello", "Tell me"], p, on_text=ctrl_c)
         assert g.generate(["Hi"], p)[0].token_ids == ref
@@ -145,7 +146,8 @@ def test_an_interrupted_spawned_call_stops_on_the_ranks(chat_model, tmp_path):
         if len(seen) == 3:
             raise KeyboardInterrupt
 
-    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=2048, max_batch=2) as g:
+    with Generator(target=chat_model, draft=draft, mode="ssd", max_len=2048, max_batch=2,
+                   speculator_placement="rank") as g:
         t0 = time.perf_counter()
         g.generate(["Hi"], SamplingParams(max_new_tokens=200, ignore_eos=True))
         per_token = (time.perf_counter() - t0) / 200

@@ -101,7 +101,8 @@ def test_killing_the_speculator_stops_the_job(tiny_dirs, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7, i]}) + "\n" for i in range(8)))
     proc = subprocess.Popen([sys.executable, "-m", "ssdlib.generate", "--target",
                              tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
-                             "--mode", "ssd", "--prompts-file", str(prompts), "--max-len", "4000",
+                             "--mode", "ssd", "--speculator-placement", "rank",
+                             "--prompts-file", str(prompts), "--max-len", "4000",
                              "--max-new-tokens", "3000", "--ignore-eos", "--max-batch", "8"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

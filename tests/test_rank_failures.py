@@ -80,7 +80,8 @@ def long_job(tiny_dirs, tmp_path_factory):
     prompts = tmp_path_factory.mktemp("long") / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7, i]}) + "\n" for i in range(4)))
     return ["--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
-            "--mode", "ssd", "--prompts-file", str(prompts), "--max-len", "4000",
+            "--mode", "ssd", "--speculator-placement", "rank", "--prompts-file", str(prompts),
+            "--max-len", "4000",
             "--max-new-tokens", "3000", "--ignore-eos", "--max-batch", "4"]
 
 
@@ -90,7 +91,8 @@ def test_leaving_the_with_block_keeps_the_first_error(tiny_dirs):
     params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
     with pytest.raises(RankFailure) as info:
         with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
-                       mode="ssd", max_len=4000, max_batch=2) as g:
+                       mode="ssd", max_len=4000, max_batch=2,
+                       speculator_placement="rank") as g:
             speculator = g._ranks.procs[1].pid
             threading.Timer(1.0, os.kill, (speculator, signal.SIGKILL)).start()
             g.generate([[5, 6, 7], [8, 9, 10]], params)
@@ -143,6 +145,7 @@ def test_a_checkpoint_error_found_by_a_spawned_rank_exits_2(tiny_dirs, tmp_path)
     prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
     res = subprocess.run([sys.executable, "-m", "ssdlib.generate", "--target",
                           tiny_dirs["smol_heads"], "--draft", str(d), "--mode", "ssd",
+                          "--speculator-placement", "rank",
                           "--prompts-file", str(prompts), "--max-len", "64"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = [l for l in res.stderr.splitlines() if l.startswith("ssdlib")]

@@ -65,7 +65,8 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
     def metrics(self) -> dict:
-        text = httpx.get(self.url + "/metrics").text
+        # /metrics needs the key on a server that has one (harmless on one that has none)
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         out = {}
         for fam in prom_parser.text_string_to_metric_families(text):
             for s in fam.samples:
@@ -303,7 +304,8 @@ def test_cli_serves_and_exits_nonzero_when_a_rank_dies(models):
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ssdlib.serve", "--target", models[0], "--draft", models[1],
-         "--mode", "ssd", "--k", "3", "--max-len", str(MAX_LEN), "--port", str(port)],
+         "--mode", "ssd", "--k", "3", "--max-len", str(MAX_LEN), "--port", str(port),
+         "--speculator-placement", "rank"],  # two rank processes, one of them to kill
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

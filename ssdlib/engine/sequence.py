@@ -10,6 +10,7 @@ import torch
 from ssdlib.engine.metrics import finalize_acceptance_metrics
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.rng import RowStream
+from ssdlib.tokenizer.stop_strings import StopStrings
 
 
 @dataclass
@@ -48,7 +49,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stream = RowStream.from_seed(request.params.seed, request.stream_salt)  # random draws
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self._flushed = False
         self.text = ""
+        self._stops = StopStrings(request.params.stop)
+        self._searched = 0  # text length at the last stop-string search
         self.stop_at: int | None = None  # text length where a stop string starts
         self._emitted = 0
         self.metrics: dict = {"rounds": 0}
@@ -81,25 +85,38 @@ class Sequence:
                 self.finish_reason = "eos"
             elif self._decoder is not None:
                 self.text += self._decoder.push(t)
-                for s in self.params.stop:
-                    pos = self.text.find(s)
-                    if pos >= 0 and (self.stop_at is None or pos < self.stop_at):
-                        self.stop_at = pos
-                        self.finish_reason = "stop"
+                pos = self._stops.find(self.text, self._searched)
+                self._searched = len(self.text)
+                if pos is not None:
+                    self.stop_at = pos
+                    self.finish_reason = "stop"
             if not self.finished and len(self.tokens) - self.num_prompt >= self.params.max_new_tokens:
                 self.finish_reason = "length"
         return taken
 
     def take_text_delta(self) -> str:
-        """Text committed since the last call (never past a stop string)."""
-        end = len(self.text) if self.stop_at is None else self.stop_at
+        """Text committed since the last call: never past a stop string, and while the sequence
+        runs, never the end that may still become one (it comes once later text decides it)."""
+        if self.stop_at is not None:
+            end = self.stop_at
+        elif self.finished:
+            self._flush()
+            end = len(self.text)
+        else:
+            end = self._stops.safe_end(self.text)
         delta = self.text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return delta
 
-    def final_text(self) -> str:
-        if self._decoder is not None and self.finish_reason != "stop":
+    def _flush(self) -> None:
+        """The decoder's last held-back bytes join the text (once, when no more tokens come)."""
+        if self._decoder is not None and not self._flushed:
             self.text += self._decoder.flush()
+            self._flushed = True
+
+    def final_text(self) -> str:
+        if self.finish_reason != "stop":
+            self._flush()
         return self.text if self.stop_at is None else self.text[: self.stop_at]
 
     def to_output(self) -> Output:

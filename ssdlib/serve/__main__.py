@@ -3,7 +3,8 @@
 
 Takes the engine flags of ``python -m ssdlib.generate`` (``--mode``, ``--target``, ``--draft``,
 ``--tp``, ...). Requests join the running batch. Binds 127.0.0.1 unless ``--host`` says
-otherwise; with ``--api-key`` every ``/v1`` request must carry ``Authorization: Bearer KEY``.
+otherwise; with ``--api-key`` every request but ``/health`` (``/v1``, ``/metrics``, the API docs)
+must carry ``Authorization: Bearer KEY``. A request body over ``--max-request-bytes`` gets 413.
 Under torchrun rank 0 serves and the other ranks run their roles as usual. Exits non-zero if a
 rank fails.
 """
@@ -17,6 +18,7 @@ import sys
 from ssdlib.cli_args import add_engine_args, engine_kwargs, report_error, run_reporting
 from ssdlib.errors import EXIT_FAILURE, ConfigError
 from ssdlib.log import setup_logging
+from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 
 # a served engine sits idle between requests: its ranks must not time out waiting
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
@@ -34,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: the SSDLIB_API_KEY "
                         "environment variable, else none)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="the largest request body accepted; larger ones get 413 "
+                        f"(default: {DEFAULT_MAX_REQUEST_BYTES} = 8 MiB)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the target's name)")
     p.add_argument("--log-level", default="WARNING")
@@ -54,6 +59,8 @@ def run(args) -> int:
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     api_key = args.api_key or os.environ.get("SSDLIB_API_KEY") or None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     failed: list[BaseException] = []
@@ -67,7 +74,8 @@ def run(args) -> int:
             failed.append(error)
             server.should_exit = True
 
-        app = create_app(gen, name, args.max_queue, api_key, on_failure)
+        app = create_app(gen, name, args.max_queue, api_key, on_failure,
+                         max_request_bytes=args.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level=args.log_level.lower(),
                                                timeout_graceful_shutdown=5))

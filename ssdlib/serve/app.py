@@ -1,29 +1,49 @@
 """The FastAPI app: OpenAI-compatible routes on an :class:`AsyncEngine`.
 
-Errors are OpenAI error bodies: 400 a bad field, 401 a missing or wrong API key, 404 an unknown
-model or route, 413 a prompt longer than the context, 503 the queue is full or the engine failed.
-A bad request never reaches the engine. When the engine fails, ``/health`` answers 503 and
-``on_engine_failure`` is called (the CLI stops the server and exits non-zero).
+Errors are OpenAI error bodies: 400 a bad field, 401 a missing or wrong API key (checked first,
+on every path but ``/health``), 404 an unknown model or route, 413 a body over
+``max_request_bytes`` or a prompt longer than the context, 503 the queue is full or the engine
+failed. A bad request never reaches the engine. Bodies say what the client can act on; internals
+(tracebacks, paths) go to the server's log only. When the engine fails, ``/health`` answers 503
+and ``on_engine_failure`` is called (the CLI stops the server and exits non-zero).
+
+The event loop serves every stream, so nothing slow runs on it: prompts are tokenized and chat
+templates rendered on worker threads, and a body's size and shape are bounded
+(:mod:`ssdlib.serve.guard`, :mod:`ssdlib.serve.openai_api`) before it is validated there. A
+client that disconnects, streaming or not, frees its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import re
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import SSDError
+from ssdlib.log import get_logger
 from ssdlib.sampling import SamplingParams
 from ssdlib.serve import openai_api as api
 from ssdlib.serve.async_engine import AsyncEngine, EngineFailed, QueueFull
+from ssdlib.serve.encoding import releasing_encoder
+from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from ssdlib.serve.metrics import ServerMetrics
+from ssdlib.tokenizer.chat_template import MAX_OUTPUT_CHARS
+
+logger = get_logger(__name__)
+
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+# What a client is told when the engine failed; the cause (often a rank's traceback) is logged.
+ENGINE_FAILED = "the engine failed and this server is stopping; see the server log"
+# pydantic names the member of a union in an error's location ("str", "list[TextPart]")
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|\w+\[.*\])$")
 
 
 class APIError(Exception):
@@ -38,14 +58,17 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 
 def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | None = None,
-               on_engine_failure=None) -> FastAPI:
+               on_engine_failure=None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving ``generator`` (started, leader rank) as ``model_name``; the engine
-    starts and stops with the app's lifespan."""
+    starts and stops with the app's lifespan. With ``api_key``, every path but ``/health``
+    needs ``Authorization: Bearer <api_key>``."""
     metrics = ServerMetrics({"mode": generator.cfg.mode, "model": model_name,
                              "max_batch": str(generator.cfg.max_batch)})
     engine = AsyncEngine(generator, max_queue, metrics)
     metrics.bind(engine)
     max_context = generator.max_context
+    prompts = releasing_encoder(generator.prompts)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -58,11 +81,13 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
     async def _watch():
         while engine.failure is None:
             await asyncio.sleep(0.2)
+        logger.error("the engine failed: %s", engine.failure)
         if on_engine_failure is not None:
             on_engine_failure(engine.failure)
 
     app = FastAPI(title="ssdlib", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -70,11 +95,8 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = first.get("msg", "invalid request")
-        return JSONResponse(api.error_body(f"{'.'.join(loc) or 'body'}: {msg}",
-                                           "invalid_request_error", ".".join(loc) or None),
+        message, param = _validation_message(exc.errors())
+        return JSONResponse(api.error_body(message, "invalid_request_error", param),
                             status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -82,22 +104,20 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(api.error_body(str(exc.detail), kind), status_code=exc.status_code)
 
-    async def check_key(request: Request) -> None:
-        # a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware would hide a
-        # client's disconnect from the streaming response (its slot would not be freed)
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "missing or invalid API key", "authentication_error",
-                               code="invalid_api_key")
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        # a bug: the client gets no traceback; the server logs it (Starlette re-raises the
+        # exception after this answer for that)
+        return JSONResponse(api.error_body("internal server error; see the server log",
+                                           "server_error"), status_code=500)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health():
-        if not engine.healthy:
-            return JSONResponse({"status": "failed", "error": str(engine.failure)},
-                                status_code=503)
+        if not engine.healthy:  # the cause is in the server's log, not for any caller
+            error = "the engine failed" if engine.failure else "the engine is not serving"
+            return JSONResponse({"status": "failed", "error": error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -118,24 +138,34 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         temperature = 1.0 if body.temperature is None else body.temperature
         try:
-            return SamplingParams(max_new_tokens=max_tokens or max_context,
+            # validated here, so that a value the engine would refuse is this request's 400
+            # and never an error on the engine's thread; the engine cuts an answer to the
+            # context anyway, a bound here keeps absurd numbers (2**70) out of it
+            return SamplingParams(max_new_tokens=min(max_tokens or max_context, max_context),
                                   temperature=temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p,
                                   top_k=body.top_k or 0, seed=body.seed, stop=stop,
-                                  ignore_eos=body.ignore_eos)
-        except ConfigError as e:
-            raise _bad(str(e)) from None
+                                  ignore_eos=body.ignore_eos).validate()
+        except Exception as e:
+            raise _refused(e) from None
 
     def _encode(prompt, chat: bool) -> list[int]:
+        """Token ids of a prompt; on a worker thread (see the module docstring)."""
+        param = "messages" if chat else "prompt"
+        if chat:
+            chars = sum(len(m["content"]) for m in prompt["messages"])
+            if chars > MAX_OUTPUT_CHARS:  # the template would stop: say why before rendering
+                raise APIError(413, f"the messages hold {chars} characters; the chat template "
+                                    f"renders at most {MAX_OUTPUT_CHARS}",
+                               "invalid_request_error", param, "context_length_exceeded")
         try:
-            ids = generator.encode(prompt, chat=chat)
-        except ConfigError as e:
-            raise _bad(str(e), "messages" if chat else "prompt") from None
-        if not generator.prompts.fits(ids):
+            ids = prompts.encode(prompt, chat=chat)
+        except Exception as e:
+            raise _refused(e, param) from None
+        if not prompts.fits(ids):
             raise APIError(413, f"the prompt has {len(ids)} tokens; this server's context is "
                                 f"{max_context} tokens including the answer",
-                           "invalid_request_error", "messages" if chat else "prompt",
-                           "context_length_exceeded")
+                           "invalid_request_error", param, "context_length_exceeded")
         return ids
 
     def _submit(ids, params):
@@ -143,14 +173,16 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
             return engine.submit(ids, params)
         except QueueFull as e:
             raise APIError(503, str(e), "server_overloaded", code="queue_full") from None
-        except EngineFailed as e:
-            raise APIError(503, str(e), "server_error", code="engine_failed") from None
+        except EngineFailed:
+            raise APIError(503, ENGINE_FAILED, "server_error", code="engine_failed") from None
+        except Exception as e:
+            raise _refused(e) from None
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: api.ChatCompletionRequest):
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         params = _params(body, body.max_completion_tokens or body.max_tokens)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = _encode({"messages": messages}, chat=True)
+        ids = await asyncio.to_thread(_encode, {"messages": messages}, True)
         stream = _submit(ids, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -168,19 +200,21 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
                 return api.chat_chunk(rid, model_name, {}, None, _usage(out))
 
             return _sse(stream, first, piece, last if include_usage else None)
-        out = await _collect(stream)
+        out = await _collect(stream, request)
+        if out is None:
+            return _gone()
         return api.chat_response(rid, model_name, out.text,
                                  api.FINISH_REASONS[out.finish_reason], _usage(out))
 
     @v1.post("/completions")
-    async def completions(body: api.CompletionRequest):
+    async def completions(body: api.CompletionRequest, request: Request):
         params = _params(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise _bad("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        ids = _encode(prompt, chat=False)
+        ids = await asyncio.to_thread(_encode, prompt, False)
         stream = _submit(ids, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -196,20 +230,32 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
                 return body_
 
             return _sse(stream, None, piece, last if include_usage else None)
-        out = await _collect(stream)
+        out = await _collect(stream, request)
+        if out is None:
+            return _gone()
         return api.completion_response(rid, model_name, out.text,
                                        api.FINISH_REASONS[out.finish_reason], _usage(out))
 
     def _usage(out) -> dict:
         return api.usage(out.prompt_tokens, len(out.token_ids))
 
-    async def _collect(stream):
+    async def _collect(stream, request: Request):
+        """The request's Output, or None if its client disconnected first (the request is
+        cancelled: the server does not cancel a route when its client leaves, so without this
+        an abandoned request would hold its slot to the end)."""
+        result = asyncio.ensure_future(stream.collect())
         try:
-            return await stream.collect()
-        except EngineFailed as e:
-            raise APIError(503, str(e), "server_error", code="engine_failed") from None
+            while True:
+                done, _ = await asyncio.wait({result}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return result.result()
+                if await request.is_disconnected():
+                    return None
+        except EngineFailed:
+            raise APIError(503, ENGINE_FAILED, "server_error", code="engine_failed") from None
         finally:
-            stream.cancel()  # the client went away (the task was cancelled): free the slot
+            stream.cancel()  # a no-op once the request ended
+            result.cancel()
 
     def _sse(stream, first, piece, last):
         async def events():
@@ -224,8 +270,8 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
                 if last is not None and out is not None:
                     yield _data(last(out))
                 yield "data: [DONE]\n\n"
-            except EngineFailed as e:
-                yield _data(api.error_body(str(e), "server_error", code="engine_failed"))
+            except EngineFailed:
+                yield _data(api.error_body(ENGINE_FAILED, "server_error", code="engine_failed"))
             finally:
                 stream.cancel()  # a client that disconnects mid-stream frees its slot
 
@@ -238,3 +284,41 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
 
 def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _gone() -> Response:
+    """The answer to a client that left; nobody reads it (499: nginx's "client closed
+    request")."""
+    return Response(status_code=499)
+
+
+def _refused(error: Exception, param: str | None = None) -> APIError:
+    """The 400 for an error raised while preparing one request. An :class:`SSDError` (a bad
+    prompt, a template that refuses the conversation) speaks to the client; anything else is
+    logged with its traceback and named only by its type."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, SSDError):
+        return _bad(str(error), param)
+    logger.warning("request refused: %s: %s", type(error).__name__, error,
+                   exc_info=(type(error), error, error.__traceback__))
+    return _bad(f"the request could not be prepared ({type(error).__name__})", param)
+
+
+def _validation_message(errors: list) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors for a body. A union reports one error per member;
+    the most telling is a constraint broken (too long, not 'text') rather than a type that did
+    not match, and then the one that got deepest into the body."""
+    if not errors:
+        return "invalid request body", None
+    err = max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"),
+                                     len(e.get("loc", ()))))
+    if err.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}", None
+    if tuple(err.get("loc", ())) == ("body",):  # not an object, or not sent as JSON
+        return "the body must be a JSON object, sent as application/json", None
+    loc = [str(x) for x in err.get("loc", ())
+           if x != "body" and not _UNION_MEMBER.match(str(x))]
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    param = ".".join(loc) or None
+    return (f"{param}: {msg}" if param else msg), param

@@ -3,25 +3,46 @@
 Supported: ``max_tokens`` (``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``n`` = 1, ``stream`` (+ ``stream_options.include_usage``); vLLM's extensions ``top_k``
 and ``ignore_eos``. Other OpenAI fields are accepted and ignored.
+
+The known fields are validated strictly, so a request is refused (400) rather than reinterpreted:
+no booleans or strings where numbers are due (``max_tokens: true``), no NaN or Infinity (which
+Python's JSON parser accepts), only OpenAI's chat roles, only text content parts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI's finish reasons for the engine's
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 
 
+# the chat roles a conversation may hold ("developer" is OpenAI's newer name for "system")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Bounds on what one request may hold. Checked before the models are built: validating a body
+# runs on the server's event loop (every stream waits meanwhile), and 8 MiB of tiny messages or
+# content parts took over a second to validate. Each stop string is searched for in the text
+# after every generated token.
+MAX_MESSAGES = 10_000
+MAX_CONTENT_PARTS = 10_000  # over all the messages of a request
+MAX_STOP = 16
+
+# strict: no coercion (true -> 1, "5" -> 5); allow_inf_nan=False: NaN and Infinity are refused
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -29,28 +50,51 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None] = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(BaseModel):
+    """A content part; only text is supported (an image part is refused, not dropped)."""
+    model_config = _STRICT
 
-    role: str
-    content: Union[str, list[dict], None] = None
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal[ROLES]
+    content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text is supported
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data):
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list):
+            if len(messages) > MAX_MESSAGES:
+                raise ValueError(f"messages: at most {MAX_MESSAGES} messages per request, got "
+                                 f"{len(messages)}")
+            parts = sum(len(m["content"]) for m in messages
+                        if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > MAX_CONTENT_PARTS:
+                raise ValueError(f"messages: at most {MAX_CONTENT_PARTS} content parts per "
+                                 f"request, got {parts}")
+        return data
 
 
 class CompletionRequest(_Sampling):

@@ -11,8 +11,9 @@ from typing import Any
 
 import tokenizers
 
-from ssdlib.errors import SSDError
+from ssdlib.errors import ConfigError
 from ssdlib.tokenizer.chat_template import render_chat_template
+from ssdlib.tokenizer.content_specials import ContentSafeEncoder
 from ssdlib.tokenizer.stream import StreamDecoder
 
 
@@ -43,6 +44,7 @@ class Tokenizer:
         if "eos_token" not in self.special_tokens and self.eos_token_ids:
             self.special_tokens["eos_token"] = backend.id_to_token(self.eos_token_ids[0])
         self.model_max_length = model_max_length
+        self._content_safe: ContentSafeEncoder | None = None
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
@@ -56,8 +58,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are always
-        recognised; ``add_special_tokens`` only controls the BOS the tokenizer itself adds. Encode a
-        rendered chat prompt with ``add_special_tokens=False``: the template writes its own BOS."""
+        recognised; ``add_special_tokens`` only controls the BOS the tokenizer itself adds. Chat
+        prompts go through :meth:`encode_chat`, which keeps message contents plain text."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -82,12 +84,34 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for ``messages``, rendered in a sandbox as transformers renders it."""
-        if self.chat_template is None:
-            raise SSDError("this model has no chat template; give a plain prompt instead of "
-                           "chat messages")
-        return render_chat_template(self.chat_template, messages,
+        return render_chat_template(self._template(), messages,
                                     add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens, **variables})
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    allow_special_tokens_in_content: bool = False, **variables: Any) -> list[int]:
+        """Token ids of the chat prompt for ``messages``.
+
+        Special tokens the template writes (``<|im_start|>``, ``bos_token``) become their control
+        ids; the same strings inside message contents (or ``variables``) are tokenized as plain
+        text, so a message cannot forge a turn. ``allow_special_tokens_in_content=True``
+        recognises them everywhere, as encoding the rendered text would.
+        """
+        if allow_special_tokens_in_content:
+            text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+            return self.encode(text, add_special_tokens=False)
+        template = self._template()
+        if self._content_safe is None:
+            self._content_safe = ContentSafeEncoder(self.backend)
+        return self._content_safe.encode_chat(
+            template, messages, add_generation_prompt, {**self.special_tokens, **variables},
+            trusted=self.special_tokens)
+
+    def _template(self) -> str:
+        if self.chat_template is None:
+            raise ConfigError("this model has no chat template; give a plain prompt instead of "
+                              "chat messages")
+        return self.chat_template
 
     def fingerprint(self) -> str:
         """sha256 over (token, id) pairs and the BOS/EOS ids.

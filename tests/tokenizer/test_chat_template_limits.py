@@ -1,5 +1,5 @@
 """Hostile chat templates are stopped with one clear error: rendering is bounded in time and in
-the size of what it builds (issue 14, item 12). Each render runs in a forked child with a memory
+the size of what it builds. Each render runs in a forked child with a memory
 cap and a deadline, so an unbounded renderer fails the test instead of hanging it or exhausting
 the machine."""
 
@@ -58,6 +58,7 @@ SLOW = {
                                   "{% for c in s %}{% endfor %}{% endfor %}{% endfor %}",
     "recursive loop": "{% for m in [[1, 2]] * 99999 recursive %}{{ loop([1, 2]) if m is "
                       "iterable else '' }}{% endfor %}",
+    "summing lists": "{{ ([[0]] * 400000)|sum(start=[])|length }}",
 }
 
 
@@ -93,12 +94,46 @@ HUGE = {
     "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
 }
 
+# Values that are small to hold but huge to print, compare or copy: a part shared many times
+# counts every time it occurs.
+SHARED = {
+    "repeating one inner list": "{{ [[0] * 4000000] * 4000000 }}",
+    "comparing shared lists": "{% set a = [0] * 1000000 %}{% set b = [0] * 1000000 %}"
+                              "{{ [a] * 1000 == [b] * 1000 }}",
+    "nested list literals": "{% set a = [0] * 1000 %}" + "{% set a = [a, a] %}" * 40
+                            + "{{ a }}",
+    "a dict of one long value": "{{ {}.fromkeys(range(99999), 'x' * 100000) }}",
+    "batch padding": "{{ [0]|batch(1000000, 'x' * 1000000)|list }}",
+    "mapped padding": "{{ ([0] * 1000)|map('center', 4000000)|list|length }}",
+    "mapped padding joined": "{{ ([0] * 1000)|map('center', 4000000)|join|length }}",
+    "one argument per field": "{{ ('%(a)s' * 1000) % {'a': 'x' * 1000000} }}",
+    "expanded tabs": "{{ ('\t' * 1000000).expandtabs(1000000)|length }}",
+    "macro output doubling": "{% macro m0() %}" + "x" * 1000 + "{% endmacro %}" + "".join(
+        f"{{% macro m{i + 1}() %}}{{{{ m{i}() }}}}{{{{ m{i}() }}}}{{% endmacro %}}"
+        for i in range(30)) + "{{ m30()|length }}",
+    "block output doubling": "{% set s = 'x' * 1000000 %}"
+                             + "{% set s %}{{ s }}{{ s }}{% endset %}" * 30 + "{{ s|length }}",
+    "constant folded at compile time": "{{ 'x'|center(100000000000) }}",
+}
 
-@pytest.mark.parametrize("template", list(HUGE.values()), ids=list(HUGE))
+
+@pytest.mark.parametrize("template", list(HUGE.values()) + list(SHARED.values()),
+                         ids=list(HUGE) + list(SHARED))
 def test_rendering_size_is_bounded(template):
     (kind, text), took = render_within(template, 10)
     assert kind == "ssd_error" and "chat template" in text, text
+    # the bound stopped it, not the memory cap of the test process
+    assert "MemoryError" not in text, text
     assert took < 6
+
+
+def test_a_long_conversation_is_within_the_bounds():
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"{i} " + "word " * 2000}
+                for i in range(200)]
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|trim }}"
+                "<|im_end|>\n{% endfor %}{{ messages|tojson(indent=2)|length }}")
+    out = render_chat_template(template, messages)
+    assert out.startswith("<|im_start|>user\n0 word word") and "199 word" in out
 
 
 def test_ordinary_templates_render_as_before():

@@ -141,3 +141,21 @@ def test_chat_template_locations(sp_files, tmp_path, where):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi</s>"
     # "</s>" is the EOS already; no end-of-turn marker of the known kinds is added.
     assert tok.eos_token_ids == [2]
+
+
+def test_chat_content_is_plain_text(sp_files):
+    """With a sentencepiece tokenizer (whose first piece of text gets a leading "▁"), a chat
+    prompt encodes as the rendered text does, except that "</s>" typed in a message stays text."""
+    tok = tokenizer_from_gguf(sp_files[1])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] "
+                         "{{ m['content'] }}</s>{% endfor %}")
+    eos = tok.token_to_id("</s>")
+    for content in ("Hello world", " naïve café <tool> x", "日本 and Ωmega"):
+        messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+        assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages),
+                                                       add_special_tokens=False)
+    messages = [{"role": "user", "content": "a</s><s>b"}]
+    ids = tok.encode_chat(messages)
+    assert ids.count(eos) == 1 and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids, skip_special_tokens=False).count("</s>") == 2  # one as plain text
+    assert tok.encode_chat(messages, allow_special_tokens_in_content=True).count(eos) == 2
