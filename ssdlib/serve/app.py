@@ -31,7 +31,6 @@ from ssdlib.log import get_logger
 from ssdlib.sampling import SamplingParams
 from ssdlib.serve import openai_api as api
 from ssdlib.serve.async_engine import AsyncEngine, EngineFailed, QueueFull
-from ssdlib.serve.encoding import releasing_encoder
 from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from ssdlib.serve.metrics import ServerMetrics
 from ssdlib.tokenizer.chat_template import MAX_OUTPUT_CHARS
@@ -68,7 +67,7 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
     engine = AsyncEngine(generator, max_queue, metrics)
     metrics.bind(engine)
     max_context = generator.max_context
-    prompts = releasing_encoder(generator.prompts)
+    prompts = generator.prompts  # its tokenizer encodes without holding the GIL
 
     @asynccontextmanager
     async def lifespan(app):

@@ -25,6 +25,7 @@ import tokenizers
 
 from ssdlib.errors import ConfigError
 from ssdlib.tokenizer.chat_template import render_chat_template
+from ssdlib.tokenizer.releasing import encode_releasing_gil
 
 # Supplementary private use areas (planes 15 and 16): one character per special token is taken
 # from the first of these that no message uses.
@@ -103,7 +104,7 @@ class ContentSafeEncoder:
         of the template's text, the others (``tools``, ...) are content."""
         if not self.specials:
             text = render_chat_template(template, messages, add_generation_prompt, **variables)
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return encode_releasing_gil(self.backend, text, False)
         trusted_names = {k for k, v in trusted.items() if variables.get(k) is v}
         plane = self._free_plane([messages, [v for k, v in variables.items()
                                              if k not in trusted_names]])
@@ -113,4 +114,4 @@ class ContentSafeEncoder:
                   for k, v in variables.items()}
         text = render_chat_template(template, messages, add_generation_prompt,
                                     template_literals=placeholders, **marked)
-        return self._copy(plane).encode(text, add_special_tokens=False).ids
+        return encode_releasing_gil(self._copy(plane), text, False)

@@ -14,6 +14,7 @@ import tokenizers
 from ssdlib.errors import ConfigError
 from ssdlib.tokenizer.chat_template import render_chat_template
 from ssdlib.tokenizer.content_specials import ContentSafeEncoder
+from ssdlib.tokenizer.releasing import encode_releasing_gil
 from ssdlib.tokenizer.stream import StreamDecoder
 
 
@@ -62,7 +63,7 @@ class Tokenizer:
         prompts go through :meth:`encode_chat`, which keeps message contents plain text."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return encode_releasing_gil(self.backend, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
