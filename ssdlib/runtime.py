@@ -5,7 +5,7 @@
 - speculator (rank tp, rank placement): mode ssd: draft + speculation cache (``Speculator``);
   mode sd with the draft on its own rank: the draft alone (``JitSpeculator``), both in
   ``ssdlib.engine.speculator``. Under the stream placement the leader builds the speculator in
-  its own process (``ssd_verifier.build_ssd_verifier``) and there is no such rank.
+  its own process (``verifier.build_link_verifier``) and there is no such rank.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def _build_loop(cfg, world, target, target_ck):
         from ssdlib.engine.sd_loop import build_sd_loop
         return build_sd_loop(cfg, world, target, target_ck)
     if cfg.mode == "ssd":
-        from ssdlib.engine.ssd_verifier import build_ssd_verifier
-        return build_ssd_verifier(cfg, world, target, target_ck)
+        from ssdlib.engine.verifier import build_link_verifier
+        return build_link_verifier(cfg, world, target, target_ck)
     raise ConfigError(f"unknown mode {cfg.mode!r}")
 
 

@@ -334,3 +334,23 @@ class SpeculatorStats:
         n = len(SPEC_PHASES)
         return cls(idle, busy, int(hits), int(lookups), int(reused), int(rounds),
                    dict(zip(SPEC_PHASES, times[:n])), dict(zip(SPEC_HOST_SEGMENTS, times[n:])))
+
+
+@dataclass
+class Replies:
+    """What the speculator still owes the leader after the leader's last OUTCOME, beyond a
+    SPEC's tokens (received at once when due), in the order it sends them: a sampling exchange's
+    q, then, from an SSD speculator, the CACHE it pushes after building. The leader receives
+    both before it sends any other message, so the two directions never cross; the q (and the
+    CACHE's receive, posted) is taken once the next verify forward is launched, so that it
+    travels during the forward."""
+
+    q_slots: list[int] | None = None  # rows of the q still to come (the OUTCOME's order)
+    cache_slots: list[int] | None = None  # rows of the CACHE still to come
+    cache_posted: bool = False  # the CACHE's receive is posted
+
+    @classmethod
+    def after(cls, msg: Outcome, pushes_cache: bool) -> "Replies":
+        """What an OUTCOME with a live row is answered with, beyond the SPEC's tokens."""
+        _, want_q = msg.spec_parts()
+        return cls(msg.slots if want_q else None, msg.slots if pushes_cache else None)

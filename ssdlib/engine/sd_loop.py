@@ -51,8 +51,8 @@ class SDLoop:
 def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
         # the draft on its own rank (a JitSpeculator), speculations over the SSD link
-        from ssdlib.engine.verifier import build_separate_draft_verifier
-        return build_separate_draft_verifier(cfg, world, target, target_ck)
+        from ssdlib.engine.verifier import build_link_verifier
+        return build_link_verifier(cfg, world, target, target_ck)
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)

@@ -10,8 +10,8 @@ written again.
 stream. ``dist.send`` makes the stream wait for the transfer's end, so the next step launched on
 it (the leader's verify after an OUTCOME) starts only then; with the switch, sends are
 ``isend``s, a reused device buffer waits for its last send on the stream (``_reuse``) before it
-is written again, and the work of a temporary one is kept until it completes. In the one A/B
-(session 11, nvidia-h200-x2, b = 1 greedy, one bench invocation) SSD made 776.8 tok/s with it
+is written again, and the work of a temporary one is kept until it completes. In one A/B
+(two H200s, b = 1 greedy, one bench invocation) SSD made 776.8 tok/s with it
 and 925.2 without, every host segment of both ranks slower with it (not explained), so the
 default stays ``dist.send``.
 """
@@ -34,6 +34,7 @@ class SpecLink:
     # a speculator rank's failure ends the job through the launcher, never through the link
     # (the in-process LocalLink keeps its speculator's error here)
     failed: BaseException | None = None
+    overlap = None  # the build's overlap with the verify is measured in process only
 
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
                  vocab_size: int, staged: bool = False, branches: int = 0):

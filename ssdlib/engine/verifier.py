@@ -1,12 +1,11 @@
-"""The verifier side (leader rank) of a leader <-> speculator link: verify the speculation in hand,
-take the next one, send the outcome (with where the next speculation came from).
+"""The verifier side (leader rank) of a leader <-> speculator link: verify the speculation in
+hand, take the next one, send the outcome (with where the next speculation came from).
 
-:class:`LinkVerifier` is the loop; a role says where the next speculation comes from:
-:class:`SeparateDraftVerifier` here (mode ``sd`` with ``--draft-placement separate``: plain SD,
-the draft drafts every speculation after the outcome) and
-:class:`~ssdlib.engine.ssd_verifier.SSDVerifier` (mode ``ssd``: the leader's copy of the
-speculation cache at once on a hit, or a fallback: n-gram / random drawn here, or the
-speculator's jit draft).
+:class:`LinkVerifier` is the loop, one class for every link mode: its ``source``
+(``speculation_source.py``) says where a row's next speculation comes from (the cache mirror in
+mode ``ssd``; the speculator's jit draft for plain SD with ``--draft-placement separate``), and
+its link is a transport (``spec_link.py`` between ranks, ``local_link.py`` in process). What the
+speculator still owes after an OUTCOME is one record, :class:`~ssdlib.engine.protocol.Replies`.
 
 Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
 exchange) and leave (an inactive outcome) at any time.
@@ -22,13 +21,17 @@ import torch
 from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.metrics import (record_acceptance, record_source,
                                    speculation_source)
-from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, SpeculatorStats
+from ssdlib.engine.local_link import LocalLink
+from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
+from ssdlib.engine.speculation_source import CacheSource, JitSource, ask_jit
+from ssdlib.engine.speculator import build_speculator
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
+from ssdlib.speculative.fanout import cache_branches
 
 
 @dataclass
@@ -43,18 +46,20 @@ class SpecInHand:
 
 
 class LinkVerifier:
-    """The leader's loop for speculations drafted on another rank (the ``loop`` of a Leader)."""
+    """The leader's loop for speculations drafted by a speculator over ``link`` (the ``loop`` of
+    a Leader); ``source`` says where each row's next speculation comes from."""
 
-    def __init__(self, target, link: SpecLink, k: int, device):
+    def __init__(self, target, link: SpecLink | LocalLink, k: int, device,
+                 source: JitSource | CacheSource):
         self.target = target
         self.link = link
         self.k = k
         self.device = device
+        self.source = source
         self.lookahead = k + 1
         self.limit: int | None = None  # set by the Leader
         self.spec: dict[int, SpecInHand] = {}  # the speculation in hand per slot
-        # the rows (slots, in order) of the last OUTCOME whose q (sampling) is still to come
-        self._q_due: list[int] | None = None
+        self.replies = Replies()  # what the speculator owes after the last OUTCOME
         self._verify_us = 0  # the last round's verify forward (told to the speculator)
         self._leaving: list[int] = []  # slots released without an inactive outcome yet
         # the STATS received since the batch metrics were last read, summed
@@ -65,12 +70,12 @@ class LinkVerifier:
 
     def admit(self, seqs) -> None:
         self.clock.admitted()
-        self._take_cache()  # the link's order: the last build's CACHE before a new message
+        self._take_replies()  # the link's order: what is owed before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}
         self._leaving = [s for s in self._leaving if s not in taken]
         for q in seqs:
-            self._admit_row(q)
+            self.source.admit_row(q)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
@@ -80,31 +85,14 @@ class LinkVerifier:
     def _alive(self, q) -> bool:
         return not q.finished and (self.limit is None or len(q.tokens) < self.limit)
 
-    # -- what the roles differ in (SSDVerifier has a cache; plain SD has none) ----------------
-    def _admit_row(self, q) -> None:
-        """Row ``q`` joins (its slot may have been another row's)."""
-
-    def _record_lookup(self, q, k: int, hit: bool, kind: int) -> None:
-        """A speculation answering outcome k arrived (not a sequence's first)."""
-
-    def _choose(self, q, k: int, bonus: int) -> tuple[int, int, list[int]]:
-        """Row ``q``'s next speculation after outcome (k, t*): (Choice, arg, tokens)."""
-        return self._ask_jit()
-
-    def _take_cache(self) -> bool:
-        """Receive what the speculator sent after the last exchange besides a SPEC's tokens:
-        here a sampling exchange's q (an SSD speculator pushes its CACHE after it). Returns
-        whether a CACHE was due."""
-        self._take_q()
-        return False
-
-    def _expect_cache(self, slots: list[int]) -> None:
-        """An OUTCOME for ``slots`` went out with live rows (the SSD speculator builds for it)."""
-
     def _after_launch(self) -> None:
-        """Once the verify forward is launched: receives whose host cost overlaps it, and the
-        last round's phase times (read back while the forward runs)."""
+        """Once the verify forward is launched: receives whose host cost overlaps it (a due q,
+        then the CACHE's receive posted: the link's order), and the last round's phase times
+        (read back while the forward runs)."""
         self._take_q()
+        if self.replies.cache_slots is not None and not self.replies.cache_posted:
+            self.link.post_cache(len(self.replies.cache_slots))
+            self.replies.cache_posted = True
         self._read_phases(self.timer.flush())
 
     def _read_phases(self, phases: dict) -> None:
@@ -116,27 +104,34 @@ class LinkVerifier:
     def _take_q(self) -> None:
         """Receive the q of the last sampling exchange's speculations (the SPEC's q part; on
         GPU the receive is queued on the stream, after the verify forward launched before)."""
-        if self._q_due is not None:
-            slots, self._q_due = self._q_due, None
+        if self.replies.q_slots is not None:
+            slots, self.replies.q_slots = self.replies.q_slots, None
             q = self.link.recv_q(len(slots))
             for i, slot in enumerate(slots):
                 if slot in self.spec:
                     self.spec[slot].q = q[i]
 
-    def _ask_jit(self) -> tuple[int, int, list[int]]:
-        """The choice that asks the speculator for a jit draft: (Choice, arg, tokens)."""
-        return int(Choice.JIT), 0, [0] * self.k
+    def _take_replies(self) -> bool:
+        """Receive what the speculator owes for the last OUTCOME (a due q, then the CACHE: waits
+        for the build's end if it outlasted the verify). Returns whether a CACHE was due."""
+        self._take_q()
+        slots = self.replies.cache_slots
+        self.replies = Replies()
+        if slots is None:
+            return False
+        self.source.take_cache(slots, self.link.recv_cache(len(slots)))
+        return True
 
     def _exchange(self, seqs, outcomes, first: bool = False) -> None:
         """Take each live row's next speculation (cache, local fallback, or the speculator's jit
         draft), send (slot, k, t*, active, choice) per row, receive the SPEC if one is due."""
-        self._take_cache()
+        self._take_replies()
         alive = [self._alive(q) for q in seqs]
         leaving, self._leaving = self._leaving, []
         gone = [0] * len(leaving)
-        chosen = [self._choose(q, k, t) if a and not first else self._ask_jit()
+        chosen = [self.source.choose(q, k, t) if a and not first else ask_jit(self.k)
                   for q, (k, t), a in zip(seqs, outcomes, alive)]
-        chosen += [self._ask_jit()] * len(leaving)
+        chosen += [ask_jit(self.k)] * len(leaving)
         msg = Outcome([q.slot for q in seqs] + leaving, [k for k, _ in outcomes] + gone,
                       [t for _, t in outcomes] + gone, alive + [False] * len(leaving),
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
@@ -149,10 +144,9 @@ class LinkVerifier:
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
-        self._expect_cache(msg.slots)
-        want_tokens, want_q = msg.spec_parts()
-        if want_q:  # received after the next verify forward is launched (``_take_q``)
-            self._q_due = msg.slots
+        # q and the CACHE are received once the next verify forward is launched
+        self.replies = Replies.after(msg, self.source.pushes_cache)
+        want_tokens, _ = msg.spec_parts()
         t0 = time.perf_counter()
         spec = self.link.recv_spec_tokens(len(msg.slots)) if want_tokens else None
         jit = spec.tokens.tolist() if spec is not None else None
@@ -172,7 +166,7 @@ class LinkVerifier:
                                   speculation_source(choice == Choice.CACHE, kind))
             self.spec[q.slot] = hand
             if not first:  # a first speculation cannot come from the cache
-                self._record_lookup(q, k, choice == Choice.CACHE, hand.kind)
+                self.source.record_lookup(q, k, choice == Choice.CACHE, hand.kind)
 
     def _take_stats(self, stats: SpeculatorStats) -> None:
         """Keep the STATS since the batch metrics were last read (a call that empties the
@@ -219,7 +213,7 @@ class LinkVerifier:
             record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
         clock.tick("commit")
-        if self._take_cache():
+        if self._take_replies():
             timer.mark("cache")  # the speculator's build outlasting the verify shows here
         clock.tick("cache")
         self._exchange(active, list(zip(result.accepted, result.bonus)))
@@ -231,6 +225,7 @@ class LinkVerifier:
         clock.add_to(active)
 
     def release(self, seq) -> None:
+        self.source.release_row(seq.slot)
         if self.spec.pop(seq.slot, None) is not None:
             self._leaving.append(seq.slot)  # tell the speculator with the next outcome
 
@@ -239,7 +234,7 @@ class LinkVerifier:
         is idle too (it answers an outcome without active rows with STATS)."""
         if self._leaving:
             self._exchange([], [])
-        self._take_cache()
+        self._take_replies()
 
     def batch_metrics(self) -> dict:
         """The speculator's metrics over the STATS since the last read (the next STATS starts
@@ -260,17 +255,15 @@ class LinkVerifier:
             "speculator_ms_per_round": ms_per_round(stats.phase_s)}
         if any(stats.host_s.values()):  # SSDLIB_HOST_TIMES=1 on the speculator rank
             out["speculator_host_ms_per_round"] = ms_per_round(stats.host_s)
+        overlap = self.link.overlap  # the stream placement on a GPU
+        if overlap is not None and overlap.rounds:
+            out["stream_overlap"] = overlap.take()
         return out
 
     def close(self) -> None:
         if self.link.failed is None:  # a failed speculator has nothing more to send
-            self._take_cache()
+            self._take_replies()
         self.link.send_shutdown()
-
-
-class SeparateDraftVerifier(LinkVerifier):
-    """Mode ``sd`` with the draft on its own rank: every speculation is drafted just in time after
-    the outcome (no cache, so no lookups to record)."""
 
 
 def link_for(cfg, world, target_ck, branches: int = 0) -> SpecLink:
@@ -280,6 +273,23 @@ def link_for(cfg, world, target_ck, branches: int = 0) -> SpecLink:
                     target_ck.config.vocab_size, staged=world.spec_staged, branches=branches)
 
 
-def build_separate_draft_verifier(cfg, world, target, target_ck):
-    loop = SeparateDraftVerifier(target, link_for(cfg, world, target_ck), cfg.k, world.device)
+def build_link_verifier(cfg, world, target, target_ck):
+    """The leader's loop of a mode with a speculator: ``ssd`` (a cache source; the speculator on
+    its own rank, or built here on a stream of its own: ``cfg.placement``) or ``sd`` with the
+    draft on its own rank (a jit source). Returns (loop, close)."""
+    vocab = target_ck.config.vocab_size
+    if cfg.mode != "ssd":
+        link, source = link_for(cfg, world, target_ck), JitSource(cfg.k, vocab)
+    else:
+        branches = cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
+        source = CacheSource(cfg.k, vocab)
+        if cfg.placement == "rank":
+            link = link_for(cfg, world, target_ck, branches)
+        else:
+            link = LocalLink(world.device, cfg.max_batch, cfg.k, vocab, branches)
+            with link.on_stream():
+                link.attach(build_speculator(cfg, world.device, target_ck, link))
+            if link.cuda:  # what was set up on other streams is done before either side runs
+                torch.cuda.synchronize(world.device)
+    loop = LinkVerifier(target, link, cfg.k, world.device, source)
     return loop, loop.close

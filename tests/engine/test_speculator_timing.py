@@ -7,7 +7,8 @@ import torch
 
 from ssdlib import Generator, SamplingParams
 from ssdlib.engine.protocol import SPEC_PHASES, SpeculatorStats
-from ssdlib.engine.ssd_verifier import SSDVerifier
+from ssdlib.engine.speculation_source import CacheSource
+from ssdlib.engine.verifier import LinkVerifier
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -17,6 +18,7 @@ class StatsLink:
     """Answers every outcome with the next of the given STATS."""
 
     vocab_size = 7
+    failed = overlap = None  # a healthy link of ranks
 
     def __init__(self, stats):
         self.stats = list(stats)
@@ -32,7 +34,7 @@ def test_verifier_sums_the_stats_of_a_call_and_starts_afresh_after_a_read():
     a = SpeculatorStats(1.0, 1.0, 2, 4, 1, 4, {"push": 0.004, "build": 0.04})
     b = SpeculatorStats(3.0, 1.0, 2, 2, 1, 6, {"push": 0.001, "build": 0.01})
     c = SpeculatorStats(0.0, 1.0, 0, 0, 0, 2, {"build": 0.002})
-    ver = SSDVerifier(None, StatsLink([a, b, c]), 3, torch.device("cpu"))
+    ver = LinkVerifier(None, StatsLink([a, b, c]), 3, torch.device("cpu"), CacheSource(3, 7))
     for slot in (0, 1):  # one row at a time: the batch empties twice in one call
         ver._leaving = [slot]
         ver.settle()

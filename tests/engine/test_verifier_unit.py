@@ -1,15 +1,16 @@
 """The verifier side of the link with a fake target and link: a greedy row whose speculation
 arrived without q (an exchange with no sampling rows) is verified correctly next to a sampled row;
-only the SSD verifier records cache lookups (the separate-draft SD verifier has no cache); the
-SSD verifier takes a hit from its cache mirror and a local fallback without waiting for a SPEC."""
+only the cache source records lookups (the jit source of a separate-draft SD has no cache); with
+the cache source the verifier takes a hit from its mirror and a local fallback without waiting
+for a SPEC."""
 
 import pytest
 import torch
 
 from ssdlib.engine.protocol import CacheRows, Choice, Outcome, Speculation
 from ssdlib.engine.sequence import Request, Sequence
-from ssdlib.engine.ssd_verifier import SSDVerifier
-from ssdlib.engine.verifier import SeparateDraftVerifier, SpecInHand
+from ssdlib.engine.speculation_source import CacheSource, JitSource
+from ssdlib.engine.verifier import LinkVerifier, SpecInHand
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.rng import RowStream
@@ -28,6 +29,7 @@ class FakeTarget:
 
 class FakeLink:
     vocab_size = V
+    failed = overlap = None  # a healthy link of ranks
 
     def __init__(self, cache: CacheRows | None = None):
         self.sent: list[Outcome] = []
@@ -70,25 +72,29 @@ def _greedy_and_sampled(ver):
     return g, s
 
 
-@pytest.mark.parametrize("cls", [SSDVerifier, SeparateDraftVerifier])
-def test_greedy_row_without_q_next_to_sampled_row(cls):
+def _verifier(link, source_cls) -> LinkVerifier:
+    return LinkVerifier(FakeTarget(), link, K, torch.device("cpu"), source_cls(K, V))
+
+
+@pytest.mark.parametrize("source", [CacheSource, JitSource])
+def test_greedy_row_without_q_next_to_sampled_row(source):
     link = FakeLink()
-    ver = cls(FakeTarget(), link, K, torch.device("cpu"))
+    ver = _verifier(link, source)
     g, s = _greedy_and_sampled(ver)
     ver.step([g, s])
     assert g.tokens[-(K + 1):] == [2] * (K + 1)  # all K accepted + bonus, as greedy AR would
     msg = link.sent[-1]
     assert msg.slots == [0, 1] and msg.accepted[0] == K and msg.active == [True, True]
     assert msg.sampling  # the sampled row is still running: the answer must carry q
-    assert ("lookups" in g.metrics) == (cls is SSDVerifier)
+    assert ("lookups" in g.metrics) == (source is CacheSource)
     # each round's accepted tokens are kept by where its speculation came from
     assert g.metrics["accepted_by_source"] == {"cache": [1, K]}
     assert list(s.metrics["accepted_by_source"]) == ["jit"]
-    assert ver._q_due == [0, 1] and link.qs == 0  # q is taken with the next verify
+    assert ver.replies.q_slots == [0, 1] and link.qs == 0  # q is taken with the next verify
     assert ver.spec[1].q is None
     ver.step([g, s])
     assert link.qs == 1  # taken during that verify (and the next one is due)
-    assert ver._q_due == [0, 1] and ver.spec[1].q is None
+    assert ver.replies.q_slots == [0, 1] and ver.spec[1].q is None
 
 
 def _two_greedy(ver):
@@ -97,19 +103,19 @@ def _two_greedy(ver):
     for q in rows:
         q.commit([2])
         ver.spec[q.slot] = SpecInHand([2] * K, int(QKind.DENSE), None, "cache")
-    ver._streams = {q.slot: RowStream.from_seed(0, q.slot) for q in rows}
+    ver.source.streams = {q.slot: RowStream.from_seed(0, q.slot) for q in rows}
     return rows
 
 
-def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
+def test_cache_source_answers_from_its_mirror_without_a_spec():
     """Both rows accept all K (outcome (K, 2)): row 0's pushed cache has that outcome in branch
     1 (a hit: its tokens, no SPEC); row 1's has not, and its fallback is n-gram (drawn here)."""
     cache = CacheRows([True, True], [1, 1], [[0, K], [0, 1]], [[4, 2], [4, 2]],
                       [[[9, 9, 9], [5, 6, 4]], [[1, 1, 1], [3, 3, 3]]])
     link = FakeLink(cache)
-    ver = SSDVerifier(FakeTarget(), link, K, torch.device("cpu"))
+    ver = _verifier(link, CacheSource)
     rows = _two_greedy(ver)
-    ver._cache_due = [0, 1]  # the CACHE pushed after the last exchange
+    ver.replies.cache_slots = [0, 1]  # the CACHE pushed after the last exchange
     ver.step(rows)
     # nothing waited for but the CACHE, whose receive was posted during the verify forward
     assert link.posted == link.caches == 1 and link.specs == 0
@@ -120,7 +126,7 @@ def test_ssd_verifier_answers_from_its_mirror_without_a_spec():
     # row 1 (tokens [1, 1, 2, 2, 2, 2, 2]): the suffix recurs, n-gram proposes its continuation
     assert msg.arg[1] == int(QKind.ONEHOT) and msg.tokens[1] == [2, 2, 2]
     assert ver.spec[1].source == "ngram" and ver.spec[1].tokens == msg.tokens[1]
-    assert msg.spec_parts() == (False, False) and ver._cache_due == [0, 1]
+    assert msg.spec_parts() == (False, False) and ver.replies.cache_slots == [0, 1]
     # the next round: nothing cached for its outcome and the CACHE names jit -> a SPEC
     link.cache = CacheRows([True, False], [0, 0], [[0, 0], [0, 0]], [[0, 0], [0, 0]],
                            [[[0] * K] * 2] * 2)
