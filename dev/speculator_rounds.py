@@ -10,7 +10,7 @@ cache does not hold (a miss answered by the speculator's jit draft). One call of
 :meth:`SpeculatorRounds.round` is the speculator's round from the OUTCOME to the CACHE on the
 leader's host: what bounds an SSD round when the build outlasts the verify (T = 0.7).
 
-Used by ``tools/hot_path_steps.py`` (``tools/step_times.py`` times it on one GPU). The tokens
+Used by ``dev/hot_path_steps.py`` (``dev/step_times.py`` times it on one GPU). The tokens
 are not a real decoding (the outcomes are drawn, not verified): the costs are the engine's.
 """
 
@@ -53,22 +53,25 @@ class SpeculatorRounds:
                  params, p_hit: float = 0.7, max_len: int = 1024, prompt_len: int = 40,
                  seed: int = 0):
         from ssdlib.engine.model_runner import ModelRunner
-        from ssdlib.engine.speculator import Speculator
+        from ssdlib.engine.drafter import Drafter
+        from ssdlib.engine.speculator import CacheRole, Speculator, tree_len_of
 
         self.cfg = SimpleNamespace(k=k, fan_out="auto", fan_out_budget=budget, max_batch=b,
                                    saguaro_c=1.0, fallback="jit", mode="ssd")
         self.device = torch.device(device)
         runner = ModelRunner(draft_ck, None, self.device, dtype, b, max_len + k + 2,
-                             tree_len=Speculator.tree_len(self.cfg),
+                             tree_len=tree_len_of(self.cfg),
                              cuda_graphs=self.device.type == "cuda")
         self.link = LoopbackLink()
-        self.spec = Speculator(self.cfg, runner, self.link, vocab_size)
+        drafter = Drafter(runner, vocab_size)
+        self.spec = Speculator(self.cfg, runner, self.link, vocab_size, drafter,
+                               CacheRole(self.cfg, runner, drafter, vocab_size))
         self.V, self.K, self.b = vocab_size, k, b
         self.params, self.p_hit = params, p_hit
         self.max_len, self.prompt_len = max_len, prompt_len
         self.rand = random.Random(seed)
         self.mirror = CacheMirror()
-        self.B = self.spec.B
+        self.B = self.spec.cache.B
         self.hits = self.rounds = 0
         self._admit()
 

@@ -3,7 +3,7 @@
 - leader (rank 0): target shard + sequences + the mode's loop; serves generate requests;
 - TP follower (ranks 1..tp-1): target shard; executes the leader's forwards;
 - speculator (rank tp, rank placement): mode ssd: draft + speculation cache (``Speculator``);
-  mode sd with the draft on its own rank: the draft alone (``JitSpeculator``), both in
+  mode sd with the draft on its own rank: the draft alone (a ``Speculator`` without a cache), both in
   ``ssdlib.engine.speculator``. Under the stream placement the leader builds the speculator in
   its own process (``verifier.build_link_verifier``) and there is no such rank.
 """

@@ -276,7 +276,7 @@ class CacheRows:
 
 
 # the speculator's phases of an OUTCOME round, in round order: from the frame to the answer
-# (the outcomes' commit), the jit drafts of the rows that asked (a JitSpeculator's whole
+# (the outcomes' commit), the jit drafts of the rows that asked (a cacheless speculator's whole
 # drafting) and q's gather, the SPEC's send (when one is due), the cache build (with the
 # answer's bookkeeping before it), the CACHE's push
 SPEC_PHASES = ("commit", "fallback", "send", "build", "push")

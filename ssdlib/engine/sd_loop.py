@@ -50,7 +50,7 @@ class SDLoop:
 
 def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
-        # the draft on its own rank (a JitSpeculator), speculations over the SSD link
+        # the draft on its own rank (a Speculator without a cache), speculations over the SSD link
         from ssdlib.engine.verifier import build_link_verifier
         return build_link_verifier(cfg, world, target, target_ck)
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility

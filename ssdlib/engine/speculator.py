@@ -1,14 +1,16 @@
-"""The rank that drafts speculations for the verifier, over a :class:`SpecLink`.
+"""The speculator: drafts speculations for the verifier, over a link (``spec_link.py`` from a
+rank of its own, ``local_link.py`` in the leader's process).
 
-Two roles share the loop (:class:`SpeculatorLoop`):
-- :class:`Speculator` (mode ``ssd``, Algorithm 1): receive an outcome, which carries the next
-  speculation the leader took from its copy of the cache (hit) or a fallback drawn there (miss),
-  or asks for a jit draft -> answer the jit rows (and q when sampling) -> *while the verifier
-  verifies*, build the cache for the speculation's likely outcomes (``cache_builder.py``) and
-  push its keys and tokens to the leader (CACHE) -> receive the next outcome. Answering:
-  ``outcomes.py``; the leader's lookup: ``cache_mirror.py``.
-- :class:`JitSpeculator` (mode ``sd``, ``--draft-placement separate``): the draft on its own rank,
-  no cache: every speculation is drafted just in time after its outcome.
+One class, :class:`Speculator`, serves ADMIT / OUTCOME: each round it commits the outcome the
+leader sends, answers (the jit rows drafted now, q when sampling) and then does the work that
+follows the answer. What it keeps decides the mode:
+- with a :class:`CacheRole` (mode ``ssd``, Algorithm 1): the OUTCOME carries the next speculation
+  the leader took from its copy of the cache (hit) or a fallback drawn there (miss), or asks for
+  a jit draft; *while the verifier verifies*, the speculator builds the cache for the
+  speculation's likely outcomes (``cache_builder.py``) and pushes its keys and tokens (CACHE).
+  Answering: ``outcomes.py``; the leader's lookup: ``cache_mirror.py``;
+- without (mode ``sd``, ``--draft-placement separate``): the draft on its own rank, no cache:
+  every speculation is drafted just in time after its outcome.
 """
 
 from __future__ import annotations
@@ -36,17 +38,19 @@ from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
 
 
-class SpeculatorLoop:
-    """Serve ADMIT / OUTCOME until SHUTDOWN; subclasses say how an outcome is answered."""
+class Speculator:
+    """Serve ADMIT / OUTCOME until SHUTDOWN; ``cache`` (SSD) keeps and rebuilds the speculation
+    cache every round, without it every speculation is a jit draft."""
 
-    def __init__(self, cfg, runner: ModelRunner, link: SpecLink, vocab_size: int):
+    def __init__(self, cfg, runner: ModelRunner, link: SpecLink, vocab_size: int,
+                 drafter: Drafter, cache: "CacheRole | None" = None):
         self.cfg = cfg
         self.K = cfg.k
         self.runner = runner
         self.link = link
         self.V = vocab_size
         self.device = runner.device
-        self.drafter = Drafter(runner, vocab_size)
+        self.drafter = drafter
         self.rows: dict[int, SpecRow] = {}  # by KV slot; the cache is indexed by slot too
         self.sampling = False  # the current exchange's answer carries q
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
@@ -61,19 +65,9 @@ class SpeculatorLoop:
         self.clock = HostClock()  # SSDLIB_HOST_TIMES=1: the same rounds by the host clock
         self.host_s = dict.fromkeys(SPEC_HOST_SEGMENTS, 0.0)
         self.profiler = RoundProfiler(f"{cfg.mode}-speculator")  # SSDLIB_PROFILE (off: no-op)
-        # send a sampling SPEC's q only once the round's work that follows the answer (the
-        # cache build) is launched (``after_answer``): a role with such work sets it
-        self.hold_q = False
-
-    @staticmethod
-    def tree_len(cfg) -> int:
-        """Branch positions the draft's KV cache keeps for tree decoding."""
-        return 0
-
-    @staticmethod
-    def cache_branches(cfg) -> int:
-        """Branches per row of the speculation cache (0: no cache, nothing pushed)."""
-        return 0
+        self.cache = cache
+        # send a sampling SPEC's q only once the cache build is launched (``finish_round``)
+        self.hold_q = cache is not None and q_after_build()
 
     def run(self) -> None:
         """The rank placement's loop: serve the link's messages until SHUTDOWN."""
@@ -126,7 +120,8 @@ class SpeculatorLoop:
         new = [SpecRow.admitted(a, self.device) for a in msg.rows]
         for row in new:
             self.rows[row.slot] = row
-        self.on_admit(new)
+        if self.cache is not None:
+            self.cache.invalidate([r.slot for r in new])
         # draft prefill (overlaps the target's prefill on the verifier)
         self.drafter.prefill(new)
         for r in new:
@@ -146,10 +141,12 @@ class SpeculatorLoop:
                     del self.rows[slot]
                 continue
             if row.commit(k, t):
-                self.observe(row, k)
+                if self.cache is not None:
+                    self.cache.observe(row, k)
                 verified.append(k)
             live.append(i)
-        self.observe_round(verified)
+        if self.cache is not None:
+            self.cache.observe_round(verified)
         if not live:
             return False
         self.timer.mark("commit")
@@ -188,90 +185,95 @@ class SpeculatorLoop:
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
         self.host_s = dict.fromkeys(SPEC_HOST_SEGMENTS, 0.0)
 
-    # -- what a role adds -----------------------------------------------------------------
     def answer(self, outcome: Outcome, live: list[int]) -> Answer:
         """The next speculation of the rows at positions ``live`` of ``outcome``: as the leader
         chose it, the JIT rows drafted now (and q when the exchange samples)."""
+        if self.cache is not None:
+            self.cache.expect_push(outcome, self.device)
         ans, jit = Answer.from_outcome(outcome, live, self.V, self.device)
         if jit:
-            self.draft_now([self.rows[outcome.slots[live[j]]] for j in jit], ans, jit)
+            rows = [self.rows[outcome.slots[live[j]]] for j in jit]
+            if self.cache is not None:
+                self.cache.fallbacks.jit(rows, ans, jit)  # timed: Thm 17 weighs jit's cost
+            else:
+                answer_jit(self.drafter, rows, self.K, ans, torch.tensor(jit))
+        if self.cache is not None:
+            lookups, hits = self.cache.answered(outcome, live, ans,
+                                                [self.rows[outcome.slots[i]] for i in live])
+            self.lookups += lookups
+            self.hits += hits
         return ans
 
-    def draft_now(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
-        """Draft ``rows`` (positions ``loc`` of ``ans``) just in time."""
-        answer_jit(self.drafter, rows, self.K, ans, torch.tensor(loc))
-
-    def on_admit(self, new: list[SpecRow]) -> None:
-        """Rows joined (before their draft prefill)."""
-
-    def observe(self, row: SpecRow, k: int) -> None:
-        """The row's speculation in flight had k tokens accepted."""
-
-    def observe_round(self, accepted: list[int]) -> None:
-        """The round's verified rows had ``accepted`` tokens accepted (one call a round)."""
-
     def after_answer(self) -> None:
-        """The answer is sent; the verifier is verifying it (a role with a cache builds and
-        pushes it here, marking the ``build`` and ``push`` phases)."""
+        """The answer is sent; the verifier is verifying it: with a cache, build it for the
+        rows just answered and push it (the ``build`` and ``push`` phases)."""
+        if self.cache is None:
+            return
+        # rows whose new speculation is not in the draft's KV yet (the ones just answered)
+        rows = [r for r in self.rows.values() if r.sent is not None and not r.fed]
+        self.reused += self.cache.build(rows, self.sampling)
+        self.link.send_held_q()  # (with hold_q) the build is launched: q goes out beside it
+        self.timer.mark("build")
+        self.clock.tick("build")
+        self.cache.push(self.link, len(self.rows), self.t_verify)
+        self.timer.mark("push")
+        self.clock.tick("push")
 
 
-class Speculator(SpeculatorLoop):
-    """SSD's speculator: answers from the speculation cache and rebuilds it every round."""
+class CacheRole:
+    """What an SSD speculator keeps besides its draft: the speculation cache, its builder, the
+    fan-out (Thm 12, estimated online or fixed) and the backup for misses (Thm 17)."""
 
-    def __init__(self, cfg, runner: ModelRunner, link: SpecLink, vocab_size: int):
-        super().__init__(cfg, runner, link, vocab_size)
+    def __init__(self, cfg, runner: ModelRunner, drafter: Drafter, vocab_size: int):
+        self.K = cfg.k
         fan = parse_fanout(cfg.fan_out, self.K)
         self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
         self.fixed_fanout = None if fan == "auto" else fan
-        self.B = self.cache_branches(cfg)
+        self.B = cache_branches_of(cfg)
         # one row per KV slot, plus the scratch slot's (ghost rows of a captured build)
-        self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size, self.device)
-        self.builder = CacheBuilder(runner, self.drafter, self.cache, vocab_size, cfg.saguaro_c)
-        self.fallbacks = Fallbacks(self.drafter, cfg.fallback, self.K, vocab_size)
+        self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size,
+                                      runner.device)
+        self.builder = CacheBuilder(runner, drafter, self.cache, vocab_size, cfg.saguaro_c)
+        self.fallbacks = Fallbacks(drafter, cfg.fallback, self.K, vocab_size)
         if self.B != sum(self.fanout()):
             raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
                               f"{self.B} branches")
         self._fanout_used = self.fanout()
-        self.hold_q = q_after_build()
-
-    @staticmethod
-    def tree_len(cfg) -> int:
-        return Speculator.cache_branches(cfg) * cfg.k
-
-    @staticmethod
-    def cache_branches(cfg) -> int:
-        return cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
+        self._push_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fanout(self) -> list[int]:
         return self.fixed_fanout if self.fixed_fanout is not None else self.estimator.allocation()
 
-    def on_admit(self, new: list[SpecRow]) -> None:
-        self.cache.invalidate([r.slot for r in new])
-
-    def observe_round(self, accepted: list[int]) -> None:
-        if self.estimator is not None and accepted:
-            self.estimator.observe_verify(accepted, [self.K] * len(accepted))
+    def invalidate(self, slots: list[int]) -> None:
+        self.cache.invalidate(slots)
 
     def observe(self, row: SpecRow, k: int) -> None:
+        """The row's speculation in flight had k tokens accepted."""
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
             self.fallbacks.observe_ngram(k)
         elif row.kind == int(QKind.DENSE) and not row.hit:  # a jit draft: its a_p on misses
             self.fallbacks.observe_jit(k)
 
-    def answer(self, outcome: Outcome, live: list[int]) -> Answer:
-        # the CACHE's rows, on the device now: the push after the build launches without a
-        # host copy that would wait for the build
-        dev = self.device
+    def observe_round(self, accepted: list[int]) -> None:
+        """The round's verified rows had ``accepted`` tokens accepted (one call a round)."""
+        if self.estimator is not None and accepted:
+            self.estimator.observe_verify(accepted, [self.K] * len(accepted))
+
+    def expect_push(self, outcome: Outcome, device) -> None:
+        """The CACHE's rows for this OUTCOME, on the device now: the push after the build
+        launches without a host copy that would wait for the build."""
         rows = torch.tensor([outcome.slots, outcome.active],  # one host-to-device copy
-                            dtype=torch.int64).to(dev, non_blocking=True)
+                            dtype=torch.int64).to(device, non_blocking=True)
         self._push_rows = (rows[0], rows[1].bool())
-        ans = super().answer(outcome, live)
-        # rows whose cache was built (not a sequence's first round) count as lookups
-        built = [self.rows[outcome.slots[i]].fed for i in live]
+
+    def answered(self, outcome: Outcome, live: list[int], ans: Answer,
+                 rows: list[SpecRow]) -> tuple[int, int]:
+        """The leader's lookups this round (rows whose cache was built, not a sequence's
+        first): fed to the estimators; a sampling exchange's hit rows get their q from the
+        cache. Returns (lookups, hits)."""
+        built = [r.fed for r in rows]
         hit = ans.hit.tolist()
         hs = [h for h, f in zip(hit, built) if f]
-        self.lookups += len(hs)
-        self.hits += sum(hs)
         self.fallbacks.observe_lookups(len(hs), sum(hs))
         if self.estimator is not None and hs:
             fan = self._fanout_used
@@ -283,57 +285,51 @@ class Speculator(SpeculatorLoop):
             # (position in the answer, cache row, branch) in one asynchronous copy: a blocking
             # one (torch.tensor(..., device=cuda), .to(cuda)) waits for the stream to drain
             sel = to_device([at, [outcome.slots[live[j]] for j in at], [branch[j] for j in at]],
-                            self.device)
+                            ans.q.device)
             ans.q[sel[0]] = self.cache.gather_q(sel[1], sel[2])
-        return ans
+        return len(hs), sum(hs)
 
-    def draft_now(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
-        self.fallbacks.jit(rows, ans, loc)  # timed: Thm 17 weighs jit's cost
-
-    def after_answer(self) -> None:
-        # rows whose new speculation is not in the draft's KV yet (the ones just answered)
-        rows = [r for r in self.rows.values() if r.sent is not None and not r.fed]
+    def build(self, rows: list[SpecRow], sampling: bool) -> int:
+        """Build the cache for ``rows``; returns how many continued a hit's branch KV."""
         fan = self.fanout()
         self._fanout_used = fan
-        self.reused += self.builder.build(rows, fan, self.sampling)
-        self.link.send_held_q()  # (with hold_q) the build is launched: q goes out beside it
-        self.timer.mark("build")
-        self.clock.tick("build")
-        self.push_cache()
-        self.timer.mark("push")
-        self.clock.tick("push")
+        return self.builder.build(rows, fan, sampling)
 
-    def push_cache(self) -> None:
+    def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered
         OUTCOME's order of rows, with the backup for the next round's misses (Thm 17's
         choice)."""
-        kind = self.fallbacks.choose(len(self.rows), self.t_verify, self.estimator)
+        kind = self.fallbacks.choose(live_rows, t_verify, self.estimator)
         rows, live = self._push_rows
-        self.link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
+        link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
 
 
-class JitSpeculator(SpeculatorLoop):
-    """Plain SD's draft on its own rank: no cache; every speculation is drafted just in time
-    after its outcome (the verifier waits for it)."""
+def tree_len_of(cfg) -> int:
+    """Branch positions the draft's KV cache keeps for tree decoding (SSD's cache build)."""
+    return cache_branches_of(cfg) * cfg.k
 
 
-def speculator_role(cfg) -> type[SpeculatorLoop]:
-    """The role a configuration's speculator plays: SSD's cache, or plain SD's separate draft."""
-    return Speculator if cfg.mode == "ssd" else JitSpeculator
+def cache_branches_of(cfg) -> int:
+    """Branches per row of the speculation cache (0: no cache, nothing pushed)."""
+    if cfg.mode != "ssd":
+        return 0
+    return cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
 
 
-def build_speculator(cfg, device, target_ck, link) -> SpeculatorLoop:
+def build_speculator(cfg, device, target_ck, link) -> Speculator:
     """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
     between ranks, or a :class:`~ssdlib.engine.local_link.LocalLink` in the leader's process):
-    its draft (checked against the target) and its model runner."""
+    its draft (checked against the target), its model runner, and in mode ssd its cache."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
-    role = speculator_role(cfg)
     runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
-                         cfg.max_len + cfg.k + 2, tree_len=role.tree_len(cfg),
+                         cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
-    return role(cfg, runner, link, target_ck.config.vocab_size)
+    vocab = target_ck.config.vocab_size
+    drafter = Drafter(runner, vocab)
+    cache = CacheRole(cfg, runner, drafter, vocab) if cfg.mode == "ssd" else None
+    return Speculator(cfg, runner, link, vocab, drafter, cache)
 
 
 def serve_speculator(cfg, world, target_ck) -> None:
@@ -341,5 +337,5 @@ def serve_speculator(cfg, world, target_ck) -> None:
     sd, separate)."""
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged,
-                    branches=speculator_role(cfg).cache_branches(cfg))
+                    branches=cache_branches_of(cfg))
     build_speculator(cfg, world.device, target_ck, link).run()

@@ -25,13 +25,12 @@ from ssdlib.engine.local_link import LocalLink
 from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
 from ssdlib.engine.spec_link import SpecLink
 from ssdlib.engine.speculation_source import CacheSource, JitSource, ask_jit
-from ssdlib.engine.speculator import build_speculator
+from ssdlib.engine.speculator import build_speculator, cache_branches_of
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind
-from ssdlib.speculative.fanout import cache_branches
 
 
 @dataclass
@@ -281,7 +280,7 @@ def build_link_verifier(cfg, world, target, target_ck):
     if cfg.mode != "ssd":
         link, source = link_for(cfg, world, target_ck), JitSource(cfg.k, vocab)
     else:
-        branches = cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
+        branches = cache_branches_of(cfg)
         source = CacheSource(cfg.k, vocab)
         if cfg.placement == "rank":
             link = link_for(cfg, world, target_ck, branches)

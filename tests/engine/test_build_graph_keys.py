@@ -13,7 +13,7 @@ import torch
 from ssdlib.engine.tree_build import build_key
 from ssdlib.loading import load_checkpoint
 from ssdlib.sampling import SamplingFacts, SamplingParams
-from tools.speculator_rounds import SpeculatorRounds
+from dev.speculator_rounds import SpeculatorRounds
 
 FACTS = SamplingFacts(any_greedy=False, any_sampled=True, max_top_k=0, any_top_p=False)
 
@@ -34,7 +34,7 @@ def test_sampled_builds_over_two_allocations(tiny_dirs, monkeypatch, c, expected
     rounds = SpeculatorRounds(ck, ck.config.vocab_size, "cpu", torch.float32, b=1, k=3,
                               budget=8, params=SamplingParams(temperature=0.7, seed=3),
                               max_len=128, prompt_len=8)
-    spec = rounds.spec
+    spec = rounds.spec.cache  # the speculator's CacheRole: its builder and fan-out
     spec.builder.saguaro_c = c  # from here on (the admission's first build used C = 1)
     allocations = itertools.cycle([[2, 2, 2, 2], [3, 2, 1, 2]])  # each round a new one
     monkeypatch.setattr(spec, "fanout", lambda: next(allocations))
