@@ -204,6 +204,7 @@ setup(
     description="LLM inference with Speculative Speculative Decoding over torch.distributed",
     long_description=_long_description(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["ssdlib", "ssdlib.*"]),
     package_data={"ssdlib": ["assets/**/*"]},

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Draft candidates for SmolLM2-135M (issue 12) on a 2x H200 machine, in calls of <= 8 minutes.
-# Run from the repo root with PYTHONPATH=. ; /tmp persists between calls on a warm machine.
+# Draft candidates for SmolLM2-135M on one or more GPUs, in steps of <= 8 minutes each.
+# Run from the repo root with PYTHONPATH=. ; $WORK (/tmp/distill) persists between steps.
 #
-#   STEP=data  bash tools/gpu_draft.sh   # one data shard per GPU, merged: /tmp/distill/data.safetensors
-#   STEP=train bash tools/gpu_draft.sh   # train CANDIDATES (two per GPU), then STEP=eval's work
-#   STEP=eval  bash tools/gpu_draft.sh   # evaluate + time + pack the trained candidates again
+#   STEP=data  bash dev/gpu_draft.sh   # one data shard per GPU, merged: /tmp/distill/data.safetensors
+#   STEP=train bash dev/gpu_draft.sh   # train CANDIDATES (two per GPU), then STEP=eval's work
+#   STEP=eval  bash dev/gpu_draft.sh   # evaluate + time + pack the trained candidates again
 #
 # Everything goes to $OUT/log as it happens (a timed-out call still returns it). Results:
 # STEP=data: $OUT/data.safetensors (or .gz) when <= 16 MiB, $OUT/data.json (counts, timings).
 # STEP=train/eval: $OUT/draft_candidates.json (all results), $OUT/cand_NAME.tar (each candidate's
 # checkpoint laid out like ssdlib/assets/smollm2-135m-draft: extract with tar -xf into a new dir;
-# on the machine each is also extracted into $WORK/packed/NAME, which gpu_quick.sh's cands benches).
-# Training on data made in an earlier call or session (STEP=data's $OUT/data.safetensors[.gz],
+# on the machine each is also extracted into $WORK/packed/NAME, which dev/gpu_quick.sh's cands preset benches).
+# Training on data made in an earlier call (STEP=data's $OUT/data.safetensors[.gz],
 # kept in an ignored folder and carried): mkdir -p /tmp/distill && gunzip -c DATA.gz >
 # /tmp/distill/data.safetensors (or cp an uncompressed one), then STEP=train.
-# Continuing a candidate in a later session (the machine's work dir is gone, the .tar is left):
+# Continuing a candidate on a fresh machine (the work dir is gone, the .tar is left):
 # extract it (mkdir -p .stage/cand/s3 && tar -xf cand_s3.tar -C .stage/cand/s3), carry that dir,
 # and give no architecture flags (they come from its config.json; a fresh optimizer):
-#   CANDIDATES="s3|--init-from .stage/cand/s3 --lr 5e-4" STEP=train bash tools/gpu_draft.sh
+#   CANDIDATES="s3|--init-from .stage/cand/s3 --lr 5e-4" STEP=train bash dev/gpu_draft.sh
 #
 # Time estimates (what they rest on: MODEL_CARD.md of smollm2-135m-draft, one H200: 349 s for
 # 2048 self-instruct + 512 docinstruct answers (+64 held out each) + 4 M pysrc tokens, i.e. about
@@ -47,7 +47,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 
 STEP=${STEP:-data}
 OUT=${OUT:-/tmp/gpu_draft_out}
-W=${WORK:-/tmp/distill}  # persists between calls on a warm machine
+W=${WORK:-/tmp/distill}  # persists between steps on one machine
 TARGET=${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export SSDLIB_MODEL_DIRS=${SSDLIB_MODEL_DIRS:-/tmp}  # the name smollm2-135m resolves there
 SAME_AS=${SAME_AS:-smollm2-135m}  # the tokenizer the packed drafts name (tokenizer_source.json)
@@ -71,7 +71,7 @@ DATA_EXTRA=${DATA_EXTRA:-}  # more distill_data.py gen flags
 # DOC_SAMPLES=0, whose texts would repeat)
 DATA_APPEND=${DATA_APPEND:-}
 # DATA_PARTS="A.safetensors.gz B.safetensors ...": STEP=train first merges these data files
-# (earlier calls' or sessions' STEP=data outputs, carried; gzipped or not) into
+# (earlier calls' STEP=data outputs, carried; gzipped or not) into
 # $W/data_parts.safetensors and trains on that
 DATA_PARTS=${DATA_PARTS:-}
 
@@ -91,16 +91,8 @@ TRAIN_BUDGET=${TRAIN_BUDGET:-$((TRAIN_TIMEOUT - 20))}
 BUDGET_FLAG=()
 [ "${TRAIN_BUDGET:-0}" -gt 0 ] 2>/dev/null && BUDGET_FLAG=(--train-budget "$TRAIN_BUDGET")
 PER_GPU=${PER_GPU:-2}  # candidates trained at once on one GPU
-# SHARED_TEACHER=1: each GPU's candidates train in one process (tools/distill_many.py), in
-# lockstep on the same batches with one teacher forward per batch instead of one per
-# candidate (PER_GPU is then unused: all of a GPU's candidates train at once). Same results as
-# separate processes (tested on CPU). On one H200 (session 15, SmolLM2, batch 32 x 512): four
-# drafts at once took 218 ms a step (54.5 ms a draft), against 76 ms a draft for two in
-# separate processes; one alone 65 ms. Each draft's own vocabulary-wide loss and backward
-# dominate (~50 ms), the shared teacher's forward is ~15 ms.
-SHARED_TEACHER=${SHARED_TEACHER:-0}
 # TRAIN_ONLY=1: STEP=train stops after training (a later call's STEP=eval evaluates), so a long
-# training run does not share its call's 10 minutes with the evaluation
+# training run does not share its step's time limit with the evaluation
 TRAIN_ONLY=${TRAIN_ONLY:-0}
 
 # evaluation
@@ -113,8 +105,7 @@ EVAL_TIMEOUT=${EVAL_TIMEOUT:-180}
 PROBE=${PROBE:-.stage/floor_probe.py}
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-120}
 # TARS_TO_OUT=0: the packed candidates stay on the machine ($WORK/cand_NAME.tar and
-# $WORK/packed/NAME), so the call returns at once (~15 MB a tar otherwise; a warm machine is
-# released 30 s after a call ends); a later call copies the chosen one into $OUT
+# $WORK/packed/NAME), so the call returns at once (~15 MB a tar otherwise); a later call copies the chosen one into $OUT
 TARS_TO_OUT=${TARS_TO_OUT:-1}
 
 mkdir -p "$OUT" "$W"
@@ -210,7 +201,7 @@ step_train() {
   [ -s "$DATA" ] || { say "no data at $DATA: run STEP=data first"; return 1; }
   local names=()
   mapfile -t names < <(candidate_names)
-  if [ "$SHARED_TEACHER" = 1 ]; then train_shared "${names[@]}"; else train_apart "${names[@]}"; fi
+  train_apart "${names[@]}"
   [ "$TRAIN_ONLY" = 1 ] || step_eval
 }
 
@@ -238,41 +229,6 @@ train_apart() {  # one tools/distill_draft.py process per candidate, PER_GPU at 
   for name in "${names[@]}"; do
     say "--- $name: $(candidate_flags "$name")"
     tr '\r' '\n' < "$W/train_$name.log" | grep -v '^\s*$' | grep -v '%|' | tail -n 25
-  done
-}
-
-train_shared() {  # SHARED_TEACHER=1: one tools/distill_many.py process per GPU, all its
-  # candidates in lockstep on one teacher forward per batch; per-candidate logs and status
-  # files as in the one-process-per-candidate way
-  local names=("$@") pids=() i=0 name g
-  say "train: ${names[*]}: $STEPS steps each, in lockstep on one teacher per GPU" \
-      "(tools/distill_many.py), timeout ${TRAIN_TIMEOUT}s"
-  for ((g = 0; g < NGPU; g++)); do
-    local mine=() cands=()
-    for ((i = g; i < ${#names[@]}; i += NGPU)); do mine+=("${names[$i]}"); done
-    [ "${#mine[@]}" -gt 0 ] || continue
-    for name in "${mine[@]}"; do
-      rm -rf "$W/cand_$name" "$W/cand_$name.work"
-      cands+=(--candidate "$name|$(candidate_flags "$name")")
-    done
-    # shellcheck disable=SC2086
-    ( s=$(now)
-      CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$TRAIN_TIMEOUT" python tools/distill_many.py \
-        --root "$W" "${cands[@]}" -- --target "$TARGET" --data-from "$DATA" $TRAIN_COMMON \
-        --steps "$STEPS" "${BUDGET_FLAG[@]}" > "$W/train_gpu$g.log" 2>&1
-      rc=$?
-      for name in "${mine[@]}"; do
-        grep -a "^\[$name\] \|^data: \|^train budget " "$W/train_gpu$g.log" | sed "s/^\[$name\] //" > "$W/train_$name.log"
-        [ $rc = 0 ] || tail -n 5 "$W/train_gpu$g.log" >> "$W/train_$name.log"
-        echo "{\"train_rc\": $rc, \"train_wall_s\": $(( $(now) - s )), \"gpu\": $g, \"shared_teacher\": true}" > "$W/status_$name.json"
-      done
-      echo "[gpu_draft] gpu $g (${mine[*]}) finished: rc $rc in $(( $(now) - s ))s" ) &
-    pids+=($!)
-  done
-  wait_all "${pids[@]}"
-  for name in "${names[@]}"; do
-    say "--- $name: $(candidate_flags "$name")"
-    grep -v '^\s*$' "$W/train_$name.log" | grep -v 'step [0-9]*/' | tail -n 25
   done
 }
 
@@ -336,7 +292,7 @@ EOF
     python -m tools.distill.candidates pack --dir "${DIRS[$name]}" --out "$W/cand_$name.tar" \
       --same-as "$SAME_AS" --target "$TARGET" || { say "pack $name failed"; continue; }
     [ "$TARS_TO_OUT" = 1 ] && cp "$W/cand_$name.tar" "$OUT/"
-    # ready for the engine on this machine (tools/gpu_quick.sh's cands presets bench these)
+    # ready for the engine on this machine (dev/gpu_quick.sh's cands preset benches these)
     rm -rf "$W/packed/$name" && mkdir -p "$W/packed/$name" && tar -xf "$W/cand_$name.tar" -C "$W/packed/$name"
   done
   say "eval done"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The inflated pair (issue 11) on the GPU machine, after tools/gpu_run.sh's two calls on the same
-# warm machine (they leave the GGUF in /tmp, the gguf wheel in /tmp/site, ssdlib._C in .snap):
+# The inflated pair (tools/inflate.py: SmolLM2's function at 8B / 1B cost) on a GPU machine, after
+# dev/gpu_run.sh's first two parts on the same machine (they leave the GGUF in /tmp, the gguf wheel in /tmp/site, ssdlib._C in .snap):
 #
-#   call 3: STEP=make  bash tools/gpu_inflated.sh   carry .snap .stage/HumanEval.jsonl.gz
+#   call 3: STEP=make  bash dev/gpu_inflated.sh   carry .snap .stage/HumanEval.jsonl.gz
 #           (inflate to the 8B / 1B shapes in bf16 and fp32; fp32: greedy inflated == original,
 #            and SD / SSD == AR on the inflated pair)
-#   call 4: STEP=bench bash tools/gpu_inflated.sh   carry .snap .stage/HumanEval.jsonl.gz
+#   call 4: STEP=bench bash dev/gpu_inflated.sh   carry .snap .stage/HumanEval.jsonl.gz
 #           (bf16: b = 1 and b = 8, greedy and T = 0.7, AR / SD / SSD, per-round breakdown)
 #
 # The checkpoints are written to /tmp/inflated on the device and never come back.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A short check of engine changes on a fresh GPU machine (torch's CUDA graphs, or csrc's pool
-# with EXT=1), in two calls like tools/gpu_run.sh:
-#   call 1: PART=1 bash tools/gpu_quick.sh  carry .stage/smol.part.00 .whl        (GPU step tests)
-#   call 2: PART=2 bash tools/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz
+# with EXT=1), in two calls like dev/gpu_run.sh:
+#   call 1: PART=1 bash dev/gpu_quick.sh  carry .stage/smol.part.00 .whl        (GPU step tests)
+#   call 2: PART=2 bash dev/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz
 #           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
@@ -13,22 +13,22 @@
 # TP 2, b = 1), tp2fp32 (TP 2 fp32 greedy tokens == TP 1's; after fp32),
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
 # speculator's rounds; AR + SSD at b = 1 into $OUT/p1, SSD at b = 8 into $OUT/p8, SSD at
-# T = 0.7 into $OUT/p07; read them with tools/trace_report.py).
-# cmp / cmp07: b = 1 greedy / T = 0.7, each mode with (the default since session 12) and without
+# T = 0.7 into $OUT/p07; read them with dev/trace_report.py).
+# cmp / cmp07: b = 1 greedy / T = 0.7, each mode with (the default) and without
 # torch.compile inside the captured steps (MODE:compile=0), in one invocation; cmp1: AR and SD
 # only (one GPU is enough).
 # qab07: T = 0.7, b = 1, SD and SSD without and with SSDLIB_Q_AFTER_BUILD=1 (q sent after the
 # cache build's launch), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
-# steps: tools/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
+# steps: dev/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
 # the draw's kernels). sd1 / sd07: AR and SD only, b = 1, greedy / T = 0.7 (one GPU is enough);
 # sd8: b = 8 AR and SD, compiled and not (one GPU).
 # chat1 / chat07: b = 1 greedy / T = 0.7 on the 24 held-out chat prompts
 # (tools/distill/heldout_chat.jsonl, never trained on): AR (chat1 only), SD, and SD with each
 # draft in CANDS (one GPU; CANDS="$PWD/.stage/cand/v4", carried, compares the previous default).
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
-# Compiling is per decoder layer since session 12: ready s was 11-20 s at b = 1, 26-31 s at b = 8.
+# Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
 set -uo pipefail
@@ -90,7 +90,7 @@ for b in ${BENCHES:-b1}; do
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
     steps)  # each hot-path step's GPU time, eager and as one graph, and the builds' kernels
-      timeout 300 python3 tools/step_times.py --profile "build, sampled,draw,speculator round" \
+      timeout 300 python3 dev/step_times.py --profile "build, sampled,draw,speculator round" \
           --json "$OUT/steps.json" 2>&1 | $F | tail -60 ;;
     exact1)  # fp32 greedy AR / SD / SSD token equality on any GPU count (one GPU: SSD's
       # speculator shares it through a gloo link, a correctness run, not SSD's speed)

@@ -1,7 +1,7 @@
 """The engine's hot-path steps, each as a call with the real models' shapes, on any device.
 
-Shared by ``tools/op_count.py`` (counts each step's device ops, CPU is enough) and
-``tools/step_times.py`` (times each step on a GPU, eagerly and as one graph replay, and lists
+Shared by ``dev/op_count.py`` (counts each step's device ops, CPU is enough) and
+``dev/step_times.py`` (times each step on a GPU, eagerly and as one graph replay, and lists
 a step's kernels). A step is what one role runs once a round: the target's verify forward
 (K + 1 queries a row) and the acceptance after it, SD's proposal and verify round as the leader
 runs them (host inputs packed and copied, the captured steps replayed, the outcome read back), the draft's decode step, SD's draft chain
@@ -175,7 +175,7 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
             lambda reuse=reuse, rows=rows: build.run(cand, sent, lengths, live, *index, 48,
                                                      reuse, rows, fan, 1.0), False)
     # -- the speculator's whole round, OUTCOME to CACHE, driven in process -------------------
-    from tools.speculator_rounds import SpeculatorRounds
+    from dev.speculator_rounds import SpeculatorRounds
 
     for label, params in (("greedy", SamplingParams()), ("T=0.7", hot)):
         rounds = SpeculatorRounds(dck, V, dev, dtype, b, K, budget, params)

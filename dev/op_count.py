@@ -1,6 +1,6 @@
 """Count the device operations of each hot-path step, on any machine (CPU is enough).
 
-On the GPU machine a captured step's time is mostly its kernel count: a session-8 profile found
+On a GPU a captured step's time is mostly its kernel count: a profile on an H200 found
 the draft's tree step bound by ~160 kernels at ~2-3 us each, not by its FLOPs, and every eager op
 outside a graph costs ~10-50 us of host time there. This tool runs each step of the engine once
 with the real models' shapes and counts the aten operations it dispatches, without a GPU:
@@ -11,7 +11,7 @@ with the real models' shapes and counts the aten operations it dispatches, witho
   it runs its torch reference, whose inner ops are not counted);
 - ``.item()`` reads (``item`` / ``_local_scalar_dense``) are counted apart: host syncs.
 
-    python tools/op_count.py [--target smollm2-135m] [--draft DIR] [--k 3] [--fan-out-budget 16]
+    python dev/op_count.py [--target smollm2-135m] [--draft DIR] [--k 3] [--fan-out-budget 16]
         [--batch 1] [--json PATH]
 
 Steps: the target's verify forward (K + 1 queries a row), the greedy and the sampled (T = 0.7)
@@ -71,7 +71,7 @@ def count(fn) -> OpCounter:
 
 def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
     """{step name: OpCounter} for each hot-path step (``hot_path_steps.py``), plus "_meta"."""
-    from tools.hot_path_steps import hot_path_steps, torch_attention_backend
+    from dev.hot_path_steps import hot_path_steps, torch_attention_backend
 
     with torch_attention_backend():
         steps, meta = hot_path_steps(target, draft, b, K, budget)
@@ -81,7 +81,7 @@ def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from tools.hot_path_steps import add_step_args
+    from dev.hot_path_steps import add_step_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_args(ap)

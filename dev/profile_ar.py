@@ -1,7 +1,7 @@
 """Host-side profile of the AR decode loop (one in-process rank): where the Python time between
 two captured-graph replays goes. Prints cProfile's top functions by own time.
 
-    python tools/profile_ar.py [--target smollm2-135m] [--device cuda] [--tokens 256] [--top 40]
+    python dev/profile_ar.py [--target smollm2-135m] [--device cuda] [--tokens 256] [--top 40]
 """
 
 from __future__ import annotations

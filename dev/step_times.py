@@ -1,7 +1,7 @@
 """Time each hot-path step on a GPU, eagerly and as one graph replay, and list a step's kernels.
 
-The steps are ``tools/hot_path_steps.py``'s, with the real models' shapes (those
-``tools/op_count.py`` counts). For each step:
+The steps are ``dev/hot_path_steps.py``'s, with the real models' shapes (those
+``dev/op_count.py`` counts). For each step:
 
 - eager: mean ms a call from CUDA events around ``--iters`` back-to-back calls (a host-bound
   step is as slow as its launches), and the host's own ms a call (``perf_counter``, before the
@@ -14,7 +14,7 @@ The steps are ``tools/hot_path_steps.py``'s, with the real models' shapes (those
 - ``--profile NAME,...`` (substrings of step names): a torch.profiler table of the GPU kernels
   of ``--iters`` calls of each such step, by total GPU time.
 
-    python tools/step_times.py [--target smollm2-135m] [--draft DIR] [--k 3] [--batch 1]
+    python dev/step_times.py [--target smollm2-135m] [--draft DIR] [--k 3] [--batch 1]
         [--fan-out-budget 16] [--dtype bfloat16] [--iters 50] [--profile build,draw] [--json P]
 
 Needs CUDA (``--device cpu`` runs it for the tests: times there are not GPU times).
@@ -107,7 +107,7 @@ def kernel_table(fn, iters: int, dev: torch.device, top: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from tools.hot_path_steps import add_step_args, hot_path_steps, torch_attention_backend
+    from dev.hot_path_steps import add_step_args, hot_path_steps, torch_attention_backend
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_args(ap)

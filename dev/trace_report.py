@@ -1,7 +1,7 @@
 """Read a Chrome trace written by ``SSDLIB_PROFILE`` (``ssdlib/profiling.py``): where the rounds'
 wall time goes.
 
-    python tools/trace_report.py DIR/ssd-leader.trace.json.gz [--round N] [--marker NAME]
+    python dev/trace_report.py DIR/ssd-leader.trace.json.gz [--round N] [--marker NAME]
 
 Rounds are cut at each host call named ``--marker`` (default ``cudaGraphLaunch``: the leader's
 verify replay, one a round; the speculator's rounds start at its frame receive,

@@ -20,14 +20,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None, help="draft model for --mode sd/ssd")
     g.add_argument("--mode", default="ar", choices=["ar", "sd", "ssd"])
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel verifier ranks")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="'auto' (default): CUDA where a GPU is visible, else CPU")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per rank (default: OMP_NUM_THREADS if set, else "
+                        "on CPU the cores shared out among the job's ranks on this host)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each decoder layer inside the captured steps (CUDA; "
-                        "default: on with CUDA graphs at TP 1)")
+    g.add_argument("--compile", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
+                   help="torch.compile each decoder layer inside the captured steps (CUDA): "
+                        "'auto' (default) where the expected work amortises the compile (a "
+                        "server, many prompts; not one prompt), at TP 1 with CUDA graphs; "
+                        "bare --compile = on")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const="off",
+                   help="same as --compile off")
+    g.add_argument("--cache-dir", default=None,
+                   help="where compiled kernels persist between starts (default: "
+                        "$SSDLIB_CACHE_DIR, $XDG_CACHE_HOME/ssdlib or ~/.cache/ssdlib)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (default on CUDA: decode / verify / draft / tree "
                         "steps replay captured CUDA graphs)")
@@ -62,7 +74,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
                 speculator_placement=a.speculator_placement,
                 max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,
-                compile=a.compile)
+                compile=a.compile, cache_dir=a.cache_dir,
+                threads=a.threads)
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:

@@ -12,6 +12,7 @@ import torch
 from ssdlib.errors import ConfigError
 
 MODES = ("ar", "sd", "ssd")
+DEVICES = ("auto", "cpu", "cuda")
 PLACEMENTS = ("auto", "stream", "rank")
 FALLBACKS = ("auto", "jit", "ngram", "random")
 
@@ -22,7 +23,9 @@ class EngineConfig:
     draft: str | None = None
     mode: str = "ar"
     tp: int = 1
-    device: str = "cpu"
+    # "auto": CUDA where a GPU is visible, else CPU; resolved once, when the config is validated,
+    # so every rank (and every later check) sees "cpu" or "cuda"
+    device: str = "auto"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     k: int = 5
     fan_out: str = "auto"
@@ -38,10 +41,18 @@ class EngineConfig:
     max_len: int = 2048  # tokens per sequence, prompt + generated
     backend: str | None = None  # default: gloo on CPU, nccl on CUDA
     cuda_graphs: bool = True  # capture the small-query steps on CUDA (no effect on CPU)
-    # torch.compile the model's layers inside the captured steps (CUDA only); None: on where the
-    # steps are captured (cuda_graphs) and the model runs unsharded (TP 1: the draft always)
-    compile: bool | None = None
+    # torch.compile the model's layers inside the captured steps (CUDA only): True, False, or
+    # None / "auto" (normalised to None): compile where the steps are captured, the model runs
+    # unsharded (TP 1: the draft always) and the expected work amortises the compile
+    # (ssdlib.engine.compiled.resolve_compile); "on" / "off" are True / False
+    compile: bool | str | None = None
+    # where compiled kernels persist (ssdlib.engine.compile_cache); None: $SSDLIB_CACHE_DIR,
+    # $XDG_CACHE_HOME/ssdlib or ~/.cache/ssdlib
+    cache_dir: str | None = None
     timeout_s: float = 600.0
+    # torch intra-op threads per rank; None: OMP_NUM_THREADS if set, else on CPU the cores shared
+    # out among the job's ranks on this host (ssdlib.distributed.world.rank_threads)
+    threads: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,12 +68,20 @@ class EngineConfig:
             self.draft = default_draft(self.target)
             if not self.draft:
                 raise ConfigError(f"--mode {self.mode} needs a draft model (--draft)")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but no CUDA GPU is available")
-        if self.compile not in (None, True, False):
-            raise ConfigError(f"compile must be True, False or None (auto), got {self.compile!r}")
+        from ssdlib.engine.compiled import compile_setting
+        try:
+            self.compile = compile_setting(self.compile)
+        except ValueError as e:
+            raise ConfigError(f"--{e}") from None
+        if self.cache_dir is not None and not (isinstance(self.cache_dir, str)
+                                               and self.cache_dir.strip()):
+            raise ConfigError(f"--cache-dir must be a directory path, got {self.cache_dir!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not (1 <= self.k <= 32):
@@ -82,6 +101,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if self.threads is not None and (isinstance(self.threads, bool)
+                                         or not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"--threads must be an integer >= 1, got {self.threads!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         self._check_fan_out()

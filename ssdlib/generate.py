@@ -41,10 +41,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def machine_info(args) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "host": platform.node(), "cpu_count": os.cpu_count()}
-    if args.device == "cuda" and torch.cuda.is_available():
+    if args.device != "cpu" and torch.cuda.is_available():  # "auto" resolves to cuda
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
     return info
+
+
+def capture_batch(n_prompts: int, max_batch: int) -> int:
+    """The engine's batch for ``n_prompts`` prompts under --max-batch: never more rows run at
+    once than there are prompts, so the steps are captured (and compiled) for the batch buckets
+    up to min(n_prompts, max_batch) only (one prompt: bucket 1), and the KV cache holds that
+    many slots."""
+    return min(n_prompts, max_batch)
 
 
 def run(args) -> int:
@@ -60,9 +68,12 @@ def run(args) -> int:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    with Generator(log_level=args.log_level, start=False, **engine_kwargs(args)) as gen:
+    engine = engine_kwargs(args)
+    engine["max_batch"] = capture_batch(len(prompts), args.max_batch)
+    with Generator(log_level=args.log_level, start=False, **engine) as gen:
         gen.validate(prompts, params, chat=args.chat)
-        gen.start()
+        # the prompts are the whole work: compile auto decides on them, the warm-up runs them
+        gen.start(prompts, params, chat=args.chat)
         if not gen.is_leader:
             return 0
         stream = len(prompts) == 1 and not args.no_stream
@@ -74,8 +85,9 @@ def run(args) -> int:
             for o in outputs:
                 sys.stdout.write(f"--- [{o.index}] ---\n{o.text}\n")
         m = gen.last_run_metrics
-    sys.stderr.write(f"[ssdlib] mode={args.mode} tokens={m['tokens']} "
-                     f"decode_tok_s={m['decode_tok_s']:.1f}"
+    sys.stderr.write(f"[ssdlib] mode={args.mode} device={gen.cfg.device} tokens={m['tokens']} "
+                     + (f"ready_s={m['ready_s']:.1f} " if "ready_s" in m else "")
+                     + f"decode_tok_s={m['decode_tok_s']:.1f}"
                      + (f" acceptance_rate={m['acceptance_rate']:.3f}"
                         if "acceptance_rate" in m else "")
                      + (f" hit_rate={m['hit_rate']:.3f}" if "hit_rate" in m else "") + "\n")

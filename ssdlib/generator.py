@@ -15,29 +15,44 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections import abc
+from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
+import torch
 import torch.multiprocessing as mp
 
 from ssdlib.capacity import check_memory
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
+from ssdlib.engine.compile_cache import use_compile_cache
+from ssdlib.engine.compiled import resolve_compile
 from ssdlib.engine.metrics import mean_accepted_by_source
+from ssdlib.engine.model_runner import eager_step_graphs
 from ssdlib.engine.sequence import Output, Request
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError, RankFailure, SSDError
 from ssdlib.interrupts import held_interrupt
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_vocab
-from ssdlib.log import get_logger
+from ssdlib.log import get_logger, progress_logger
+from ssdlib.ops.graph_pool import capture_count
 from ssdlib.prompts import Prompt, PromptEncoder, is_single_prompt
 from ssdlib.runtime import build_rank, rank_entry
 from ssdlib.sampling import SamplingParams
 
 log = get_logger(__name__)
+progress = progress_logger()
+
+# a warm-up request decodes this many rounds (at most; each round commits at least one token):
+# enough for every step of a round to run, and for a speculative mode's steps after its first
+# round (SSD's cache builds and hits)
+WARM_UP_ROUNDS = 4
+# the synthetic warm-up prompt's length (tokens) where the work to come is not given
+WARM_UP_PROMPT = 16
 
 
 class Generator:
@@ -50,7 +65,7 @@ class Generator:
     """
 
     def __init__(self, target: str = "smollm2-135m", draft: str | None = None, mode: str = "ar",
-                 tp: int = 1, device: str = "cpu", dtype: str | None = None, k: int = 5,
+                 tp: int = 1, device: str = "auto", dtype: str | None = None, k: int = 5,
                  fan_out: str = "auto", saguaro_c: float = 1.0, fallback: str = "auto",
                  max_batch: int = 8, max_len: int = 2048, log_level: str = "WARNING",
                  start: bool = True, **kwargs):
@@ -82,14 +97,52 @@ class Generator:
         self._started = False
         self._pending = 0  # results of interrupted generate calls still to come from the leader
         self._session: ServeSession | None = None
+        # seconds of start-up: loading (ranks, models, KV cache, prefill graphs), the warm-up
+        # (capturing and compiling the steps), both (ready_s); None until started
+        self.load_s: float | None = None
+        self.warm_up_s: float | None = None
+        self.ready_s: float | None = None
+        self.last_run_metrics: dict = {}
         self._closed = False
         if start:
             self.start()
 
-    def start(self) -> None:
-        """Start the ranks (load the models); :meth:`generate` calls it when needed."""
+    def start(self, prompts: Sequence[Prompt] | Prompt | None = None,
+              params: SamplingParams | list | None = None, chat: bool = False,
+              warm: bool = True) -> None:
+        """Start the ranks (load the models), then :meth:`warm_up`, so that the first
+        :meth:`generate` neither captures nor compiles; :meth:`generate` calls it when needed.
+
+        ``prompts`` and ``params`` (optional) describe the work to come (the CLI passes its own):
+        with ``compile="auto"`` they decide whether to compile
+        (:func:`~ssdlib.engine.compiled.resolve_compile`: one short answer does not, a long
+        batch does; without them the engine is taken to serve for long and compiles), and the
+        warm-up runs the first ``max_batch`` of them. ``warm=False`` skips the warm-up (steps
+        are then captured, and compiled, at first use)."""
         if self._started or self._closed:
             return
+        t0 = time.perf_counter()
+        work = None if prompts is None else self._requests(prompts, params, chat)
+        if work:
+            self.cfg.compile = resolve_compile(
+                self.cfg.compile, len(work), max(r.params.max_new_tokens for r in work),
+                self.cfg.max_batch)
+        if self.cfg.device == "cuda" and self.cfg.compile is not False:
+            # before anything compiles, here or in the ranks this process spawns
+            use_compile_cache(self.cfg.cache_dir)
+        progress.info("loading %s (mode %s on %s, max batch %d, compile %s)", self.cfg.target,
+                      self.cfg.mode, self.cfg.device, self.cfg.max_batch,
+                      {None: "auto", True: "on", False: "off"}[self.cfg.compile])
+        self._start_ranks()
+        self.load_s = time.perf_counter() - t0
+        if self._closed:  # a non-leader torchrun rank: its serving has ended
+            return
+        progress.info("loaded in %.1f s", self.load_s)
+        self.ready_s = self.load_s
+        if warm and self.is_leader:
+            self.warm_up(work)
+
+    def _start_ranks(self) -> None:
         self._started = True
         if under_torchrun() or self.cfg.world_size == 1:
             if not under_torchrun():
@@ -112,6 +165,65 @@ class Generator:
             self._closed = True
             self._ranks.kill()
             raise
+
+    def captures_steps(self) -> bool:
+        """Whether the engine captures its steps, so that a warm-up has work to do: on CUDA,
+        and on CPU on the captured-step path (``SSDLIB_STEP_GRAPHS``)."""
+        return self.cfg.device == "cuda" or bool(eager_step_graphs())
+
+    def warm_up(self, work: list[Request] | None = None) -> float:
+        """Capture (and compile) the engine's steps before anything is timed: run up to
+        ``max_batch`` requests shaped like the work to come (``work``, from :meth:`start`'s
+        prompts; otherwise a synthetic prompt of WARM_UP_PROMPT tokens in every row, greedy and,
+        in a speculative mode, sampled too) for at most WARM_UP_ROUNDS rounds each; their
+        outputs are dropped. On CUDA a step is captured for every batch bucket up to
+        ``max_batch`` at its first use, so the run's shrinking batches find their graphs.
+
+        What it cannot foresee is still captured when first needed, and counted in
+        ``last_run_metrics["captured_in_run"]``: a prompt length, a set of sampling options
+        (top-k, top-p) or a group of prompts admitted together that no warm-up request had.
+        Returns its seconds (0.0 where no step is captured: CPU off the captured-step path)."""
+        if self._closed or not self.is_leader:
+            raise SSDError("this Generator is closed (or is not the leader rank)")
+        self.start(warm=False)
+        if not self.captures_steps():
+            self.warm_up_s = 0.0
+            return 0.0
+        self.ready_s = None  # until this warm-up is done
+        rows = self.cfg.max_batch
+        per_round = 1 if self.cfg.mode == "ar" else self.cfg.k + 1
+        warm = SamplingParams(max_new_tokens=WARM_UP_ROUNDS * per_round, ignore_eos=True)
+        if work:
+            batches = [[replace(r, params=replace(r.params, stop=[], ignore_eos=True,
+                                                  max_new_tokens=warm.max_new_tokens))
+                        for r in work[:rows]]]
+        else:
+            prompt = [1 + i % 7 for i in range(WARM_UP_PROMPT)]  # ids every vocabulary has
+            kinds = [warm] + ([replace(warm, temperature=1.0)] if self.cfg.mode != "ar" else [])
+            batches = [self._requests([prompt] * rows, p, False) for p in kinds]
+        progress.info("warm-up: capturing%s the steps for batch buckets up to %d (%d request(s)"
+                      "%s)", " and compiling" if self._compiles() else "", rows,
+                      sum(map(len, batches)), "" if work else ", synthetic")
+        t0, captured, compiled = time.perf_counter(), capture_count(), _compile_count()
+        for reqs in batches:
+            self._run(reqs, None)
+        self.warm_up_s = time.perf_counter() - t0
+        self.ready_s = (self.load_s or 0.0) + self.warm_up_s
+        if self._runtime is not None:  # the engine runs in this process: its counts are here
+            progress.info("warm-up done in %.1f s: %d steps captured, %d compiled",
+                          self.warm_up_s, capture_count() - captured,
+                          _compile_count() - compiled)
+        else:
+            progress.info("warm-up done in %.1f s", self.warm_up_s)
+        return self.warm_up_s
+
+    def _compiles(self) -> bool:
+        """Whether the target's captured steps run compiled layers (as the ranks decide)."""
+        if self.cfg.device != "cuda":
+            return False
+        from ssdlib.engine.compiled import wants_compile
+        return wants_compile(self.cfg.compile, torch.device("cuda"), self.cfg.cuda_graphs,
+                             self.cfg.tp)
 
     def _roles(self) -> list[str]:
         roles = ["leader"] + ["tensor-parallel rank"] * (self.cfg.tp - 1)
@@ -166,14 +278,25 @@ class Generator:
         self.start()
         if self._closed:
             raise SSDError("this Generator is closed (or is not the leader rank)")
-        t0 = time.perf_counter()
+        t0, captured = time.perf_counter(), capture_count()
         on_event = (lambda i, d, ids: on_text(i, d) if d else None) if on_text else None
-        if self._runtime is not None:
-            outputs = self._runtime.generate(reqs, on_event)
-        else:
-            outputs = self._generate_spawned(reqs, on_event)
-        self.last_run_metrics = run_metrics(outputs, time.perf_counter() - t0)
+        outputs = self._run(reqs, on_event)
+        m = run_metrics(outputs, time.perf_counter() - t0)
+        # start-up apart from the run: decode_tok_s is decoding only, ready_s what came before
+        m.update({key: getattr(self, key) for key in ("ready_s", "load_s", "warm_up_s")
+                  if getattr(self, key) is not None})
+        if self._runtime is not None:  # steps captured (and compiled) inside the timed call
+            m["captured_in_run"] = capture_count() - captured
+            if m["captured_in_run"]:
+                log.info("%d step(s) captured during the run: shapes the warm-up did not see",
+                         m["captured_in_run"])
+        self.last_run_metrics = m
         return outputs
+
+    def _run(self, reqs: list[Request], on_event) -> list[Output]:
+        if self._runtime is not None:
+            return self._runtime.generate(reqs, on_event)
+        return self._generate_spawned(reqs, on_event)
 
     def _generate_spawned(self, reqs: list[Request], on_event) -> list[Output]:
         """One generate call on the spawned leader. ``_pending`` counts the calls whose result
@@ -373,8 +496,16 @@ class ServeSession:
             self._on_failure(e)
 
 
-# seconds keys that are spans (of the run or of one sequence), not phases of the rounds
-SPAN_KEYS = ("wall_s", "ttft_s", "total_s", "prefill_s", "decode_s")
+def _compile_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 before its first use)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
+# seconds keys that are spans (of the run or of one sequence) or of the start-up, not phases of
+# the rounds
+SPAN_KEYS = ("wall_s", "ttft_s", "total_s", "prefill_s", "decode_s", "ready_s", "load_s",
+             "warm_up_s")
 
 
 def is_phase_key(key: str) -> bool:

@@ -31,3 +31,15 @@ def smollm2_path() -> str:
         return resolve_named("smollm2-135m")
     except CheckpointError as e:
         pytest.skip(f"SmolLM2 GGUF not available: {e}")
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Any attempt to load a model (in-process or in spawned ranks) fails the test."""
+    import ssdlib.generator as generator
+
+    def refuse(*a, **k):
+        raise AssertionError("models loaded before the inputs were checked")
+
+    monkeypatch.setattr(generator, "build_rank", refuse)
+    monkeypatch.setattr(generator, "RankGroup", refuse)

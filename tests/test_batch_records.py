@@ -1,7 +1,7 @@
 """Batch records: no id invented or repeated, strict fields and types, output files with ordinary
-permissions (issue 14, item 4); outputs checked writable (by opening them) before any model loads
-(item 6), an output that is the input refused; an SSD batch whose records end on their first token
-completes, every record once (item 1)."""
+permissions; outputs checked writable (by opening them) before any model loads, an output that is
+the input refused; an SSD batch whose records end on their first token completes, every record
+once."""
 
 import json
 import os
@@ -116,16 +116,6 @@ def test_unwritable_outputs_fail_before_models_load(tiny_dirs, tmp_path, flag, m
     assert f"ssdlib error: {flag}" in err and "does not exist" in err, err
 
 
-@pytest.fixture
-def no_models(monkeypatch):
-    """Any attempt to load a model (in-process or in spawned ranks) fails the test."""
-    import ssdlib.generator as generator
-
-    def refuse(*a, **k):
-        raise AssertionError("models loaded before the output was checked")
-
-    monkeypatch.setattr(generator, "build_rank", refuse)
-    monkeypatch.setattr(generator, "RankGroup", refuse)
 
 
 @pytest.mark.parametrize("alias", ["same path", "another path", "symlink", "hard link"])
@@ -180,7 +170,7 @@ def test_the_writability_check_leaves_no_file_behind(tmp_path):
 
 def test_ssd_batch_with_records_ending_on_their_first_token(tiny_dirs, tmp_path):
     """SSD batch: records whose first token is EOS and records with max_new_tokens=1 next to
-    ordinary ones complete; every record once, in order (issue 14, item 1)."""
+    ordinary ones complete; every record once, in order."""
     from tests.eos_first import find_eos_first_prompt
 
     eos_first = find_eos_first_prompt(tiny_dirs["smol_heads"])

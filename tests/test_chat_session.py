@@ -1,6 +1,6 @@
 """Chat sessions: a conversation that outgrows --max-len drops its oldest turns, a message too
 long on its own is refused, and the session goes on; Ctrl-C stops the answer, a second one at the
-prompt exits (issue 14, item 7). A Generator stays usable after an interrupted call."""
+prompt exits. A Generator stays usable after an interrupted call."""
 
 import io
 import os
@@ -208,9 +208,9 @@ def test_ctrl_c_anywhere_after_enter_keeps_an_ssd_session_in_step(chat_model, tm
 
     real_start = Gen.start
 
-    def start(self):
+    def start(self, *args, **kwargs):
         started = self._started
-        real_start(self)
+        real_start(self, *args, **kwargs)
         if started:  # generate calls start too: spy once
             return
         put, get = self._inbox.put, self._outbox.get

@@ -126,19 +126,7 @@ def test_killing_the_speculator_stops_the_job(tiny_dirs, tmp_path):
             proc.kill()
 
 
-# -- checked before any model loads (issue 14, items 6 and 9) ---------------------------------
-
-@pytest.fixture
-def no_models(monkeypatch):
-    """Any attempt to load a model (in-process or in spawned ranks) fails the test."""
-    import ssdlib.generator as generator
-
-    def refuse(*a, **k):
-        raise AssertionError("models loaded before the inputs were checked")
-
-    monkeypatch.setattr(generator, "build_rank", refuse)
-    monkeypatch.setattr(generator, "RankGroup", refuse)
-
+# -- checked before any model loads ------------------------------------------------------------
 
 def run_main(capsys, *argv):
     from ssdlib.generate import main

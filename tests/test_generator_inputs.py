@@ -1,5 +1,5 @@
-"""Generator inputs: one prompt given alone is one prompt (issue 14, item 5); a configuration
-whose KV cache cannot fit is refused before anything is allocated, saying what fits (item 10)."""
+"""Generator inputs: one prompt given alone is one prompt; a configuration
+whose KV cache cannot fit is refused before anything is allocated, saying what fits."""
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """A failing rank: the first failure is reported (its rank, role and message), never replaced by
-a later one; its kind keeps its exit code across processes; Ctrl-C stops a job at once
-(issue 14, items 2, 8 and 13)."""
+a later one; its kind keeps its exit code across processes; Ctrl-C stops a job at once."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server under load and on the real model (issue 13's test list):
+"""The OpenAI-compatible server under load and on the real model:
 16 concurrent clients with prompts and answers of different lengths (tiny chat model) each get
 the answer Generator.generate gives for their prompt, with the right usage; SmolLM2 served by
 ``python -m ssdlib.serve`` (default target, mode sd with the shipped draft) answers a chat

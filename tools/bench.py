@@ -9,7 +9,9 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
   warm-up call first, excluded; CUDA synchronized), decode tok/s (the run's wall-clock decode
   rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
   idle fraction, whether greedy output equals AR's, and ``ready s``: the engine's start-up plus
-  the warm-up call (loading, graph capture, and torch.compile with ``compile=1``);
+  the warm-up call (loading, graph capture, and torch.compile with ``compile=1``; JSON rows
+  also hold ``engine_ready_s``, the engine's own start-up with its warm-up, and
+  ``captured_in_run``, steps captured inside the timed call, which should be 0);
 - per-round time breakdown: per engine mode, mean ms per round of every phase-time key
   (``*_s``) in the run aggregate (draft, verify, wait, ...), their sum, the wall clock per
   round (batch 1: its excess over the sum is time outside the rounds, e.g. admissions), rounds
@@ -62,7 +64,7 @@ from ssdlib.prompts import PromptEncoder  # noqa: E402
 
 ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
             "hit_rate", "fallbacks", "accepted_by_source", "verifier_idle_frac",
-            "speculator_idle_frac", "prefill_s")
+            "speculator_idle_frac", "prefill_s", "captured_in_run")
 # breakdown columns come first in this order; any other phase key follows, sorted
 PHASE_ORDER = ("draft", "verify", "wait", "cache_build", "host")
 
@@ -212,8 +214,10 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     env = kw.pop("env", None)
     t_start = time.perf_counter()
     with _environment(env), Generator(**kw) as gen:
-        # warm-up (excluded): one full batch of the same requests, so that the steps' shapes
-        # (batch buckets, query counts) are captured (and compiled, compile=1) before timing
+        # the engine's own warm-up (start) has captured its steps; one full batch of the same
+        # requests more (excluded) meets the shapes a synthetic prompt cannot foresee (these
+        # prompts' lengths, the sampling options)
+        engine_ready = gen.ready_s
         gen.generate(prompt_ids[:args.batch], params)
         sync(args.device)
         t0 = time.perf_counter()
@@ -224,7 +228,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
         run = dict(gen.last_run_metrics)
     tokens = sum(o.metrics["tokens"] for o in outs)
     row = {"mode": spec, "batch": args.batch, "tokens": tokens, "wall_s": wall,
-           "tok_s": tokens / wall, "ready_s": ready, "token_ids": [o.token_ids for o in outs]}
+           "tok_s": tokens / wall, "ready_s": ready, "engine_ready_s": engine_ready,
+           "token_ids": [o.token_ids for o in outs]}
     if options:
         row["options"] = options
     row.update({key: run[key] for key in ROW_KEYS if key in run})

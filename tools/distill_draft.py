@@ -158,7 +158,7 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--embeddings-first", type=int, default=0, metavar="N",
         help="the first N steps train only the embedding and LM head (a narrower shared-"
              "embedding draft: its two projections); the layers and norms then join. For a "
-             "draft whose embedding was replaced, e.g. by tools/widen_draft.py")
+             "draft whose embedding was replaced, e.g. by a wider copy of a narrower draft")
     add("--grad-clip", type=float, default=1.0)
     add("--eval-every", type=int, default=200)
     add("--eval-batch", type=int, default=16)
@@ -356,7 +356,7 @@ def fmt_eval(r: dict) -> str:
 
 @dataclass
 class Shared:
-    """What drafts trained on the same target and data share (tools/distill_many.py trains
+    """What drafts trained on the same target and data share (``run_lockstep`` can train
     several on one of these): the target, its teacher model, the documents and one batcher."""
     ck: Checkpoint  # the target's
     teacher: torch.nn.Module

@@ -13,8 +13,8 @@ A child whose work returned cleanly finishes what multiprocessing's bootstrap do
 (queue feeder threads flushed, finalizers run, streams and log handlers flushed) and leaves
 with ``os._exit(0)``, as a forked child does, without the interpreter's teardown: there a CPU
 tensor-parallel follower sometimes aborted ("terminate called without an active exception",
-4 of 65, 1 of 70 and 1 of 80 runs of a TP 2 loop with ``SSDLIB_STEP_GRAPHS=eager`` in three
-sessions), which the parent then reported as that rank's death after a job that had succeeded.
+4 of 65, 1 of 70 and 1 of 80 runs of a TP 2 loop with ``SSDLIB_STEP_GRAPHS=eager``
+in three series), which the parent then reported as that rank's death after a job that had succeeded.
 """
 
 from __future__ import annotations

@@ -54,6 +54,42 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or taskset's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def rank_threads(threads: int | None, device: str, local_ranks: int, current: int, cores: int,
+                 omp_env: str | None) -> int | None:
+    """The torch intra-op threads a rank should use, or None to leave torch's setting alone.
+
+    ``threads`` (the --threads flag) wins; then an OMP_NUM_THREADS in the environment (torch
+    has already read it; torchrun sets it to 1 for multi-rank jobs). Otherwise, on CPU, the
+    ``cores`` are shared out among the ``local_ranks`` ranks of this job on this host: each
+    rank's own default (``current``, torch's: one thread per physical core) would make N ranks
+    run N times as many threads as there are cores, and their OpenMP teams then spin against
+    each other (a rank's decode step is many small ops, each a barrier). Never more than
+    ``current``: a caller's process that runs the job's only rank keeps a lower setting of its
+    own. GPU ranks do little host compute and are left alone."""
+    if threads is not None:
+        return threads
+    if omp_env or device != "cpu":
+        return None
+    return min(current, max(1, cores // max(1, local_ranks)))
+
+
+def _set_threads(cfg: EngineConfig, world_size: int) -> int:
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    n = rank_threads(cfg.threads, cfg.device, local_ranks, torch.get_num_threads(),
+                     available_cores(), os.environ.get("OMP_NUM_THREADS"))
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def init_world(cfg: EngineConfig) -> World:
     """Join the process group described by the environment (torchrun or our own spawner)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -65,6 +101,9 @@ def init_world(cfg: EngineConfig) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    threads = _set_threads(cfg, world_size)
+    log.info("rank %d of %d runs on %s (%s), %d intra-op thread(s)", rank, world_size, device,
+             torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", threads)
     world = World(rank, world_size, cfg.tp, device)
     if world_size == 1:
         return world

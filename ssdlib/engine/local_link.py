@@ -18,7 +18,7 @@ Why one thread and not a speculator thread of its own: a thread would let the sp
 work (its answer and the build's launch) start at the OUTCOME instead of after the verify's
 launch, but CUDA-graph capture is not safe beside another thread's work: on one H200 the
 speculator thread's first captures failed with ``cudaErrorStreamCaptureInvalidated`` while the
-leader ran (docs/ARCHITECTURE.md, "SSD on one GPU"). One thread also keeps the order of every
+leader ran (docs/ARCHITECTURE.md, "Where the speculator runs"). One thread also keeps the order of every
 launch fixed, so a run is reproducible and CPU runs take the GPU's path.
 
 Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's

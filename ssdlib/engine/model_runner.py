@@ -2,8 +2,9 @@
 
 Every forward takes host or device tensors and returns logits in the model's dtype. Forwards
 with few queries per row (decode, verify, draft and tree steps) go through :class:`StepGraphs`
-(captured CUDA graphs on GPU, the same code eagerly otherwise). Longer prefills go through a
-second :class:`StepGraphs` whose rows are padded to a power-of-two length bucket
+(captured CUDA graphs on GPU, the same code eagerly otherwise). Prefills (more than
+EXACT_STEP_QUERIES positions a row, a logits index) go through a second :class:`StepGraphs`
+where it exists, whose rows are padded to a power-of-two length bucket
 (``prefill_bucket``; SDPA attention, the single-row buckets captured when the runner starts):
 an eager prefill of SmolLM2's 30 layers cost 15-30 ms of kernel launches on an H200.
 ``SSDLIB_PREFILL_GRAPHS=0`` runs prefill eagerly.
@@ -41,10 +42,10 @@ MAX_GRAPH_QUERIES = 64
 # length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
-# Compiled steps (StepGraphs.all_buckets) take forwards of up to this many queries per row at
-# their own length; a longer one that reads logits at an index (a short prompt's prefill, the
-# draft's catch-up over it) is padded to a power of two, so that every new prompt length does
-# not compile a new shape (seconds) at admission.
+# A longer forward that reads logits at an index (a short prompt's prefill, the draft's
+# catch-up over it) takes the prefill graphs where they exist (ModelRunner.prefill_first);
+# otherwise steps capturing every bucket (StepGraphs.all_buckets) pad it to a power of two, so
+# that every new prompt length does not capture (and compile) a new shape at admission.
 EXACT_STEP_QUERIES = 8
 
 
@@ -120,10 +121,12 @@ class ModelRunner:
             # leader's inputs on the host, TPChannel.serve), the collectives inside them too
             pool = (make_graph_pool(self.device, enabled=cuda_graphs)
                     if self.device.type == "cuda" else EagerPool(warmup=1))
-            # compiled steps: every batch bucket at a step's first use (compiles at start-up,
-            # not mid-run when the batch shrinks)
+            # on CUDA every batch bucket up to n_slots' at a step's first use, compiled or not:
+            # the warm-up (Generator.warm_up) then captures (and compiles) them all before the
+            # first timed prompt, and a batch shrinking to a smaller bucket mid-run finds its
+            # graph. n_slots is the capture plan (the CLI asks for no more slots than prompts)
             self.graphs = StepGraphs(self, pool, n_slots, max_queries, tree_len,
-                                     all_buckets=(self.step_model is not self.model
+                                     all_buckets=(self.device.type == "cuda"
                                                   or eager_path == "eager-all"))
             if (cuda_graphs and self.device.type == "cuda"
                     and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
@@ -154,7 +157,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the captured steps (after the device is idle). Before the process group is
         destroyed: a graph that captured NCCL collectives holds on to the communicator, and
-        destroying it under a live graph hung (TP 2, nvidia-h200-x2, 2026-11-30)."""
+        destroying it under a live graph hangs (TP 2 on two H200s)."""
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.pool.clear()  # one shared pool: the second clear finds it empty
@@ -182,6 +185,8 @@ class ModelRunner:
         position) is read from ``positions`` when they are on the host; give it for device
         positions (otherwise it costs a host sync)."""
         b, s = input_ids.shape
+        if self.prefill_first(input_ids, positions, logits_index):
+            return self._prefill_step(input_ids, positions, slots, logits_index)
         input_ids, positions = self.step_queries(input_ids, positions, logits_index)
         if kv_len is None or positions.shape[1] > s:
             kv_len = max(kv_len or 0, int(positions.max()) + 1)
@@ -218,6 +223,17 @@ class ModelRunner:
         if not torch.equal(padded[:, :s], positions):  # not consecutive positions per row
             return ids, positions
         return torch.nn.functional.pad(ids, (0, size - s)), padded
+
+    def prefill_first(self, ids: torch.Tensor, positions: torch.Tensor,
+                      logits_index: torch.Tensor | None) -> bool:
+        """Whether a forward of more than EXACT_STEP_QUERIES queries a row with a logits index
+        (a prompt's prefill, a draft's catch-up over it) takes a prefill graph, which it does
+        where one fits rather than a step graph: its query count follows the prompt's length,
+        and each new count would be a step shape to capture (and, compiled, to compile) in the
+        middle of a run, which no warm-up can foresee. The prefill graphs (plain model) have
+        few length buckets, the single-row ones captured when the runner starts."""
+        return ids.shape[1] > EXACT_STEP_QUERIES and \
+            self._prefill_fits(ids, positions, logits_index)
 
     def _prefill_fits(self, ids, positions, logits_index) -> bool:
         """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""
@@ -267,9 +283,10 @@ class ModelRunner:
         (inferred from the increase measured at 7560c73: SD's draft phase 1.16 -> 1.32 ms a
         round over 289 rounds and 4 sequences at b = 1)."""
         b, s = ids.shape
+        prefill = self.prefill_first(ids, positions, logits_index)
         ids, positions = self.step_queries(ids, positions, logits_index)
         kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
-        if self.graphs is not None and self.graphs.fits(b, s):
+        if self.graphs is not None and self.graphs.fits(b, s) and not prefill:
             return self.graphs.prefix_chain(ids, positions, slots, logits_index, steps, vocab,
                                             kv_len)
         first = self.forward(ids, positions, slots, logits_index)[:, 0, :vocab].argmax(-1)

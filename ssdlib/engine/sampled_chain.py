@@ -83,9 +83,10 @@ def sampled_chain(runner, ids, positions, slots, logits_index, steps: int, vocab
     the host -> (tokens [b, steps + 1], q [b, steps + 1, vocab]) on the device."""
     b, s = ids.shape
     graphs = runner.graphs
+    prefill = runner.prefill_first(ids, positions, logits_index)  # a prompt: its own graphs
     ids, positions = runner.step_queries(ids, positions, logits_index)
     kv_len = runner.kv_bucket(int(positions.max()) + steps + 1)
-    if graphs is not None and graphs.fits(b, s):
+    if graphs is not None and graphs.fits(b, s) and not prefill:
         return graphs.sampled_chain(ids, positions, slots, logits_index, steps, vocab, kv_len,
                                     table, streams, facts)
     dev = runner.device

@@ -48,9 +48,10 @@ class StepGraphs:
                  all_buckets: bool = False):
         self.runner = runner
         self.pool = pool
-        # a step captured for one batch bucket is captured for every bucket at once (with
-        # torch.compile each bucket is a compile of seconds, which would otherwise fall in the
-        # middle of a run, whenever rows leave and the batch shrinks to a new bucket)
+        # a step captured for one batch bucket is captured for every bucket up to max_rows at
+        # once (with torch.compile each bucket is a compile of seconds, a plain capture tens of
+        # ms, which would otherwise fall in the middle of a run, whenever rows leave and the
+        # batch shrinks to a new bucket); on CUDA always, so a warm-up captures them all
         self.all_buckets = all_buckets
         self.kind = kind  # prefixes the keys: several StepGraphs may share one pool
         # the model a forward step runs: the runner's step model (torch.compile'd with

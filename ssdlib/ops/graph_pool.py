@@ -43,6 +43,15 @@ StepFn = Callable[[], object]
 DEFAULT_WARMUP = 2
 CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
+# steps registered in this process, by every pool: a caller compares two readings to see whether
+# something was captured between them (a run after the warm-up should capture nothing)
+_registered = 0
+
+
+def capture_count() -> int:
+    """How many steps every pool of this process has registered (captured) so far."""
+    return _registered
+
 
 class GraphPool(ABC):
     """Step functions by key; ``replay(key)`` does what ``fn()`` would (see the module doc)."""
@@ -58,8 +67,10 @@ class GraphPool(ABC):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         if key in self._fns:
             raise ValueError(f"{key!r} is already captured")
+        global _registered
         self._capture(key, fn)
         self._fns[key] = fn
+        _registered += 1
 
     def has(self, key: Hashable) -> bool:
         return key in self._fns

@@ -5,20 +5,29 @@ Takes the engine flags of ``python -m ssdlib.generate`` (``--mode``, ``--target`
 ``--tp``, ...). Requests join the running batch. Binds 127.0.0.1 unless ``--host`` says
 otherwise; with ``--api-key`` every request but ``/health`` (``/v1``, ``/metrics``, the API docs)
 must carry ``Authorization: Bearer KEY``. A request body over ``--max-request-bytes`` gets 413.
-Under torchrun rank 0 serves and the other ranks run their roles as usual. Exits non-zero if a
-rank fails.
+Under torchrun rank 0 serves and the other ranks run their roles as usual.
+
+Start-up logs one line per phase (models, warm-up, then "ssdlib server ready: listening on
+http://HOST:PORT"); ``/health`` answers 503 until the warm-up has run every batch shape through
+the engine (``ssdlib.serve.warmup``; ``--no-warmup`` skips it). SIGTERM or SIGINT stops the
+server gracefully: new requests get 503, those in flight get ``--shutdown-timeout`` seconds to
+finish, then the rest are cancelled (each stream ends with finish reason "abort"), every rank
+stops and the server exits 0; a second SIGINT stops at once. Exits non-zero if a rank fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from ssdlib.cli_args import add_engine_args, engine_kwargs, report_error, run_reporting
 from ssdlib.errors import EXIT_FAILURE, ConfigError
-from ssdlib.log import setup_logging
+from ssdlib.log import progress_logger, setup_logging
 from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES
+
+progress = progress_logger()
 
 # a served engine sits idle between requests: its ranks must not time out waiting
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
@@ -41,9 +50,50 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(default: {DEFAULT_MAX_REQUEST_BYTES} = 8 MiB)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the target's name)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds the requests in flight get to finish after SIGTERM / SIGINT "
+                        "before they are cancelled (default: 30)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="serve without warming up: the first requests of each batch size then "
+                        "wait while their steps are captured (seconds on a GPU)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
+
+
+class _StopRequested(BaseException):
+    """SIGTERM while the models load: the server stops as it would once serving (exit 0)."""
+
+
+def _raise_stop(signum, frame):
+    raise _StopRequested()
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server with the graceful stop of ``ssdlib.serve.lifecycle``: the first
+        SIGTERM / SIGINT drains the requests in flight (uvicorn would stop the engine under
+        them, and re-raise the signal afterwards, killing the process before its ranks are
+        stopped); a signal during the drain stops without waiting for it."""
+
+        lifecycle = None
+
+        def handle_exit(self, sig, frame):
+            if self.lifecycle is not None and not self.lifecycle.stopping:
+                self.lifecycle.request_stop()
+                return
+            # a signal during the stop: uvicorn's own stop (a SIGINT after that: at once)
+            self.force_exit = self.should_exit and sig == signal.SIGINT
+            self.should_exit = True
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and self.servers and self.lifecycle is not None:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                host = f"[{host}]" if ":" in host else host
+                self.lifecycle.listening(f"http://{host}:{port}")
+
+    return Server
 
 
 def run(args) -> int:
@@ -56,35 +106,58 @@ def run(args) -> int:
                          f"({e})\n")
         return 2
     from ssdlib.generator import Generator
+    from ssdlib.serve.warmup import run_warmup
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get("SSDLIB_API_KEY") or None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     failed: list[BaseException] = []
-    with Generator(log_level=args.log_level, timeout_s=IDLE_TIMEOUT_S,
-                   **engine_kwargs(args)) as gen:
-        if not gen.is_leader:
-            return 0
-        server = None
+    server = None
+    # until uvicorn takes the signals over (and after it hands them back)
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        with Generator(log_level=args.log_level, timeout_s=IDLE_TIMEOUT_S, start=False,
+                       **engine_kwargs(args)) as gen:
+            gen.start(warm=False)  # the models load; the warm-up runs while the server listens
+            if not gen.is_leader:
+                return 0
 
-        def on_failure(error):
-            failed.append(error)
-            server.should_exit = True
+            def on_failure(error):
+                failed.append(error)
+                server.should_exit = True
 
-        app = create_app(gen, name, args.max_queue, api_key, on_failure,
-                         max_request_bytes=args.max_request_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.log_level.lower(),
-                                               timeout_graceful_shutdown=5))
-        server.run()
-        if failed:
-            gen.abort()
+            def on_stopped():
+                server.should_exit = True
+
+            warmup = (lambda stop: run_warmup(gen, stop=stop)) if args.warmup else None
+            app = create_app(gen, name, args.max_queue, api_key, on_failure,
+                             max_request_bytes=args.max_request_bytes, warmup=warmup,
+                             shutdown_timeout_s=args.shutdown_timeout, on_stopped=on_stopped)
+            server = _server_class(uvicorn)(uvicorn.Config(
+                app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5))
+            server.lifecycle = app.state.lifecycle
+            server.run()
+            signal.signal(signal.SIGTERM, previous)
+            if failed:
+                gen.abort()
+            else:
+                progress.info("stopping the engine")
+    except _StopRequested:
+        progress.info("stopped while starting")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if failed:
         report_error(failed[0])
         return EXIT_FAILURE
+    if server is not None and server.started:
+        progress.info("stopped")
     return 0
 
 

@@ -2,8 +2,9 @@
 
 Errors are OpenAI error bodies: 400 a bad field, 401 a missing or wrong API key (checked first,
 on every path but ``/health``), 404 an unknown model or route, 413 a body over
-``max_request_bytes`` or a prompt longer than the context, 503 the queue is full or the engine
-failed. A bad request never reaches the engine. Bodies say what the client can act on; internals
+``max_request_bytes`` or a prompt longer than the context, 503 the queue is full, the engine
+failed, or the server is warming up or shutting down (:mod:`ssdlib.serve.lifecycle`). A bad
+request never reaches the engine. Bodies say what the client can act on; internals
 (tracebacks, paths) go to the server's log only. When the engine fails, ``/health`` answers 503
 and ``on_engine_failure`` is called (the CLI stops the server and exits non-zero).
 
@@ -20,6 +21,7 @@ import json
 import re
 import uuid
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +34,7 @@ from ssdlib.sampling import SamplingParams
 from ssdlib.serve import openai_api as api
 from ssdlib.serve.async_engine import AsyncEngine, EngineFailed, QueueFull
 from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from ssdlib.serve.lifecycle import READY, STARTING, ServerLifecycle
 from ssdlib.serve.metrics import ServerMetrics
 from ssdlib.tokenizer.chat_template import MAX_OUTPUT_CHARS
 
@@ -58,24 +61,32 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | None = None,
                on_engine_failure=None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               warmup: Callable | None = None, shutdown_timeout_s: float = 30.0,
+               on_stopped: Callable[[], None] | None = None) -> FastAPI:
     """The app serving ``generator`` (started, leader rank) as ``model_name``; the engine
     starts and stops with the app's lifespan. With ``api_key``, every path but ``/health``
-    needs ``Authorization: Bearer <api_key>``."""
+    needs ``Authorization: Bearer <api_key>``.
+
+    ``warmup(stop)`` (e.g. :func:`ssdlib.serve.warmup.run_warmup`) runs on a worker thread
+    before the engine serves; until it ends ``/health`` and every request answer 503.
+    ``app.state.lifecycle.request_stop()`` begins a graceful stop (:mod:`lifecycle`), which
+    calls ``on_stopped`` when the requests in flight are done."""
     metrics = ServerMetrics({"mode": generator.cfg.mode, "model": model_name,
                              "max_batch": str(generator.cfg.max_batch)})
     engine = AsyncEngine(generator, max_queue, metrics)
     metrics.bind(engine)
+    lifecycle = ServerLifecycle(engine, warmup, shutdown_timeout_s, on_stopped)
     max_context = generator.max_context
     prompts = generator.prompts  # its tokenizer encodes without holding the GIL
 
     @asynccontextmanager
     async def lifespan(app):
-        await engine.start()
+        await lifecycle.start()
         watch = asyncio.create_task(_watch())
         yield
         watch.cancel()
-        await engine.close()
+        await lifecycle.close()
 
     async def _watch():
         while engine.failure is None:
@@ -86,6 +97,7 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
 
     app = FastAPI(title="ssdlib", lifespan=lifespan)
     app.state.engine = engine
+    app.state.lifecycle = lifecycle
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -114,9 +126,14 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
 
     @app.get("/health")
     async def health():
-        if not engine.healthy:  # the cause is in the server's log, not for any caller
-            error = "the engine failed" if engine.failure else "the engine is not serving"
-            return JSONResponse({"status": "failed", "error": error}, status_code=503)
+        if engine.failure is not None:  # the cause is in the server's log, not for any caller
+            return JSONResponse({"status": "failed", "error": "the engine failed"},
+                                status_code=503)
+        if lifecycle.phase != READY:  # warming up, or stopping
+            return JSONResponse({"status": lifecycle.phase}, status_code=503)
+        if not engine.healthy:
+            return JSONResponse({"status": "failed", "error": "the engine is not serving"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -168,6 +185,11 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
         return ids
 
     def _submit(ids, params):
+        if not lifecycle.accepting and engine.failure is None:
+            starting = lifecycle.phase == STARTING
+            raise APIError(503, "the server is warming up; retry shortly" if starting
+                           else "the server is shutting down", "server_error",
+                           code="warming_up" if starting else "shutting_down")
         try:
             return engine.submit(ids, params)
         except QueueFull as e:

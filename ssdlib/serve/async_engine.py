@@ -109,6 +109,11 @@ class AsyncEngine:
         return self.failure is None and self._session is not None and self._session.alive
 
     @property
+    def in_flight(self) -> int:
+        """Requests accepted and not yet ended (running or waiting for a slot)."""
+        return len(self._flights)
+
+    @property
     def running(self) -> int:
         return sum(f.started for f in self._flights.values())
 
@@ -137,6 +142,16 @@ class AsyncEngine:
         """Take a request out of the batch (its slot is free before the next round)."""
         if request_id in self._flights and self._session is not None:
             self._session.cancel(request_id)
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (each ends with finish reason "cancelled")."""
+        for request_id in list(self._flights):
+            self.cancel(request_id)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine cannot serve (e.g. its warm-up failed): every request ends with
+        :class:`EngineFailed` and none is accepted."""
+        self._on_failure(error)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -181,8 +181,8 @@ def uniforms(generators: Generators, rows: int, n: int,
 CDF_BLOCK = 256  # tokens per block of blocked_cdf
 # Rows for which sample_categorical takes blocked_cdf: one row scans fast as is (torch's 1-D scan,
 # 7 µs at V = 49152 on an H200 against 23 µs in blocks), and from ~128 rows the last-dim scan has
-# rows enough to be parallel (127 vs 138 µs); 4-16 rows: 80 vs 24-31 µs (tools/gpu_micro_cdf.py,
-# nvidia-h200-x2, session 7, inside a CUDA graph). Blocks cost more launches where it runs eagerly.
+# rows enough to be parallel (127 vs 138 µs); 4-16 rows: 80 vs 24-31 µs (dev/gpu_micro_cdf.py,
+# one H200, inside a CUDA graph). Blocks cost more launches where it runs eagerly.
 BLOCKED_CDF_ROWS = range(2, 65)
 
 

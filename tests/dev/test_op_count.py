@@ -1,10 +1,10 @@
-"""tools/op_count.py: what it counts, and every hot-path step counted on the tiny checkpoints."""
+"""dev/op_count.py: what it counts, and every hot-path step counted on the tiny checkpoints."""
 
 import json
 
 import torch
 
-from tools.op_count import OpCounter, count, main
+from dev.op_count import OpCounter, count, main
 
 
 def test_counts_computing_ops_not_views_and_host_reads_apart():

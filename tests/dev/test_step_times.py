@@ -1,4 +1,4 @@
-"""tools/step_times.py: every hot-path step timed (on CPU here: the GPU's graph column stays
+"""dev/step_times.py: every hot-path step timed (on CPU here: the GPU's graph column stays
 empty), and a clear refusal when CUDA is asked for and missing."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tools.hot_path_steps import hot_path_steps, torch_attention_backend
-from tools.step_times import main
+from dev.hot_path_steps import hot_path_steps, torch_attention_backend
+from dev.step_times import main
 
 
 def test_every_step_timed_on_cpu(tiny_dirs, tmp_path, capsys):
@@ -52,7 +52,7 @@ def test_speculator_rounds_drive_hits_and_misses(tiny_dirs, temperature):
     afresh before they outgrow max_len."""
     from ssdlib.loading import load_checkpoint
     from ssdlib.sampling import SamplingParams
-    from tools.speculator_rounds import SpeculatorRounds
+    from dev.speculator_rounds import SpeculatorRounds
 
     target = load_checkpoint(tiny_dirs["smol_heads"])
     draft = load_checkpoint(tiny_dirs["smol_heads_draft"])

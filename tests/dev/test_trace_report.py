@@ -1,10 +1,10 @@
-"""tools/trace_report.py on a small synthetic Chrome trace: rounds cut at the marker, a long
+"""dev/trace_report.py on a small synthetic Chrome trace: rounds cut at the marker, a long
 round named by the host op that fills it, one round's host ops and the GPU's busy stretches."""
 
 import gzip
 import json
 
-from tools.trace_report import busy, load, main
+from dev.trace_report import busy, load, main
 
 
 def _trace(path):

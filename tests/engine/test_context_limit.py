@@ -1,5 +1,5 @@
 """Near the context limit SD and SSD produce exactly what AR produces before "length", not fewer
-tokens (issue 14, item 11)."""
+tokens."""
 
 import pytest
 

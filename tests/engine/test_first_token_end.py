@@ -1,5 +1,5 @@
 """Sequences that end on their first token (EOS first, max_new_tokens=1) in every mode: they
-leave before any round, next to rows that keep decoding (issue 14, item 1)."""
+leave before any round, next to rows that keep decoding."""
 
 import pytest
 

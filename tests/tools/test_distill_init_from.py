@@ -202,7 +202,7 @@ def test_resume_with_another_init_from_is_refused(source, tmp_path):
 
 
 def test_init_from_an_extracted_candidate_tar(tmp_path):
-    """The later-session path of tools/gpu_draft.sh: a candidate packed like the shipped draft
+    """The fresh-machine path of dev/gpu_draft.sh: a candidate packed like the shipped draft
     asset (no tokenizer files, tokenizer_source.json naming the target's), extracted, continued."""
     import tarfile
 

@@ -1,8 +1,8 @@
 """A training run's wall-clock budget: the step count cut once so that the run ends on time.
 
-A GPU call is time-limited. A run killed at the limit loses what it trained since its last
-checkpoint, and its learning-rate schedule never reaches its end: in session 15 a four-draft
-run stopped at step 2000 of 2200 (two of the drafts at their step-1750 export). With a budget,
+A run under a time limit that is killed at the limit loses what it trained since its last
+checkpoint, and its learning-rate schedule never reaches its end (a four-draft run stopped at
+step 2000 of 2200, two of the drafts at their step-1750 export). With a budget,
 the run times its own first steps. Then, once, it lowers every draft's step count to what fits
 in the budget: the remaining steps, the evaluations and checkpoints due on the way, and the
 final evaluation and export. The cosine schedule reads the step count (``lr_at``), so it then

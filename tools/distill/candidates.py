@@ -1,4 +1,4 @@
-"""Draft candidates (tools/gpu_draft.sh): their measured SD acceptance and step cost, the
+"""Draft candidates (dev/gpu_draft.sh): their measured SD acceptance and step cost, the
 speedup these predict, and the packed checkpoint directories.
 
 Prediction (the standard SD model, acceptances independent with probability ``a`` per draft
@@ -7,8 +7,8 @@ average and costs K * c + 1 target steps, where c = draft step / target step (on
 replay each, b = 1, bf16: .stage/floor_probe.py). The predicted speedup over plain decoding is
 their ratio at the best K in 1..8. It overrates cheap drafts: in the engine (compiled steps) a
 round's draft phase was measured as ~0.3 ms fixed plus ~0.43 of the probe's step per draft
-step (session 15, model card "Version 6"), so a 2-layer draft predicted level with a 6-layer
-one ran 0.88x it. Compare finalists in the engine (``gpu_quick.sh`` ``chat1`` / ``cands``).
+step (one H200, SmolLM2; docs/BENCHMARKS.md, 2026-12-01), so a 2-layer draft predicted level with a 6-layer
+one ran 0.88x it. Compare finalists in the engine (``dev/gpu_quick.sh`` ``chat1`` / ``cands``).
 
     python -m tools.distill.candidates evaluate --target T --draft DIR --out rows.json ...
     python -m tools.distill.candidates probe --probe .stage/floor_probe.py --out probe.json \
@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 KS = tuple(range(1, 9))
 # Step shapes: (layers, hidden, ffn, q heads, kv heads, head_dim, vocab)
 TARGET_SHAPE = (30, 576, 1536, 9, 3, 64, 49152)  # SmolLM2-135M
-CURRENT_DRAFT_SHAPE = (6, 128, 512, 4, 2, 32, 49152)  # v1-v4 of smollm2-135m-draft (issue 12)
+CURRENT_DRAFT_SHAPE = (6, 128, 512, 4, 2, 32, 49152)  # smollm2-135m-draft before it was widened
 MAX_TAR_BYTES = 16 * 2**20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",

@@ -1,12 +1,10 @@
 """Several drafts trained on the same batches, one teacher forward per batch.
 
-The teacher's forward is the part of a distillation step that candidates trained on the same
-batches can share. Trained side by side in separate processes (how ``tools/gpu_draft.sh`` runs
-them unless ``SHARED_TEACHER=1``) each pays for it; trained here, in lockstep, they share it.
-Measured on one H200 (SmolLM2-135M, batch 32 x 512, session 15): four drafts took 218 ms a
-step together (54.5 ms a draft), two in separate processes sharing the GPU 152 ms a step each
-(76 ms a draft), one alone 65 ms; so the teacher is roughly 15 ms of a step and each draft's
-own vocabulary-wide loss and backward ~50 ms.
+The teacher's forward is the part of a distillation step that drafts trained on the same
+batches can share: trained side by side in separate processes each pays for it; trained here,
+in lockstep, they share it. ``tools/distill_draft.py`` trains one draft through this loop.
+On one H200 (SmolLM2-135M, batch 32 x 512) the teacher is roughly 15 ms of a step and each
+draft's own vocabulary-wide loss and backward ~50 ms.
 Each draft still has its own optimiser, schedule, evaluations and checkpoints (its
 :class:`~tools.distill.train.Trainer`), and sees exactly the batches, in the same order, that it
 would see trained alone with the same data, batch, sequence length and seed.

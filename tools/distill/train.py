@@ -47,7 +47,7 @@ class TrainSettings:
     loss: str = "kl"  # a key of LOSSES
     # the first this many steps train only the embedding and LM head (or the projections a
     # narrower shared-embedding draft reads the target's through); layers and norms wait, so a
-    # draft whose input/output mapping was replaced (tools/widen_draft.py) keeps its layers
+    # draft whose input/output mapping was replaced (e.g. widened) keeps its layers
     embeddings_first: int = 0
 
 
