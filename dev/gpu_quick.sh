@@ -8,7 +8,7 @@
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
 # 16 prompts), t07 (b = 1, T = 0.7), compile (b = 1 with --no-compile), fp32 (greedy equality),
 # b1var (b = 1: AR, SD, SSD and SSD variants: fan-out budget 32, K = 4), b1h (b = 1 with
-# SSDLIB_HOST_TIMES=1, and SSD with SSDLIB_ASYNC_SENDS=1 beside it), b1fan (SD, SSD, SSD with a
+# SSDLIB_HOST_TIMES=1), b1fan (SD, SSD, SSD with a
 # fan-out budget of 32, SSD at K = 4), tp2 (AR and SD at
 # TP 2, b = 1), tp2fp32 (TP 2 fp32 greedy tokens == TP 1's; after fp32),
 # prof / prof8 / prof07 (SSDLIB_PROFILE: the leader's timed call and a window of the
@@ -77,9 +77,8 @@ for b in ${BENCHES:-b1}; do
   echo "== $b"
   case $b in
     b1) timeout 150 $B --n-prompts 4 --k 3 --json "$OUT/b1_k3.json" 2>&1 | $F | tail -14 ;;
-    b1h)  # b = 1 greedy with both ranks' host-clock segments (h_*, spec.h_*), and SSD with
-      # the link's sends as isends (SSDLIB_ASYNC_SENDS=1) for an A/B
-      SSDLIB_HOST_TIMES=1 timeout 200 $B --modes ar,sd,ssd,ssd:env=SSDLIB_ASYNC_SENDS=1 --n-prompts 4 --k 3 --json "$OUT/b1h.json" 2>&1 | $F | tail -16 ;;
+    b1h)  # b = 1 greedy with both ranks' host-clock segments (h_*, spec.h_*)
+      SSDLIB_HOST_TIMES=1 timeout 200 $B --modes ar,sd,ssd --n-prompts 4 --k 3 --json "$OUT/b1h.json" 2>&1 | $F | tail -16 ;;
     b1fan) timeout 240 $B --modes sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1fan.json" 2>&1 | $F | tail -16 ;;
     b1var) timeout 290 $B --modes ar,sd,ssd,ssd:fan_out_budget=32,ssd:k=4 --n-prompts 4 --k 3 --json "$OUT/b1_var.json" 2>&1 | $F | tail -18 ;;
     cmp) timeout 540 $B --modes ar,sd,ssd,ar:compile=0,sd:compile=0,ssd:compile=0 --n-prompts 4 --k 3 --json "$OUT/cmp.json" 2>&1 | $F | tail -24 ;;

@@ -38,17 +38,17 @@ class Step:
 def torch_attention_backend():
     """Inside: the slot-attention op runs its torch reference (the steps ask for Triton, which
     a CPU lacks); restored after."""
-    from ssdlib.ops import slot_attention as sa
+    from ssdlib.layers import attention
 
-    plain = sa.slot_attention
+    plain = attention.slot_attention  # the name the attention layer calls
 
     def on_cpu(*args, backend="triton", **kwargs):
         return plain(*args, backend="torch", **kwargs)
-    sa.slot_attention = on_cpu
+    attention.slot_attention = on_cpu
     try:
         yield
     finally:
-        sa.slot_attention = plain
+        attention.slot_attention = plain
 
 
 def add_step_args(ap) -> None:

@@ -19,6 +19,7 @@ from ssdlib.config import ModelConfig
 from ssdlib.engine.model_runner import POSITION_SLACK
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
+from ssdlib.speculative.fanout import parse_fanout
 
 
 def weight_bytes(config: ModelConfig, tp: int, dtype_bytes: int) -> int:
@@ -78,7 +79,6 @@ def rank_memory(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig | Non
         if cfg.world_size > cfg.tp:  # the speculator / separate draft rank
             branches = 0
             if cfg.mode == "ssd":
-                from ssdlib.speculative.fanout import parse_fanout
                 fan = parse_fanout(cfg.fan_out, cfg.k)
                 branches = (cfg.fan_out_budget if fan == "auto" else sum(fan)) * cfg.k
             out.append(RankMemory(cfg.tp, device(cfg.tp), draft, 1,

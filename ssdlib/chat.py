@@ -15,6 +15,7 @@ import sys
 from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs, report_error,
                             run_reporting, sampling_params)
 from ssdlib.errors import ConfigError, RankFailure, SSDError
+from ssdlib.generator import Generator
 from ssdlib.sampling import SamplingParams
 
 
@@ -40,8 +41,6 @@ def fit_conversation(gen, messages: list[dict], params: SamplingParams) -> tuple
 
 
 def chat(args) -> int:
-    from ssdlib.generator import Generator
-
     params = sampling_params(args)
     with Generator(start=False, **engine_kwargs(args)) as gen:
         if gen.tokenizer is None or gen.tokenizer.chat_template is None:

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssdlib.engine.compiled import compile_setting
+from ssdlib.engine.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError
+from ssdlib.loading.registry import default_draft
+from ssdlib.speculative.fanout import parse_fanout
 
 MODES = ("ar", "sd", "ssd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,7 +68,6 @@ class EngineConfig:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {self.tp!r}")
         if self.mode in ("sd", "ssd") and not self.draft:
-            from ssdlib.loading.registry import default_draft
             self.draft = default_draft(self.target)
             if not self.draft:
                 raise ConfigError(f"--mode {self.mode} needs a draft model (--draft)")
@@ -74,7 +77,6 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but no CUDA GPU is available")
-        from ssdlib.engine.compiled import compile_setting
         try:
             self.compile = compile_setting(self.compile)
         except ValueError as e:
@@ -112,7 +114,6 @@ class EngineConfig:
 
     def _check_fan_out(self) -> None:
         """--fan-out is checked in every mode (a typo must not pass silently where it is unused)."""
-        from ssdlib.speculative.fanout import parse_fanout
         try:
             parse_fanout(self.fan_out, self.k)
         except ConfigError as e:
@@ -123,7 +124,6 @@ class EngineConfig:
     def _check_position_slack(self) -> None:
         """A verification writes k + 1 positions past the committed length, which may reach
         max_len - 1: the model runners allocate POSITION_SLACK positions past max_len for them."""
-        from ssdlib.engine.model_runner import POSITION_SLACK
         if self.mode != "ar" and self.k + 1 > POSITION_SLACK:
             raise ConfigError(f"--k {self.k}: a round writes k + 1 = {self.k + 1} positions past "
                               f"the committed tokens, more than the {POSITION_SLACK} the KV cache "

@@ -15,6 +15,7 @@ import torch
 
 from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs, run_reporting,
                              sampling_params)
+from ssdlib.generator import Generator
 from ssdlib.jsonl import check_writable, read_prompts_file, write_json, write_jsonl_atomic
 from ssdlib.log import setup_logging
 
@@ -56,8 +57,6 @@ def capture_batch(n_prompts: int, max_batch: int) -> int:
 
 
 def run(args) -> int:
-    from ssdlib.generator import Generator
-
     # everything that can be checked without the models, before any model loads
     params = sampling_params(args)
     for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json)):

@@ -30,6 +30,7 @@ from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
 from ssdlib.engine.compile_cache import use_compile_cache
 from ssdlib.engine.compiled import resolve_compile
+from ssdlib.engine.compiled import wants_compile
 from ssdlib.engine.metrics import mean_accepted_by_source
 from ssdlib.engine.model_runner import eager_step_graphs
 from ssdlib.engine.sequence import Output, Request
@@ -221,7 +222,6 @@ class Generator:
         """Whether the target's captured steps run compiled layers (as the ranks decide)."""
         if self.cfg.device != "cuda":
             return False
-        from ssdlib.engine.compiled import wants_compile
         return wants_compile(self.cfg.compile, torch.device("cuda"), self.cfg.cuda_graphs,
                              self.cfg.tp)
 
@@ -363,8 +363,6 @@ class Generator:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool = False) -> Iterable[str]:
         """Yield text pieces of one prompt's answer as they come (runs in the caller's thread)."""
-        import queue
-        import threading
         q: queue.Queue = queue.Queue()
         result: dict = {}
 

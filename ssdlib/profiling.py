@@ -18,6 +18,9 @@ import gzip
 import os
 import shutil
 
+import torch
+
+from ssdlib import env
 from ssdlib.log import get_logger
 
 log = get_logger(__name__)
@@ -27,14 +30,12 @@ class _Session:
     """One profiled span: torch.profiler (+ cProfile) from ``start`` to ``stop``."""
 
     def __init__(self, stem: str):
-        import torch
-
         self.stem = stem
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.torch_prof = torch.profiler.profile(activities=activities)
-        self.py_prof = cProfile.Profile() if os.environ.get("SSDLIB_PROFILE_PY") == "1" else None
+        self.py_prof = cProfile.Profile() if env.flag("SSDLIB_PROFILE_PY") else None
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.stem) or ".", exist_ok=True)
@@ -59,9 +60,9 @@ class CallProfiler:
     """``with profiler.call(): ...`` around each generate call; profiles the chosen one."""
 
     def __init__(self, mode: str):
-        self.dir = os.environ.get("SSDLIB_PROFILE") or None
+        self.dir = env.text("SSDLIB_PROFILE")
         self.stem = None if self.dir is None else os.path.join(self.dir, f"{mode}-leader")
-        self.which = int(os.environ.get("SSDLIB_PROFILE_CALL", "2"))
+        self.which = env.integer("SSDLIB_PROFILE_CALL")
         self.calls = 0
 
     @contextlib.contextmanager
@@ -82,10 +83,10 @@ class RoundProfiler:
     """``tick()`` once per round; profiles rounds W .. W+N-1 (``SSDLIB_PROFILE_ROUNDS``)."""
 
     def __init__(self, name: str):
-        d = os.environ.get("SSDLIB_PROFILE") or None
+        d = env.text("SSDLIB_PROFILE")
         self.stem = None if d is None else os.path.join(d, name)
-        first, count = os.environ.get("SSDLIB_PROFILE_ROUNDS", "200:100").split(":")
-        self.first, self.end = int(first), int(first) + int(count)
+        first, count = env.window("SSDLIB_PROFILE_ROUNDS")
+        self.first, self.end = first, first + count
         self.rounds = 0
         self._session: _Session | None = None
 

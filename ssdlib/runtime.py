@@ -17,9 +17,13 @@ import torch
 
 from ssdlib.distributed.tp_channel import TargetExecutor, TPChannel
 from ssdlib.distributed.world import World, destroy_world, init_world
+from ssdlib.engine.ar_loop import ARLoop
 from ssdlib.engine.leader import Leader
 from ssdlib.engine.local_link import leader_stream
 from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine.sd_loop import build_sd_loop
+from ssdlib.engine.speculator import serve_speculator
+from ssdlib.engine.verifier import build_link_verifier
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
@@ -68,7 +72,6 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
     target_ck = load_checkpoint(cfg.target)
     dtype = cfg.torch_dtype
     if world.is_speculator:
-        from ssdlib.engine.speculator import serve_speculator
         serve_speculator(cfg, world, target_ck)
         destroy_world()
         return None
@@ -101,13 +104,10 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
 
 def _build_loop(cfg, world, target, target_ck):
     if cfg.mode == "ar":
-        from ssdlib.engine.ar_loop import ARLoop
         return ARLoop(target, world.device), lambda: None
     if cfg.mode == "sd":
-        from ssdlib.engine.sd_loop import build_sd_loop
         return build_sd_loop(cfg, world, target, target_ck)
     if cfg.mode == "ssd":
-        from ssdlib.engine.verifier import build_link_verifier
         return build_link_verifier(cfg, world, target, target_ck)
     raise ConfigError(f"unknown mode {cfg.mode!r}")
 

@@ -3,6 +3,9 @@ import sys
 
 import pytest
 
+# Tests that need a CUDA device carry the `gpu` marker (registered in pyproject.toml) next to
+# their skip: `python -m pytest tests -m gpu` runs exactly the GPU suite, `-m "not gpu"` the rest.
+
 # tests import helpers as `tests.tiny`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ssdlib import Generator, SamplingParams  # noqa: E402
+from ssdlib import Generator, SamplingParams, env  # noqa: E402
 from ssdlib.engine.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
@@ -147,12 +147,14 @@ _flag.__name__ = "flag (0 or 1)"
 
 def _env(value: str) -> tuple[str, str]:
     name, eq, val = value.partition("=")
-    if not eq or not name.startswith("SSDLIB_"):
+    # a name the engine does not read (a typo, a removed experiment) would change nothing
+    if not eq or name not in _ENGINE_SWITCHES:
         raise ValueError(value)
     return name, val
 
 
-_env.__name__ = "SSDLIB_NAME=VALUE"
+_ENGINE_SWITCHES = {s.name for s in env.SWITCHES if s.reader == "ssdlib"}
+_env.__name__ = "SSDLIB_NAME=VALUE (a variable listed in ssdlib/env.py)"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
                 "fallback": str, "draft": str, "compile": _flag, "env": _env,
                 "placement": str}
@@ -383,7 +385,7 @@ def _git_commit() -> str | None:
 
 
 def machine_info() -> dict:
-    commit = os.environ.get("SSDLIB_COMMIT") or _git_commit()
+    commit = env.text("SSDLIB_COMMIT") or _git_commit()
     cuda = torch.cuda.is_available()
     return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if cuda else [],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from ssdlib import env
 # the environment variables this module reads, and the ones it sets for the compilers
 CACHE_DIR_ENV = "SSDLIB_CACHE_DIR"
 COMPILER_CACHE_ENVS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
@@ -22,8 +23,9 @@ def cache_dir(override: str | None = None) -> str:
     """ssdlib's cache directory (see the module doc); nothing is created."""
     if override:
         return os.path.abspath(os.path.expanduser(override))
-    if os.environ.get(CACHE_DIR_ENV):
-        return os.path.abspath(os.path.expanduser(os.environ[CACHE_DIR_ENV]))
+    mine = env.text(CACHE_DIR_ENV)
+    if mine:
+        return os.path.abspath(os.path.expanduser(mine))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(os.path.abspath(base), "ssdlib")
 

@@ -10,9 +10,11 @@ model traced every layer again for every step shape (minutes at start-up).
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
+from ssdlib.ops.slot_attention import triton_available
 
 log = get_logger(__name__)
 
@@ -28,8 +30,6 @@ def compile_step_model(model, backend: str = "inductor"):
     specialisation: dynamic sizes would also mix the target's and the draft's widths where both
     run in one process (SD). Embedding, rotary tables, final norm and head stay eager (a
     handful of kernels). Compiled in the graph pool's warm-up, before capture."""
-    import torch._dynamo
-
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
@@ -92,8 +92,6 @@ def wants_compile(compile: bool | None, device: torch.device, cuda_graphs: bool,
     if not (cuda_graphs and tp == 1):
         return False
     if triton is None:
-        from ssdlib.ops.slot_attention import triton_available
-
         triton = triton_available()
     return triton
 

@@ -208,9 +208,6 @@ class LocalLink:
         self.failed = None  # what is left to do is to let go of the graphs
         self._run(self.speculator.shutdown)
 
-    def drain(self) -> None:
-        """Nothing is in flight between the two sides of one process."""
-
     # -- speculator side ----------------------------------------------------------------------
     def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:
         self._spec = spec

@@ -12,19 +12,19 @@ an eager prefill of SmolLM2's 30 layers cost 15-30 ms of kernel launches on an H
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ssdlib import env
 from ssdlib.engine.compiled import checked_step_model, wants_compile
 from ssdlib.engine.kv_cache import KVCache
 from ssdlib.engine.step_graphs import StepGraphs
-from ssdlib.errors import ConfigError
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.layers.linear import tp_size_rank
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.log import get_logger
 from ssdlib.models.llama import LlamaForCausalLM
+from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
+from ssdlib.ops.slot_attention import triton_available
 
 log = get_logger(__name__)
 
@@ -62,10 +62,8 @@ def prefill_bucket(s: int, cap: int) -> int:
 def use_slot_kernel(device: torch.device) -> bool:
     """The in-place attention kernel serves CUDA steps when it is importable and not disabled
     (SSDLIB_ATTENTION=torch forces the SDPA path)."""
-    if device.type != "cuda" or os.environ.get("SSDLIB_ATTENTION", "").lower() == "torch":
+    if device.type != "cuda" or env.choice("SSDLIB_ATTENTION") == "torch":
         return False
-    from ssdlib.ops.slot_attention import triton_available
-
     return triton_available()
 
 
@@ -77,11 +75,7 @@ def eager_step_graphs() -> str:
     capture policy (every batch bucket at a step's first use, long indexed forwards padded to
     a power of two), without compiling. For tests: the GPU's code path exercised end to end on
     a CPU. Returns "" (unset), "eager" or "eager-all"."""
-    raw = os.environ.get("SSDLIB_STEP_GRAPHS", "").strip().lower()
-    if raw not in ("", "eager", "eager-all"):
-        raise ConfigError(f"SSDLIB_STEP_GRAPHS must be 'eager', 'eager-all' or unset, got "
-                          f"{raw!r}")
-    return raw
+    return env.choice("SSDLIB_STEP_GRAPHS")
 
 
 class ModelRunner:
@@ -115,8 +109,6 @@ class ModelRunner:
         self.prefill_graphs: StepGraphs | None = None
         eager_path = eager_step_graphs()
         if self.device.type == "cuda" or eager_path:
-            from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
-
             # TP > 1: every rank captures the same steps in the same order (followers get the
             # leader's inputs on the host, TPChannel.serve), the collectives inside them too
             pool = (make_graph_pool(self.device, enabled=cuda_graphs)
@@ -129,7 +121,7 @@ class ModelRunner:
                                      all_buckets=(self.device.type == "cuda"
                                                   or eager_path == "eager-all"))
             if (cuda_graphs and self.device.type == "cuda"
-                    and os.environ.get("SSDLIB_PREFILL_GRAPHS", "1") != "0"):
+                    and env.flag("SSDLIB_PREFILL_GRAPHS")):
                 longest = min(alloc, MAX_PREFILL_GRAPH)
                 # the plain model: a prefill runs once a request and its kernels are long,
                 # while compiling each length bucket (compile=True) cost minutes at start-up

@@ -9,15 +9,14 @@ Every answer declares the q its tokens were drawn from (QKind), so the verifier 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ssdlib import env
 from ssdlib.engine.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.spec_row import SpecRow
-from ssdlib.errors import ConfigError
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
 
@@ -183,7 +182,4 @@ def q_after_build() -> bool:
     """``SSDLIB_Q_AFTER_BUILD=1`` (experimental, default 0): a sampling SPEC's q is sent once
     the cache build is launched (on GPU from a side stream) instead of before it, which takes
     the send's host cost off the path to the build. Not yet measured on a GPU."""
-    raw = os.environ.get("SSDLIB_Q_AFTER_BUILD", "0").strip()
-    if raw not in ("0", "1"):
-        raise ConfigError(f"SSDLIB_Q_AFTER_BUILD must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env.flag("SSDLIB_Q_AFTER_BUILD")

@@ -11,6 +11,7 @@ from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.model_runner import ModelRunner
 from ssdlib.engine.metrics import record_acceptance
 from ssdlib.engine.timing import RoundTimer
+from ssdlib.engine.verifier import build_link_verifier
 from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading.draft import load_draft
 from ssdlib.speculative.acceptance import DraftQ
@@ -51,7 +52,6 @@ class SDLoop:
 def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
         # the draft on its own rank (a Speculator without a cache), speculations over the SSD link
-        from ssdlib.engine.verifier import build_link_verifier
         return build_link_verifier(cfg, world, target, target_ck)
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,

@@ -6,19 +6,12 @@ GPU, gloo on CPU; ``staged``: gloo through host memory for ranks that share a GP
 buffers are pinned on GPU and reused: each waits for its last copy to the device before it is
 written again.
 
-``SSDLIB_ASYNC_SENDS=1`` (opt-in, measured slower): on GPU a send does not hold the sending
-stream. ``dist.send`` makes the stream wait for the transfer's end, so the next step launched on
-it (the leader's verify after an OUTCOME) starts only then; with the switch, sends are
-``isend``s, a reused device buffer waits for its last send on the stream (``_reuse``) before it
-is written again, and the work of a temporary one is kept until it completes. In one A/B
-(two H200s, b = 1 greedy, one bench invocation) SSD made 776.8 tok/s with it
-and 925.2 without, every host segment of both ranks slower with it (not explained), so the
-default stays ``dist.send``.
+Sends are ``dist.send``: on GPU the sending stream waits for the transfer's end, so the next
+step launched on it (the leader's verify after an OUTCOME) starts only then. ``isend`` with the
+buffers' reuse tracked was measured slower (two H200s, b = 1 greedy: SSD 776.8 vs 925.2 tok/s).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -64,30 +57,9 @@ class SpecLink:
         self._side = torch.cuda.Stream(device=device) if gpu_side else None
         self._q_ready = torch.cuda.Event() if gpu_side else None
         self._q_sent = torch.cuda.Event() if gpu_side else None
-        # GPU sends in flight (see the module doc): by reused buffer, and temporaries' works
-        self._async_sends = gpu_side and os.environ.get("SSDLIB_ASYNC_SENDS") == "1"
-        self._inflight: dict[int, dist.Work] = {}
-        self._temps: list[dist.Work] = []
 
-    def _send(self, t: torch.Tensor, reused: bool = False) -> None:
-        """Send ``t``; ``reused``: a buffer of this link, written again after :meth:`_reuse`."""
-        if not self._async_sends:
-            dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer,
-                      group=self.group)
-            return
-        t = t.contiguous()
-        work = dist.isend(t, dst=self.peer, group=self.group)
-        if reused:
-            self._inflight[t.data_ptr()] = work
-        else:  # kept (with its tensor) until it completes
-            self._temps = [w for w in self._temps if not w.is_completed()] + [work]
-
-    def _reuse(self, buf: torch.Tensor) -> None:
-        """Before ``buf`` (a reused device buffer) is written again: the stream waits for its
-        last send, if one is in flight."""
-        work = self._inflight.pop(buf.data_ptr(), None)
-        if work is not None:
-            work.wait()
+    def _send(self, t: torch.Tensor) -> None:
+        dist.send(t.cpu() if self.staged else t.contiguous(), dst=self.peer, group=self.group)
 
     def _recv_staged(self, t: torch.Tensor) -> torch.Tensor:
         """A staged link's receive: a host tensor shaped like ``t``."""
@@ -117,11 +89,10 @@ class SpecLink:
         if self.staged:
             dist.send(host.clone(), dst=self.peer, group=self.group)
             return
-        self._reuse(dev)
         dev.copy_(host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        self._send(dev, reused=True)
+        self._send(dev)
 
     def q_buf(self) -> torch.Tensor:
         if self._q_buf is None:
@@ -181,16 +152,6 @@ class SpecLink:
 
     def send_shutdown(self) -> None:
         self._send_frame(Header(Op.SHUTDOWN))
-        self.drain()
-
-    def drain(self) -> None:
-        """Wait (on the host) until every send in flight has completed."""
-        works = list(self._inflight.values()) + self._temps
-        self._inflight, self._temps = {}, []
-        for work in works:
-            work.wait()
-        if works:
-            torch.cuda.current_stream(self.device).synchronize()
 
     # -- speculator side --------------------------------------------------------------------
     def recv_header(self) -> Header:
@@ -221,7 +182,6 @@ class SpecLink:
         q_out = self.q_buf() if spec.q is not None else None
         if q_out is not None and self._q_sent is not None:
             torch.cuda.current_stream(self.device).wait_event(self._q_sent)  # the last q left
-            self._reuse(q_out)
         parts = spec.pack(self._host_buffer(self.spec_host), q_out)
         if tokens:
             self._send_host(parts[0], self.spec_buf[:b])
@@ -231,7 +191,7 @@ class SpecLink:
                 if self._q_ready is not None:
                     self._q_ready.record()
             else:
-                self._send(parts[1], reused=True)
+                self._send(parts[1])
 
     def send_held_q(self) -> None:
         """Send the q that :meth:`send_spec` held back, if any (on GPU from the side stream,
@@ -240,11 +200,11 @@ class SpecLink:
         if q is None:
             return
         if self._side is None:
-            self._send(q, reused=True)
+            self._send(q)
             return
         with torch.cuda.stream(self._side):
             self._side.wait_event(self._q_ready)
-            self._send(q, reused=True)
+            self._send(q)
             self._q_sent.record()
 
     def send_cache(self, rows: torch.Tensor) -> None:

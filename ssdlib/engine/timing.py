@@ -12,20 +12,17 @@ totals over many rounds; per-round means stay comparable).
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
+from ssdlib import env
 from ssdlib.errors import ConfigError
 
 
 def time_every() -> int:
     """The sampling period of the round timers: ``SSDLIB_TIME_EVERY`` (default 1, every round)."""
-    raw = os.environ.get("SSDLIB_TIME_EVERY", "1").strip()
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"SSDLIB_TIME_EVERY must be an integer >= 1, got {raw!r}")
-    return int(raw)
+    return env.integer("SSDLIB_TIME_EVERY")
 
 
 class RoundTimer:
@@ -145,7 +142,7 @@ class HostClock:
     generate call). Off: one check a call."""
 
     def __init__(self, on: bool | None = None):
-        self.on = os.environ.get("SSDLIB_HOST_TIMES") == "1" if on is None else on
+        self.on = env.flag("SSDLIB_HOST_TIMES") if on is None else on
         self._t = 0.0
         self._end: float | None = None
         self._segments: dict[str, float] = {}

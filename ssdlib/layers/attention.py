@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ssdlib.ops.slot_attention import slot_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -144,8 +146,6 @@ def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
     """``slot_attention`` as an opaque op: torch.compile traces the step around it in one graph
     (fusing the small kernels before and after it) and launches the kernel as it is."""
-    from ssdlib.ops.slot_attention import slot_attention
-
     # the model runner chose the backend once (use_slot_kernel): no per-layer re-dispatch
     return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
                           tree_mask, backend=backend).contiguous()

@@ -17,6 +17,7 @@ import os
 import shutil
 
 import torch
+from safetensors.torch import save_file
 
 from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, TARGET_HIDDEN_SIZE_KEY
 from ssdlib.errors import CheckpointError
@@ -109,8 +110,6 @@ def materialize_hf(draft_dir: str, target_ck: Checkpoint, out_dir: str,
     target's embedding stored, the flag removed) that transformers loads. Tensors are written in
     ``dtype`` (default: the draft's stored dtype). Other files of ``draft_dir`` (tokenizer,
     generation config) are copied. Returns ``out_dir``."""
-    from safetensors.torch import save_file
-
     ck = load_draft(draft_dir, target_ck)
     directory = ck.source
     if not os.path.isdir(directory):

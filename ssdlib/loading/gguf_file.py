@@ -21,10 +21,11 @@ from gguf.quants import dequantize
 
 from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
-from ssdlib.loading.checkpoint import Checkpoint
+from ssdlib.gguf_reader import open_gguf, read_metadata
+from ssdlib.loading.checkpoint_types import Checkpoint
 from ssdlib.loading.gguf_config import config_from_gguf
-from ssdlib.loading.gguf_reader import open_gguf, read_metadata
 from ssdlib.loading.llama_names import expected_shapes, hf_name_for_gguf
+from ssdlib.tokenizer import tokenizer_from_gguf
 
 SUPPORTED_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
@@ -157,8 +158,6 @@ def load_gguf(path: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> Checkpoint:
     weights = GGUFWeights(path, reader, config, cache_bytes=cache_bytes)
 
     def tokenizer_factory():
-        from ssdlib.tokenizer import tokenizer_from_gguf
-
         return tokenizer_from_gguf(metadata)
 
     return Checkpoint(source=path, config=config, weights=weights,

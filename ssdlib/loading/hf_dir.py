@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ssdlib.config import EMBEDDING_FROM_TARGET_KEY, TARGET_HIDDEN_SIZE_KEY, ModelConfig
 from ssdlib.errors import CheckpointError
-from ssdlib.loading.checkpoint import Checkpoint
+from ssdlib.loading.checkpoint_types import Checkpoint
+from ssdlib.tokenizer import Tokenizer, load_tokenizer_dir
 
 # The tensors a draft with ``embedding_from_target`` does not store: its target serves them.
 TARGET_SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -90,7 +92,10 @@ class SafetensorsWeights:
         return t
 
 
-def load_hf_dir(directory: str) -> Checkpoint:
+def load_hf_dir(directory: str, resolve: Callable[[str], Checkpoint]) -> Checkpoint:
+    """An HF checkpoint directory as a :class:`Checkpoint`. ``resolve`` turns the name in a
+    ``tokenizer_source.json`` into the checkpoint whose tokenizer this one shares
+    (:func:`ssdlib.loading.checkpoint.load_checkpoint`)."""
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{directory}: no config.json (not an HF checkpoint directory)")
@@ -126,11 +131,10 @@ def load_hf_dir(directory: str) -> Checkpoint:
                     + ("it is missing" if found is None else f"it has {found}"))
 
     def tokenizer_factory():
-        from ssdlib.tokenizer import load_tokenizer_dir
         own = load_tokenizer_dir(directory, config)
         if own is not None:
             return own
-        return _shared_tokenizer(directory)
+        return _shared_tokenizer(directory, resolve)
 
     return Checkpoint(source=directory, config=config, weights=weights,
                       tokenizer_factory=tokenizer_factory)
@@ -139,7 +143,7 @@ def load_hf_dir(directory: str) -> Checkpoint:
 SHARED_TOKENIZER_FILE = "tokenizer_source.json"
 
 
-def _shared_tokenizer(directory: str):
+def _shared_tokenizer(directory: str, resolve: Callable[[str], Checkpoint]) -> Tokenizer | None:
     """A draft may ship without tokenizer files and name its target's instead:
     ``tokenizer_source.json`` = {"same_as": NAME_OR_PATH, "fingerprint": sha256}. The fingerprint
     is checked, so a changed target tokenizer is an error, not a silent mismatch."""
@@ -152,9 +156,7 @@ def _shared_tokenizer(directory: str):
         source, fingerprint = ref["same_as"], ref["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
-    from ssdlib.loading.checkpoint import load_checkpoint
-
-    tok = load_checkpoint(source).tokenizer
+    tok = resolve(source).tokenizer
     if tok is None or tok.fingerprint() != fingerprint:
         raise CheckpointError(f"{path}: the tokenizer of {source!r} is not the one this "
                               "checkpoint was trained with (fingerprint differs)")

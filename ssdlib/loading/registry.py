@@ -17,6 +17,7 @@ import importlib.metadata
 import os
 from dataclasses import dataclass
 
+from ssdlib import env
 from ssdlib.errors import CheckpointError
 
 MODEL_DIRS_ENV = "SSDLIB_MODEL_DIRS"
@@ -69,7 +70,7 @@ def default_draft(target: str) -> str | None:
 
 
 def _model_dirs() -> list[str]:
-    return [d for d in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if d]
+    return env.paths(MODEL_DIRS_ENV)
 
 
 def _from_distribution(entry: NamedCheckpoint) -> str | None:

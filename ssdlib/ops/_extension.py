@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from ssdlib import env
 from ssdlib.log import get_logger
 
 logger = get_logger(__name__)
@@ -37,7 +38,7 @@ _warned: set[str] = set()
 
 
 def _disabled() -> bool:
-    return os.environ.get("SSDLIB_DISABLE_EXT", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.flag("SSDLIB_DISABLE_EXT")
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,11 +14,11 @@ semantics and is the fallback on CPU or without Triton. docs/ATTENTION.md, "Slot
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
+from ssdlib import env
 from ssdlib.log import get_logger
 
 logger = get_logger(__name__)
@@ -108,6 +108,7 @@ def slot_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 @functools.lru_cache(maxsize=1)
 def _triton_module() -> ModuleType | None:
+    # triton is optional (and slow to import): tried once, when a kernel is first wanted
     try:
         from ssdlib.ops import triton_slot_attention
     except ImportError as exc:
@@ -130,7 +131,7 @@ def _use_triton(q: torch.Tensor, backend: str) -> bool:
         if not triton_available():
             raise RuntimeError("backend='triton' was requested but triton cannot be imported")
         return True
-    if not q.is_cuda or os.environ.get("SSDLIB_ATTENTION", "").strip().lower() == "torch":
+    if not q.is_cuda or env.choice("SSDLIB_ATTENTION") == "torch":
         return False
     if triton_available():
         return True

@@ -22,10 +22,13 @@ import os
 import signal
 import sys
 
+from ssdlib import env
 from ssdlib.cli_args import add_engine_args, engine_kwargs, report_error, run_reporting
 from ssdlib.errors import EXIT_FAILURE, ConfigError
+from ssdlib.generator import Generator
 from ssdlib.log import progress_logger, setup_logging
 from ssdlib.serve.guard import DEFAULT_MAX_REQUEST_BYTES
+from ssdlib.serve.warmup import run_warmup
 
 progress = progress_logger()
 
@@ -97,6 +100,8 @@ def _server_class(uvicorn):
 
 
 def run(args) -> int:
+    # fastapi and uvicorn are the optional serve extra: imported here so that a missing extra is
+    # one clear error, not an ImportError of the module
     try:
         import uvicorn
 
@@ -105,8 +110,6 @@ def run(args) -> int:
         sys.stderr.write(f"ssdlib error: the server needs its extra: pip install -e \".[serve]\" "
                          f"({e})\n")
         return 2
-    from ssdlib.generator import Generator
-    from ssdlib.serve.warmup import run_warmup
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -114,7 +117,7 @@ def run(args) -> int:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    api_key = args.api_key or os.environ.get("SSDLIB_API_KEY") or None
+    api_key = args.api_key or env.text("SSDLIB_API_KEY")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     failed: list[BaseException] = []
     server = None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ssdlib.errors import CheckpointError
+from ssdlib.gguf_reader import open_gguf, read_metadata
 from ssdlib.tokenizer.builders import byte_level_bpe, sentencepiece_bpe
 from ssdlib.tokenizer.stop_tokens import stop_token_ids
 from ssdlib.tokenizer.tokenizer import Tokenizer
@@ -44,12 +45,10 @@ def gguf_stop_token_ids(metadata: Mapping[str, Any]) -> list[int]:
 
 def tokenizer_from_gguf(source: str | os.PathLike | Mapping[str, Any]) -> Tokenizer | None:
     """The tokenizer of a GGUF file (a path, or its metadata as read by
-    :func:`ssdlib.loading.gguf_reader.read_metadata`); ``None`` if the file has no vocabulary."""
+    :func:`ssdlib.gguf_reader.read_metadata`); ``None`` if the file has no vocabulary."""
     if isinstance(source, Mapping):
         metadata, where = source, "GGUF metadata"
     else:
-        from ssdlib.loading.gguf_reader import open_gguf, read_metadata
-
         where = os.fspath(source)
         metadata = read_metadata(where, open_gguf(where))
     kind = metadata.get("tokenizer.ggml.model")

@@ -1,28 +1,25 @@
-"""Tokenizer files of a Hugging Face checkpoint directory: reading and writing.
+"""Tokenizer files of a Hugging Face checkpoint directory, read into a :class:`Tokenizer`.
 
 Read: ``tokenizer.json`` (the fast-tokenizer pipeline) or, failing that, a sentencepiece
 ``tokenizer.model``; ``tokenizer_config.json`` for BOS/EOS, ``add_bos_token`` and the chat
 template (or ``chat_template.jinja`` / ``chat_template.json``, where transformers 5 saves it).
-Write: ``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' ``AutoTokenizer``
-loads to the same ids.
+Writing them back is :meth:`Tokenizer.save_hf`, which needs nothing from here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tokenizers
 
+from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
 from ssdlib.tokenizer.builders import bos_post_processor, sentencepiece_bpe
 from ssdlib.tokenizer.sentencepiece_model import MODEL_BPE, read_sentencepiece_model
 from ssdlib.tokenizer.stop_tokens import stop_token_ids
 from ssdlib.tokenizer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from ssdlib.config import ModelConfig
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # What transformers' LlamaTokenizer assumes when a tokenizer.model comes without a config.
@@ -124,24 +121,3 @@ def load_tokenizer_dir(directory: str, config: ModelConfig | None = None) -> Tok
                      special_tokens=specials,
                      model_max_length=max_len if isinstance(max_len, int) else None)
 
-
-def save_tokenizer_dir(tokenizer: Tokenizer, directory: str) -> None:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` for ``tokenizer`` into ``directory``."""
-    os.makedirs(directory, exist_ok=True)
-    tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
-    config: dict[str, Any] = {
-        # The generic fast tokenizer: a model-specific class would rebuild its own pipeline.
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        **tokenizer.special_tokens,
-    }
-    if tokenizer.add_bos_token is not None:
-        config["add_bos_token"] = tokenizer.add_bos_token
-        config["add_eos_token"] = False
-    if tokenizer.model_max_length is not None:
-        config["model_max_length"] = tokenizer.model_max_length
-    if tokenizer.chat_template is not None:
-        config["chat_template"] = tokenizer.chat_template
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-        f.write("\n")

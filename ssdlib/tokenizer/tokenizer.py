@@ -127,7 +127,24 @@ class Tokenizer:
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
     def save_hf(self, directory: str | os.PathLike) -> None:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` that ``AutoTokenizer`` loads."""
-        from ssdlib.tokenizer.hf_files import save_tokenizer_dir
-
-        save_tokenizer_dir(self, os.fspath(directory))
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` that ``AutoTokenizer`` loads
+        (and :func:`ssdlib.tokenizer.load_tokenizer_dir` reads back)."""
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        config: dict[str, Any] = {
+            # The generic fast tokenizer: a model-specific class would rebuild its own pipeline.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            **self.special_tokens,
+        }
+        if self.add_bos_token is not None:
+            config["add_bos_token"] = self.add_bos_token
+            config["add_eos_token"] = False
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")

@@ -4,7 +4,8 @@ vocab all-gather): greedy fp32 tokens equal TP 1's, for AR and SD. Skipped witho
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 
 def _generate(tiny_dirs, **kw):

@@ -30,9 +30,9 @@ def test_speculative_modes_fill_the_context_like_ar(tiny_dirs, ar_reference, kw)
 
 
 def test_k_beyond_the_position_slack_is_refused(monkeypatch):
-    import ssdlib.engine.model_runner as model_runner
+    import ssdlib.engine_config as engine_config
 
-    monkeypatch.setattr(model_runner, "POSITION_SLACK", 4)
+    monkeypatch.setattr(engine_config, "POSITION_SLACK", 4)
     with pytest.raises(ConfigError, match="--k 5.*positions past"):
         EngineConfig(target="t", draft="d", mode="sd", k=5)
     EngineConfig(target="t", draft="d", mode="sd", k=3)

@@ -31,7 +31,7 @@ def test_same_tokens_with_q_after_build(tiny_dirs, monkeypatch):
 
 
 def test_bad_value_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("SSDLIB_Q_AFTER_BUILD", "yes")
+    monkeypatch.setenv("SSDLIB_Q_AFTER_BUILD", "2")
     with pytest.raises(ConfigError, match="SSDLIB_Q_AFTER_BUILD must be 0 or 1"):
         q_after_build()
     monkeypatch.setenv("SSDLIB_Q_AFTER_BUILD", "1")

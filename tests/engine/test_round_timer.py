@@ -98,6 +98,7 @@ def test_round_with_a_finished_sequence_is_read_at_once(monkeypatch):
     assert timer.flush() == {}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA events")
 def test_deferred_rounds_on_gpu_use_their_own_events():
     """On GPU a kept round's events stay untouched while the next round records its own."""

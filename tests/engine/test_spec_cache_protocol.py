@@ -85,6 +85,7 @@ def test_local_fallbacks_draw_on_the_leader():
         local_fallback("jit", seq, s1, K, V)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pushed_rows_on_cuda():
     """The CACHE built on the GPU (no read-back there) reaches the mirror intact, round after

@@ -436,6 +436,7 @@ def test_compile_step_model_compiles_one_layer_for_all(tiny_dirs):
     torch._dynamo.reset()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor on CUDA")
 def test_runner_compile_on_cuda_equals_eager_through_graphs(tiny_dirs):
     """compile=True on CUDA: the captured steps run the regionally compiled layers (inductor's

@@ -11,7 +11,12 @@ from ssdlib.errors import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 11], [1, 7, 3]]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda(test):
+    """A GPU test (``-m gpu``), skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs a CUDA GPU")(test))
 
 
 def test_auto_placement_and_world_size(tiny_dirs):

@@ -13,7 +13,8 @@ from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.tree_mask import tree_mask_full
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)]
+                                            if torch.cuda.is_available() else []))
 def test_branch_logits_equal_plain_forward(tiny_dirs, device):
     ck = load_checkpoint(tiny_dirs["smol_heads"])
     runner = ModelRunner(ck, None, device, torch.float32, n_slots=4, max_len=64, tree_len=20)

@@ -176,6 +176,7 @@ def test_compile_cache_env_is_set_unless_the_user_set_it(monkeypatch, tmp_path):
         {"TRITON_CACHE_DIR": str(tmp_path / "flag" / "triton")}  # inductor's is set by now
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_cuda_run_after_warm_up_neither_captures_nor_compiles(tiny_dirs, monkeypatch, tmp_path,

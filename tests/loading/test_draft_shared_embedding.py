@@ -190,17 +190,10 @@ def test_sd_with_a_flagged_draft_equals_ar(shared, ar_reference):
     assert 0 < sum(rates) / len(rates) < 1
 
 
-def _speculator_uses_load_draft() -> bool:
-    import ssdlib.engine.speculator as speculator
-
-    with open(speculator.__file__) as f:
-        return "load_draft(" in f.read()
-
-
-@pytest.mark.skipif(not _speculator_uses_load_draft(),
-                    reason="engine/speculator.py still loads the draft without load_draft")
 @pytest.mark.parametrize("mode,placement", [("ssd", "leader"), ("sd", "separate")])
 def test_speculator_rank_with_a_flagged_draft_equals_ar(shared, ar_reference, mode, placement):
+    """The speculator (its own rank, or the draft's rank of SD) loads the draft beside the
+    target: loaded alone, a flagged draft has no embedding and the rank would fail."""
     target, flagged, _ = shared
     with Generator(target=target, draft=flagged, mode=mode, draft_placement=placement, k=4,
                    max_batch=2, max_len=128) as g:

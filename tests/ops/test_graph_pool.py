@@ -23,7 +23,13 @@ from ssdlib.ops.graph_pool import (
 )
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+
+
+def needs_cuda(test):
+    """A GPU test (``-m gpu``), skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")(test))
+
+
 GRAPH_KINDS = ["torch", "native"]
 
 
@@ -292,6 +298,7 @@ def nccl_capture_rank(kind: str, out_queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("kind", GRAPH_KINDS)
 def test_capture_with_nccl_collectives(kind):

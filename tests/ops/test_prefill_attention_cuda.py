@@ -7,7 +7,7 @@ import torch
 
 from ssdlib.layers.attention import AttentionMetadata, CachedAttention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

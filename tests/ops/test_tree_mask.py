@@ -176,12 +176,14 @@ def test_compiled_meta_shapes():
     assert torch.ops.ssdlib.tree_mask_full(fork_len, 5, 2).shape == (3, 8, 5 + 8)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.skipif(not extension_available("cuda"), reason="ssdlib._C is not built with CUDA")
 def test_compiled_cuda_matches_reference():
     check_compiled(torch.ops.ssdlib, "cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_reference_on_cuda_matches_cpu():
     for (K, B, depth, n), dtype in itertools.product(SHAPES, DTYPES):
@@ -225,6 +227,7 @@ def test_jit_build_cpu_matches_reference(jit_ops):
     check_compiled(jit_ops, "cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_jit_build_cuda_matches_reference(jit_ops):
     check_compiled(jit_ops, "cuda")

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from tests.test_serve import LiveServer, _engine, models  # noqa: E402,F401 (fixture)
+from tests.serve.live_server import LiveServer, _engine, models  # noqa: E402,F401 (fixture)
 
 VALUES = {"temperature": [0, 5e-324, 1e-300, 1e-39, 1e-6, 0.7, 2.0, 1e30, -1e-300],
           "top_p": [5e-324, 1e-300, 1e-39, 0.5, 1.0, 0.0, 1.5],

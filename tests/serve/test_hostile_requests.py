@@ -4,8 +4,8 @@ read, a huge prompt does not stall other clients, bad fields get OpenAI 400/413 
 500), extreme sampling values do not hurt the engine, the API key guards every path but
 /health (and comes before any body check), and an engine failure's details stay in the log.
 
-The live server runs the tiny chat model (tests.test_serve); the engine-failure test serves a
-stand-in engine that fails on its first request, with a rank traceback in its error."""
+The live server runs the tiny chat model (tests/serve/live_server.py); the engine-failure test
+serves a stand-in engine that fails on its first request, with a rank traceback in its error."""
 
 import asyncio
 import json
@@ -26,8 +26,8 @@ from ssdlib.prompts import PromptEncoder  # noqa: E402
 from ssdlib.serve.guard import RequestGuard  # noqa: E402
 from ssdlib.serve.openai_api import MAX_MESSAGES  # noqa: E402
 from ssdlib.tokenizer.chat_template import MAX_OUTPUT_CHARS  # noqa: E402
-from tests.test_serve import (KEY, LONG, PROMPT, LiveServer, _engine,  # noqa: E402,F401
-                              _wait_for, models)
+from tests.serve.live_server import (KEY, LONG, PROMPT, LiveServer, _engine,  # noqa: E402,F401
+                                     _wait_for, models)
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "Hi"}]

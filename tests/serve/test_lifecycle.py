@@ -5,7 +5,7 @@ with no process and no semaphore left; past ``--shutdown-timeout`` (SIGINT, 0 s)
 cancelled and still ends cleanly.
 
 The first two run the app on a thread of the test process; the others run
-``python -m ssdlib.serve`` as a process (tiny chat model of tests/test_serve.py)."""
+``python -m ssdlib.serve`` as a process (tiny chat model of tests/serve/live_server.py)."""
 
 import json
 import os
@@ -26,8 +26,8 @@ from ssdlib import Generator, SamplingParams  # noqa: E402
 from ssdlib.ops.graph_pool import capture_count  # noqa: E402
 from ssdlib.serve.warmup import mixed_batch, run_warmup  # noqa: E402
 from tests.rank_helpers import child_pids  # noqa: E402
-from tests.test_serve import (MAX_LEN, PROMPT, ROOT, LiveServer, _engine,  # noqa: E402,F401
-                              _free_port, _wait_for, _wait_healthy, models)
+from tests.serve.live_server import (MAX_LEN, PROMPT, ROOT, LiveServer, _engine,  # noqa: E402,F401
+                                     _free_port, _wait_for, _wait_healthy, models)
 
 IN_FLIGHT_TOKENS = 300
 

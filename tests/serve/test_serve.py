@@ -3,15 +3,14 @@ client: greedy answers equal Generator.generate (modes ar, sd, ssd), requests jo
 batch, a client that disconnects frees its slot, every error status, /metrics parses.
 
 Servers run uvicorn on a thread of the test process (one per mode, tiny chat model); one test
-runs ``python -m ssdlib.serve`` as a process and kills a rank under it."""
+runs ``python -m ssdlib.serve`` as a process and kills a rank under it. The server and models
+the tests share: tests/serve/live_server.py."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -22,72 +21,12 @@ httpx = pytest.importorskip("httpx")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
-from tests.tiny import make_noisy_draft, make_tiny_llama  # noqa: E402
-from tests.tiny_chat import write_char_tokenizer  # noqa: E402
+from tests.serve.live_server import (KEY, LONG, MAX_LEN, PROMPT, ROOT,  # noqa: E402,F401
+                                     LiveServer, _engine, _free_port, _wait_for, _wait_healthy,
+                                     models)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEY = "sk-test"
-MAX_LEN = 2048  # room for requests that outlive a client (a cancelled one never ends on its own)
-LONG = 2000
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
-PROMPT = "The sea"
 N = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """create_app(generator) served by uvicorn on a thread, on a real socket."""
-
-    def __init__(self, gen, **kw):
-        import uvicorn
-
-        from ssdlib.serve.app import create_app
-
-        self.gen = gen
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(gen, "tiny", **kw)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def client(self, key=KEY) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-    def metrics(self) -> dict:
-        # /metrics needs the key on a server that has one (harmless on one that has none)
-        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-        out = {}
-        for fam in prom_parser.text_string_to_metric_families(text):
-            for s in fam.samples:
-                key = s.name + "".join(f"[{v}]" for v in s.labels.values())
-                out[key] = s.value
-        return out
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.gen.close()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    # tests.tiny_chat's model with a longer context
-    target = make_tiny_llama(str(root / "target"), "smol_heads", scale=2.0, vocab_size=90,
-                             max_position_embeddings=MAX_LEN)
-    write_char_tokenizer(target)
-    return target, make_noisy_draft(target, str(root / "draft"), 0.03)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +39,6 @@ def reference(models):
                 "long": g.generate([PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True))[0],
                 "seeded": g.generate([PROMPT], SamplingParams(max_new_tokens=N, temperature=0.9,
                                                               seed=7, ignore_eos=True))[0]}
-
-
-def _engine(models, mode, **kw):
-    draft = None if mode == "ar" else models[1]
-    return Generator(target=models[0], draft=draft, mode=mode, max_len=MAX_LEN, k=3, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -229,25 +163,6 @@ def test_a_late_request_joins_the_running_batch(models, reference):
         assert m["ssdlib_requests_running"] == 0 and m["ssdlib_requests_waiting"] == 0
     finally:
         server.close()
-
-
-def _wait_for(fn, timeout_s=20.0):
-    deadline = time.time() + timeout_s
-    while not fn():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def _wait_healthy(proc, url: str, timeout_s: float = 90) -> None:
-    """Wait until a server subprocess answers /health with 200 (fails if it exits first)."""
-    def up():
-        assert proc.poll() is None, proc.communicate()
-        try:
-            return httpx.get(url + "/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    _wait_for(up, timeout_s)
 
 
 def test_disconnect_frees_the_slot_and_full_queue_is_503(ar_server):

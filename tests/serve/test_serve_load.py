@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
-from tests.test_serve import (MAX_LEN, ROOT, LiveServer, _engine, _free_port,  # noqa: E402,F401
-                              _wait_healthy, models)
+from tests.serve.live_server import (MAX_LEN, ROOT, LiveServer,  # noqa: E402,F401
+                                     _engine, _free_port, _wait_healthy, models)
 
 FINISH = {"eos": "stop"}  # Output.finish_reason -> OpenAI's
 CLIENTS = 16
