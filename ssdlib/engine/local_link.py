@@ -18,8 +18,8 @@ Why one thread and not a speculator thread of its own: a thread would let the sp
 work (its answer and the build's launch) start at the OUTCOME instead of after the verify's
 launch, but CUDA-graph capture is not safe beside another thread's work: on one H200 the
 speculator thread's first captures failed with ``cudaErrorStreamCaptureInvalidated`` while the
-leader ran (docs/ARCHITECTURE.md, "Where the speculator runs"). One thread also keeps the order of every
-launch fixed, so a run is reproducible and CPU runs take the GPU's path.
+leader ran (docs/ARCHITECTURE.md, "Where the speculator runs"). One thread also keeps the order
+of every launch fixed, so a run is reproducible and CPU runs take the GPU's path.
 
 Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's
 stream and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
@@ -88,15 +88,12 @@ class LocalLink:
         """Context: the speculator's work goes to its stream."""
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
-    def _check(self) -> None:
-        if self.failed is not None:
-            raise SSDError(f"the speculator failed: {self.failed}") from self.failed
-
     def _run(self, fn, *args):
         """Run a speculator step on its stream, its host time counted as the speculator's. An
         exception is the job's error (it reaches the leader's caller as it is); the link is
         broken from then on."""
-        self._check()
+        if self.failed is not None:
+            raise SSDError(f"the speculator failed: {self.failed}") from self.failed
         t0 = time.perf_counter()
         try:
             with self.on_stream():
@@ -107,7 +104,7 @@ class LocalLink:
         self.speculator.stats["busy_s"] += time.perf_counter() - t0
         return out
 
-    # -- driving the speculator's round (this class: inline, at the leader's calls) ----------
+    # -- driving the speculator's round, at the leader's calls -------------------------------
     def _answer(self) -> None:
         """The speculator answers the OUTCOME in hand, if it has not yet."""
         if self._pending is None:
@@ -121,15 +118,12 @@ class LocalLink:
         self._answer()
         if self._build_due:
             self._build_due = False
-            self._build_round()
+            if self.overlap is not None:
+                self.overlap.build_starts(self.stream)
+            self._run(self.speculator.finish_round, False)
+            if self.overlap is not None:
+                self.overlap.build_ends(self.stream)
             self._times_due = True
-
-    def _build_round(self) -> None:
-        if self.overlap is not None:
-            self.overlap.build_starts(self.stream)
-        self._run(self.speculator.finish_round, False)
-        if self.overlap is not None:
-            self.overlap.build_ends(self.stream)
 
     def _read_times(self) -> None:
         """The last finished round's phase times (its build is done: the leader took its CACHE
@@ -138,18 +132,10 @@ class LocalLink:
             self._times_due = False
             self._run(self.speculator.end_round)
 
-    def _submit_admit(self, msg: Admit) -> None:
-        self._run(self.speculator.admit, msg)
-
-    def _submit_outcome(self, header, msg: Outcome, waits: bool) -> None:
-        self._pending = (header, msg)
-        if waits:
-            self._answer()
-
     # -- leader side (SpecLink's interface) ---------------------------------------------------
     def send_admit(self, msg: Admit) -> None:
         self._read_times()
-        self._submit_admit(msg)
+        self._run(self.speculator.admit, msg)
 
     def send_outcome(self, msg: Outcome) -> None:
         if len(msg.slots) > self.max_batch:
@@ -159,9 +145,10 @@ class LocalLink:
             self.overlap.read()  # the last round's: its build is done
             self.overlap.verify_may_start()
         self._spec = self._stats = None
+        self._pending = (msg.header(), msg)
         tokens, q = msg.spec_parts()
-        # the leader waits for this answer: a SPEC (jit rows or q), or STATS
-        self._submit_outcome(msg.header(), msg, bool(tokens or q or not any(msg.active)))
+        if tokens or q or not any(msg.active):  # the leader waits for this answer: SPEC or STATS
+            self._answer()
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         self._answer()

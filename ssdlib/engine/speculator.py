@@ -106,7 +106,7 @@ class Speculator:
     def finish_round(self, read_times: bool = True) -> None:
         """The answer is out and the verifier verifies it: the role's work after the answer
         (SSD: build and push the cache). ``read_times``: add the round's phase times now (waits
-        for the round's last mark); otherwise :meth:`read_round_times` does it later."""
+        for the round's last mark); otherwise the caller calls :meth:`end_round` later."""
         self.after_answer()
         if read_times:
             self.end_round()
