@@ -39,7 +39,7 @@ if [ "${EXT:-}" = 1 ]; then unset SSDLIB_SKIP_EXT; else export SSDLIB_SKIP_EXT=1
 if [ "${PART:-1}" = 1 ]; then
   cp .stage/smol.part.00 /tmp/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  T="tests/engine/test_step_graphs.py tests/engine/test_spec_cache_protocol.py
+  T="tests/engine/runner/test_step_graphs.py tests/distributed/test_spec_cache_protocol.py
      tests/ops/test_prefill_attention_cuda.py tests/distributed/test_tp_cuda.py
      tests/engine/test_round_timer.py"
   if [ "${EXT:-}" = 1 ]; then

@@ -27,8 +27,8 @@ if [ "$PART" = 1 ]; then
   python3 -m pip install -v --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
   python3 -m ssdlib.ops.check_ext 2>&1 | tee "$OUT/ext.log"
   # the checkout itself (call 1 goes out from a clean tree: it is HEAD)
-  PYTHONPATH=/tmp/site python3 -m pytest tests/ops tests/engine/test_step_graphs.py \
-      tests/engine/test_tree_decode_reference.py -q 2>&1 | tail -5 | tee "$OUT/pytest.log"
+  PYTHONPATH=/tmp/site python3 -m pytest tests/ops tests/engine/runner/test_step_graphs.py \
+      tests/engine/runner/test_tree_decode_reference.py -q 2>&1 | tail -5 | tee "$OUT/pytest.log"
   [ -n "${FLOOR:-}" ] && python3 "$STAGE/floor_probe.py" 2>&1 | tee "$OUT/floor.log"
   exit 0
 fi

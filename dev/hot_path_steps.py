@@ -62,7 +62,7 @@ def add_step_args(ap) -> None:
 
 
 def _runner(ck, device, dtype, n_slots: int, tree_len: int):
-    from ssdlib.engine.model_runner import ModelRunner
+    from ssdlib.engine.runner.model_runner import ModelRunner
 
     r = ModelRunner(ck, None, device, dtype, n_slots=n_slots, max_len=256, tree_len=tree_len,
                     cuda_graphs=torch.device(device).type == "cuda")
@@ -80,12 +80,12 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
                    device: str = "cpu", dtype: torch.dtype = torch.float32):
     """({step name: Step} in the engine's order, meta). The steps hold their runners and
     inputs; call them in order (the acceptance reads the verify forward's logits)."""
-    from ssdlib.engine.cache_builder import CacheBuilder
+    from ssdlib.engine.speculator.cache_builder import CacheBuilder
     from ssdlib.engine.sampled_chain import sampled_chain_body
     from ssdlib.engine.sampler import row_distributions, reserve_streams, sample_branches
     from ssdlib.engine.sampler import sampling_tensors
-    from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep
+    from ssdlib.engine.speculator.spec_cache import SpeculationCache
+    from ssdlib.engine.speculator.tree_build import TreeBuildStep
     from ssdlib.layers.attention import AttentionMetadata
     from ssdlib.loading import load_checkpoint
     from ssdlib.loading.draft import load_draft
@@ -123,7 +123,7 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
     dck = load_draft(draft, tck)  # a draft reading the target's embedding gets it folded in
     # -- SD's round as the leader runs it: host inputs packed, copied, replayed, read back -----
     from ssdlib.engine.drafter import Drafter
-    from ssdlib.engine.verify import read_round, verify_round
+    from ssdlib.engine.leader.verify import read_round, verify_round
 
     greedy_rows = [SimpleNamespace(tokens=list(range(1, 41)), slot=i, params=SamplingParams())
                    for i in range(b)]

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ssdlib.engine.cache_mirror import CacheMirror
-from ssdlib.engine.protocol import Admit, AdmitRow, CacheRows, Choice, Outcome
+from ssdlib.engine.leader.cache_mirror import CacheMirror
+from ssdlib.distributed.protocol import Admit, AdmitRow, CacheRows, Choice, Outcome
 
 
 class LoopbackLink:
@@ -52,9 +52,9 @@ class SpeculatorRounds:
     def __init__(self, draft_ck, vocab_size: int, device, dtype, b: int, k: int, budget: int,
                  params, p_hit: float = 0.7, max_len: int = 1024, prompt_len: int = 40,
                  seed: int = 0):
-        from ssdlib.engine.model_runner import ModelRunner
+        from ssdlib.engine.runner.model_runner import ModelRunner
         from ssdlib.engine.drafter import Drafter
-        from ssdlib.engine.speculator import CacheRole, Speculator, tree_len_of
+        from ssdlib.engine.speculator.speculator import CacheRole, Speculator, tree_len_of
 
         self.cfg = SimpleNamespace(k=k, fan_out="auto", fan_out_budget=budget, max_batch=b,
                                    saguaro_c=1.0, fallback="jit", mode="ssd")

@@ -1,6 +1,6 @@
 """ssdlib: exact speculative speculative decoding (SSD / Saguaro) for Llama models."""
 
-from ssdlib.engine.sequence import Output
+from ssdlib.engine.leader.sequence import Output
 from ssdlib.errors import SSDError
 from ssdlib.generator import Generator
 from ssdlib.sampling import SamplingParams

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.config import ModelConfig
-from ssdlib.engine.model_runner import POSITION_SLACK
+from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.speculative.fanout import parse_fanout

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssdlib.engine.compiled import compile_setting
-from ssdlib.engine.model_runner import POSITION_SLACK
+from ssdlib.engine.runner.compiled import compile_setting
+from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError
 from ssdlib.loading.registry import default_draft
 from ssdlib.speculative.fanout import parse_fanout
@@ -48,9 +48,9 @@ class EngineConfig:
     # torch.compile the model's layers inside the captured steps (CUDA only): True, False, or
     # None / "auto" (normalised to None): compile where the steps are captured, the model runs
     # unsharded (TP 1: the draft always) and the expected work amortises the compile
-    # (ssdlib.engine.compiled.resolve_compile); "on" / "off" are True / False
+    # (ssdlib.engine.runner.compiled.resolve_compile); "on" / "off" are True / False
     compile: bool | str | None = None
-    # where compiled kernels persist (ssdlib.engine.compile_cache); None: $SSDLIB_CACHE_DIR,
+    # where compiled kernels persist (ssdlib.engine.runner.compile_cache); None: $SSDLIB_CACHE_DIR,
     # $XDG_CACHE_HOME/ssdlib or ~/.cache/ssdlib
     cache_dir: str | None = None
     timeout_s: float = 600.0

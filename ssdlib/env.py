@@ -51,10 +51,11 @@ SWITCHES: tuple[Switch, ...] = (
            "directories searched first for named checkpoints (ssdlib.loading.registry)"),
     Switch("SSDLIB_CACHE_DIR", "text", None,
            "where compiled kernels persist; unset: $XDG_CACHE_HOME/ssdlib or ~/.cache/ssdlib "
-           "(ssdlib.engine.compile_cache; the --cache-dir flag wins)"),
+           "(ssdlib.engine.runner.compile_cache; the --cache-dir flag wins)"),
     Switch("SSDLIB_STEP_GRAPHS", "choice", "",
            "'eager' / 'eager-all': CPU runners take the GPU's captured-step code path, run "
-           "eagerly (for tests; ssdlib.engine.model_runner)", choices=("eager", "eager-all")),
+           "eagerly (for tests; ssdlib.engine.runner.model_runner)",
+           choices=("eager", "eager-all")),
     Switch("SSDLIB_PREFILL_GRAPHS", "flag", True,
            "0: prefill runs eagerly instead of through captured length buckets on CUDA"),
     Switch("SSDLIB_ATTENTION", "choice", "",
@@ -64,7 +65,7 @@ SWITCHES: tuple[Switch, ...] = (
            "1: never use the compiled extension ssdlib._C (pure-PyTorch ops, torch's CUDA graphs)"),
     Switch("SSDLIB_Q_AFTER_BUILD", "flag", False,
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
-           "of before it (ssdlib.engine.outcomes)", experiment=True),
+           "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),
     # measurement
     Switch("SSDLIB_TIME_EVERY", "int", 1,
            "the round timers time one round in N (ssdlib.engine.timing)", minimum=1),

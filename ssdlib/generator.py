@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 from ssdlib.capacity import check_memory
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
-from ssdlib.engine.compile_cache import use_compile_cache
-from ssdlib.engine.compiled import resolve_compile
-from ssdlib.engine.compiled import wants_compile
-from ssdlib.engine.metrics import mean_accepted_by_source
-from ssdlib.engine.model_runner import eager_step_graphs
-from ssdlib.engine.sequence import Output, Request
+from ssdlib.engine.leader.metrics import mean_accepted_by_source
+from ssdlib.engine.leader.sequence import Output, Request
+from ssdlib.engine.runner.compile_cache import use_compile_cache
+from ssdlib.engine.runner.compiled import resolve_compile
+from ssdlib.engine.runner.compiled import wants_compile
+from ssdlib.engine.runner.model_runner import eager_step_graphs
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError, RankFailure, SSDError
 from ssdlib.interrupts import held_interrupt
@@ -116,7 +116,7 @@ class Generator:
 
         ``prompts`` and ``params`` (optional) describe the work to come (the CLI passes its own):
         with ``compile="auto"`` they decide whether to compile
-        (:func:`~ssdlib.engine.compiled.resolve_compile`: one short answer does not, a long
+        (:func:`~ssdlib.engine.runner.compiled.resolve_compile`: one short answer does not, a long
         batch does; without them the engine is taken to serve for long and compiles), and the
         warm-up runs the first ``max_batch`` of them. ``warm=False`` skips the warm-up (steps
         are then captured, and compiled, at first use)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ssdlib.engine.sequence import Request
+from ssdlib.engine.leader.sequence import Request
 from ssdlib.errors import ConfigError
 from ssdlib.sampling import SamplingParams
 

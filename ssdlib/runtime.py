@@ -4,8 +4,8 @@
 - TP follower (ranks 1..tp-1): target shard; executes the leader's forwards;
 - speculator (rank tp, rank placement): mode ssd: draft + speculation cache (``Speculator``);
   mode sd with the draft on its own rank: the draft alone (a ``Speculator`` without a cache), both in
-  ``ssdlib.engine.speculator``. Under the stream placement the leader builds the speculator in
-  its own process (``verifier.build_link_verifier``) and there is no such rank.
+  ``ssdlib.engine.speculator.speculator``. Under the stream placement the leader builds the
+  speculator in its own process (``verifier.build_link_verifier``) and there is no such rank.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import queue
 
 import torch
 
+from ssdlib.distributed.local_link import leader_stream
 from ssdlib.distributed.tp_channel import TargetExecutor, TPChannel
 from ssdlib.distributed.world import World, destroy_world, init_world
-from ssdlib.engine.ar_loop import ARLoop
-from ssdlib.engine.leader import Leader
-from ssdlib.engine.local_link import leader_stream
-from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.sd_loop import build_sd_loop
-from ssdlib.engine.speculator import serve_speculator
-from ssdlib.engine.verifier import build_link_verifier
+from ssdlib.engine.leader.ar_loop import ARLoop
+from ssdlib.engine.leader.leader import Leader
+from ssdlib.engine.leader.sd_loop import build_sd_loop
+from ssdlib.engine.leader.verifier import build_link_verifier
+from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.speculator.speculator import serve_speculator
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint

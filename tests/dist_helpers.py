@@ -6,7 +6,7 @@ import torch
 def tp_logits_rank(path: str, tp: int, ids: torch.Tensor, out_queue) -> None:
     """Every rank builds its TP shard; rank 0 returns the logits of a full forward of ``ids``."""
     from ssdlib.distributed.world import init_world
-    from ssdlib.engine.model_runner import ModelRunner
+    from ssdlib.engine.runner.model_runner import ModelRunner
     from ssdlib.engine_config import EngineConfig
     from ssdlib.loading import load_checkpoint
 

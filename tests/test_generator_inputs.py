@@ -55,7 +55,7 @@ def test_bad_prompts_are_clear_errors(gen, bad, needle):
 def test_kv_bytes_match_the_allocation(tiny_dirs):
     """The estimate counts exactly what KVCache allocates for the same shape."""
     from ssdlib.capacity import kv_bytes_per_slot
-    from ssdlib.engine.kv_cache import KVCache
+    from ssdlib.engine.runner.kv_cache import KVCache
     from ssdlib.loading import load_checkpoint
 
     c = load_checkpoint(tiny_dirs["smol_heads"]).config

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ssdlib.engine.sequence import Output
+from ssdlib.engine.leader.sequence import Output
 from ssdlib.generator import is_phase_key, run_metrics
 
 

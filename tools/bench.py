@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ssdlib import Generator, SamplingParams, env  # noqa: E402
-from ssdlib.engine.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
+from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402

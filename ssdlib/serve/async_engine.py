@@ -15,7 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from ssdlib.engine.sequence import Output, Request
+from ssdlib.engine.leader.sequence import Output, Request
 from ssdlib.errors import SSDError
 from ssdlib.sampling import SamplingParams
 

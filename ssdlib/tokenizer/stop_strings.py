@@ -4,7 +4,7 @@ Text streams out as tokens are committed, but a stop string can arrive split ove
 ("ow" now, " ca" a token later). Text that may still turn out to be the start of a stop string is
 held back until later text decides it, so a stream never shows text the final answer does not
 contain. Both the server's stream and the CLIs get their text through this one rule (see
-:meth:`ssdlib.engine.sequence.Sequence.take_text_delta`).
+:meth:`ssdlib.engine.leader.sequence.Sequence.take_text_delta`).
 """
 
 from __future__ import annotations

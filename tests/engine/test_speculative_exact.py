@@ -161,7 +161,7 @@ def test_sd_wrong_verifier_is_detected(small_vocab, monkeypatch):
     import copy
     import dataclasses
 
-    import ssdlib.engine.verify as verify
+    import ssdlib.engine.leader.verify as verify
 
     t, d = small_vocab
     real = verify.row_distributions

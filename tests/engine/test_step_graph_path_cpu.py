@@ -21,7 +21,7 @@ def step_graphs(monkeypatch):
 
 
 def test_cpu_runner_takes_the_step_graph_path(tiny_dirs, monkeypatch):
-    from ssdlib.engine.model_runner import ModelRunner
+    from ssdlib.engine.runner.model_runner import ModelRunner
     from ssdlib.errors import ConfigError
     from ssdlib.loading import load_checkpoint
     from ssdlib.ops.graph_pool import EagerPool

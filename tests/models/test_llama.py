@@ -4,7 +4,7 @@ forward."""
 import pytest
 import torch
 
-from ssdlib.engine.kv_cache import KVCache
+from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.loading import load_checkpoint
 from ssdlib.models.llama import LlamaForCausalLM

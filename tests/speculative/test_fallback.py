@@ -109,7 +109,7 @@ def test_jit_weighs_its_own_acceptance_on_misses():
 
 
 def test_speculator_measures_jit_acceptance():
-    from ssdlib.engine.outcomes import Fallbacks
+    from ssdlib.engine.speculator.outcomes import Fallbacks
 
     fb = Fallbacks(None, "auto", 3, 10)
     assert fb.jit_acceptance(0.6) == pytest.approx(0.6)  # the prior until measured
@@ -123,7 +123,7 @@ def test_speculator_measures_jit_acceptance():
 def test_fallback_choice_keeps_its_lookups_across_batches():
     """Thm 17's p_hit counts every lookup of the rank's life: a batch that starts after STATS
     (whose counters restart) is not sent back to jit until re-measured."""
-    from ssdlib.engine.outcomes import MIN_LOOKUPS_FOR_AUTO, Fallbacks
+    from ssdlib.engine.speculator.outcomes import MIN_LOOKUPS_FOR_AUTO, Fallbacks
 
     fb = Fallbacks(None, "auto", 3, 1000)
     fb.t_jit = 1e-3

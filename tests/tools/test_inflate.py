@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ssdlib.config import ModelConfig
-from ssdlib.engine.kv_cache import KVCache
+from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.hf_dir import SafetensorsWeights

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ssdlib.engine.kv_cache import KVCache
+from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.graph_pool import make_graph_pool
@@ -70,7 +70,7 @@ def slot_kernel_available(device: torch.device) -> bool:
     """The engine's in-place attention kernel serves this device (CUDA with Triton)."""
     if device.type != "cuda":
         return False
-    from ssdlib.engine.model_runner import use_slot_kernel
+    from ssdlib.engine.runner.model_runner import use_slot_kernel
 
     return use_slot_kernel(device)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib import env
-from ssdlib.engine.protocol import Choice, Outcome, Speculation
-from ssdlib.engine.spec_row import SpecRow
+from ssdlib.distributed.protocol import Choice, Outcome, Speculation
+from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import choose_fallback
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ssdlib.engine.sequence import Output, Request, Sequence
+from ssdlib.engine.leader.sequence import Output, Request, Sequence
 
 # on_event(index, text_delta, new_token_ids)
 EventFn = Callable[[int, str, list], None]

@@ -8,7 +8,7 @@ FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind
 
 
 def record_acceptance(seqs, result, k: int) -> None:
-    """result: the round's :class:`~ssdlib.engine.verify.RoundResult` (host lists)."""
+    """result: the round's :class:`~ssdlib.engine.leader.verify.RoundResult` (host lists)."""
     for q, accepted_row in zip(seqs, result.accepted_mask):
         m = q.metrics
         m["rounds"] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ssdlib.engine.protocol import CacheRows
+from ssdlib.distributed.protocol import CacheRows
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.ngram import NGRAM_Q, RANDOM_Q, propose_ngram, random_tokens_host
 from ssdlib.speculative.rng import RowStream

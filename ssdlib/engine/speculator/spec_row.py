@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.protocol import AdmitRow
+from ssdlib.distributed.protocol import AdmitRow
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.rng import RowStream

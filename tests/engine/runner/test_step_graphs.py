@@ -7,8 +7,8 @@ checks run with real graph replay (fp32, token-identical logits up to kernel rou
 import pytest
 import torch
 
-from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.step_graphs import StepGraphs, batch_bucket
+from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.runner.step_graphs import StepGraphs, batch_bucket
 from ssdlib.loading import load_checkpoint
 
 
@@ -41,7 +41,7 @@ def stepwise_tree(runner, cand, sent, n, slots, pos, rank, kv_len, pick):
     """The reference for the build steps: the branch outcomes, then one ``tree_forward`` per
     depth on ``runner``, ``pick(d, logits)`` choosing every branch's next token; yields
     (depth, tokens [b, B])."""
-    from ssdlib.engine.tree_build import branch_outcomes
+    from ssdlib.engine.speculator.tree_build import branch_outcomes
     from ssdlib.ops.tree_mask import tree_mask_full
 
     dev = cand.device
@@ -152,8 +152,8 @@ def test_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, pool_kind)
     rows, a ghost row on the scratch slot) == the same body on plain tensors == one
     tree_forward + argmax per depth; two rounds with new inputs (replay reads them afresh)."""
     from ssdlib.engine.batching import last_index, pack_rows
-    from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep, branch_outcomes
+    from ssdlib.engine.speculator.spec_cache import SpeculationCache
+    from ssdlib.engine.speculator.tree_build import TreeBuildStep, branch_outcomes
 
     ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
     V, K, C = ck.config.vocab_size, 3, 5
@@ -207,8 +207,8 @@ def test_tree_build_step_continues_a_hit_branch(tiny_dirs, device, pool_kind, sa
     from types import SimpleNamespace
 
     from ssdlib.engine.batching import last_index, pack_rows
-    from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep
+    from ssdlib.engine.speculator.spec_cache import SpeculationCache
+    from ssdlib.engine.speculator.tree_build import TreeBuildStep
     from ssdlib.sampling import SamplingParams
     from ssdlib.speculative.rng import RowStream
 
@@ -289,8 +289,8 @@ def test_sampled_tree_build_step_equals_eager_and_stepwise(tiny_dirs, device, po
 
     from ssdlib.engine.batching import last_index, pack_rows
     from ssdlib.engine.sampler import sample_branches, sampling_tensors
-    from ssdlib.engine.spec_cache import SpeculationCache
-    from ssdlib.engine.tree_build import TreeBuildStep
+    from ssdlib.engine.speculator.spec_cache import SpeculationCache
+    from ssdlib.engine.speculator.tree_build import TreeBuildStep
     from ssdlib.sampling import SamplingParams
     from ssdlib.speculative.rng import RowStream, RowStreams
 
@@ -353,7 +353,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(tiny_dirs):
     """torch.compile sees the slot-attention kernel as one opaque op (``ssdlib::slot_attention``):
     a decode step and a tree step trace with no graph break (fullgraph) and give the eager
     logits. CPU: aot_eager backend, the kernel's torch reference behind the op."""
-    from ssdlib.engine.compiled import compile_step_model
+    from ssdlib.engine.runner.compiled import compile_step_model
     from ssdlib.layers.attention import AttentionMetadata
 
     ck = load_checkpoint(tiny_dirs["smol_heads"])
@@ -392,7 +392,7 @@ def test_compile_step_model_compiles_one_layer_for_all(tiny_dirs):
     plain model (the prefill graphs') keeps its uncompiled layers and shares the weights."""
     import torch._dynamo
 
-    from ssdlib.engine.compiled import compile_step_model
+    from ssdlib.engine.runner.compiled import compile_step_model
     from ssdlib.layers.attention import AttentionMetadata
 
     ck = load_checkpoint(tiny_dirs["smol_heads"])
@@ -468,7 +468,7 @@ def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
     behind equal the eager prefill's, from position 0 and continuing a cached prefix; decode
     steps after it agree too."""
     from ssdlib.engine.batching import last_index, pack_rows
-    from ssdlib.engine.model_runner import prefill_bucket
+    from ssdlib.engine.runner.model_runner import prefill_bucket
     from ssdlib.ops.graph_pool import EagerPool
 
     assert [prefill_bucket(s, 300) for s in (1, 128, 129, 256, 257, 400)] == \
@@ -641,7 +641,7 @@ def test_a_step_graphs_model_is_the_runners_step_model_unless_given(tiny_dirs):
 
 
 def test_compile_default_is_on_for_captured_unsharded_cuda_steps():
-    from ssdlib.engine.compiled import wants_compile
+    from ssdlib.engine.runner.compiled import wants_compile
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert wants_compile(None, cuda, True, 1, triton=True)
@@ -659,7 +659,7 @@ def test_compiled_steps_pad_long_indexed_forwards_to_a_power_of_two(tiny_dirs, p
     one shape; the logits, the draft chain's tokens and the rows' KV at their real positions
     equal the eager runner's. Uncompiled steps keep the exact length."""
     from ssdlib.engine.batching import last_index, pack_rows
-    from ssdlib.engine.model_runner import EXACT_STEP_QUERIES
+    from ssdlib.engine.runner.model_runner import EXACT_STEP_QUERIES
 
     ck, eager, stepped = runners(tiny_dirs["smol_heads"], "cpu", pool_kind)
     V = ck.config.vocab_size
@@ -689,7 +689,7 @@ def test_a_failing_compile_falls_back_to_the_plain_model_with_a_warning(tiny_dir
 
     import torch._dynamo
 
-    from ssdlib.engine.compiled import checked_step_model
+    from ssdlib.engine.runner.compiled import checked_step_model
 
     ck = load_checkpoint(tiny_dirs["smol_heads"])
     r = ModelRunner(ck, None, "cpu", torch.float32, n_slots=2, max_len=64)

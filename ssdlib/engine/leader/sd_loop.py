@@ -6,13 +6,13 @@ forward, the exact rule accepts a prefix k and picks t*, both models keep only c
 
 from __future__ import annotations
 
-from ssdlib.engine.ar_loop import admit_with_first_token
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.metrics import record_acceptance
+from ssdlib.engine.leader.ar_loop import admit_with_first_token
+from ssdlib.engine.leader.metrics import record_acceptance
+from ssdlib.engine.leader.verifier import build_link_verifier
+from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
+from ssdlib.engine.runner.model_runner import ModelRunner
 from ssdlib.engine.timing import RoundTimer
-from ssdlib.engine.verifier import build_link_verifier
-from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading.draft import load_draft
 from ssdlib.speculative.acceptance import DraftQ
 

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from ssdlib.engine.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
+from ssdlib.distributed.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
 from ssdlib.errors import SSDError
 
 
@@ -54,8 +54,8 @@ def _priorities() -> tuple[int, int]:
 
 class LocalLink:
     """Leader and speculator in one process, one host thread driving both (see the module
-    doc). ``attach`` gives it the speculator (a :class:`~ssdlib.engine.speculator.Speculator`)
-    after both are built."""
+    doc). ``attach`` gives it the speculator (a
+    :class:`~ssdlib.engine.speculator.speculator.Speculator`) after both are built."""
 
     def __init__(self, device: torch.device, max_batch: int, k: int, vocab_size: int,
                  branches: int = 0):

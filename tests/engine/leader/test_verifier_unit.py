@@ -7,10 +7,10 @@ for a SPEC."""
 import pytest
 import torch
 
-from ssdlib.engine.protocol import CacheRows, Choice, Outcome, Speculation
-from ssdlib.engine.sequence import Request, Sequence
-from ssdlib.engine.speculation_source import CacheSource, JitSource
-from ssdlib.engine.verifier import LinkVerifier, SpecInHand
+from ssdlib.distributed.protocol import CacheRows, Choice, Outcome, Speculation
+from ssdlib.engine.leader.sequence import Request, Sequence
+from ssdlib.engine.leader.speculation_source import CacheSource, JitSource
+from ssdlib.engine.leader.verifier import LinkVerifier, SpecInHand
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.rng import RowStream

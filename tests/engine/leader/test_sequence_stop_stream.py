@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssdlib.engine.sequence import Request, Sequence
+from ssdlib.engine.leader.sequence import Request, Sequence
 from ssdlib.sampling import SamplingParams
 from ssdlib.tokenizer import load_tokenizer_dir
 from tests.tiny_chat import write_char_tokenizer

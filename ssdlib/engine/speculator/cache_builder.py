@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows, to_device
-from ssdlib.engine.spec_cache import SpeculationCache
-from ssdlib.engine.spec_row import SpecRow
-from ssdlib.engine.tree_build import TreeBuildStep
+from ssdlib.engine.speculator.spec_cache import SpeculationCache
+from ssdlib.engine.speculator.spec_row import SpecRow
+from ssdlib.engine.speculator.tree_build import TreeBuildStep
 
 
 class CacheBuilder:

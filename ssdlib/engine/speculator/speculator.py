@@ -19,16 +19,16 @@ import time
 
 import torch
 
+from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, Op, Outcome,
+                                         SpeculatorStats)
+from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
-from ssdlib.engine.cache_builder import CacheBuilder
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.model_runner import ModelRunner
-from ssdlib.engine.outcomes import Answer, Fallbacks, answer_jit, q_after_build
-from ssdlib.engine.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, Op, Outcome,
-                                    SpeculatorStats)
-from ssdlib.engine.spec_link import SpecLink
-from ssdlib.engine.spec_cache import SpeculationCache
-from ssdlib.engine.spec_row import SpecRow
+from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.speculator.cache_builder import CacheBuilder
+from ssdlib.engine.speculator.outcomes import Answer, Fallbacks, answer_jit, q_after_build
+from ssdlib.engine.speculator.spec_cache import SpeculationCache
+from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
@@ -318,7 +318,7 @@ def cache_branches_of(cfg) -> int:
 
 def build_speculator(cfg, device, target_ck, link) -> Speculator:
     """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
-    between ranks, or a :class:`~ssdlib.engine.local_link.LocalLink` in the leader's process):
+    between ranks, or a :class:`~ssdlib.distributed.local_link.LocalLink` in the leader's process):
     its draft (checked against the target), its model runner, and in mode ssd its cache."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")

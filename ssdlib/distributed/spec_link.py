@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ssdlib.engine.protocol import (Admit, CacheRows, ControlFrame, Header, Op, Outcome,
-                                    Speculation, SpeculatorStats)
+from ssdlib.distributed.protocol import (Admit, CacheRows, ControlFrame, Header, Op, Outcome,
+                                         Speculation, SpeculatorStats)
 
 
 class SpecLink:

@@ -7,11 +7,11 @@ import torch
 import torch.multiprocessing as mp
 
 from ssdlib.distributed.launcher import RankGroup
-from ssdlib.engine.cache_mirror import CacheMirror, local_fallback
-from ssdlib.engine.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, AdmitRow, CacheRows, Choice,
-                                    ControlFrame, Header, Op, Outcome, Speculation,
-                                    SpeculatorStats)
-from ssdlib.engine.spec_cache import SpeculationCache
+from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, AdmitRow,
+                                         CacheRows, Choice, ControlFrame, Header, Op, Outcome,
+                                         Speculation, SpeculatorStats)
+from ssdlib.engine.leader.cache_mirror import CacheMirror, local_fallback
+from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.ngram import random_tokens_host
@@ -275,8 +275,8 @@ def test_stats_plus_sums_every_field():
 
 
 def _protocol_rank(results) -> None:
+    from ssdlib.distributed.spec_link import SpecLink
     from ssdlib.distributed.world import init_world
-    from ssdlib.engine.spec_link import SpecLink
     from ssdlib.engine_config import EngineConfig
 
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from ssdlib import env
-from ssdlib.engine.compiled import checked_step_model, wants_compile
-from ssdlib.engine.kv_cache import KVCache
-from ssdlib.engine.step_graphs import StepGraphs
+from ssdlib.engine.runner.compiled import checked_step_model, wants_compile
+from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.runner.step_graphs import StepGraphs
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.layers.linear import tp_size_rank
 from ssdlib.loading.checkpoint import Checkpoint

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
-from ssdlib.engine.protocol import SPEC_PHASES, SpeculatorStats
-from ssdlib.engine.speculation_source import CacheSource
-from ssdlib.engine.verifier import LinkVerifier
+from ssdlib.distributed.protocol import SPEC_PHASES, SpeculatorStats
+from ssdlib.engine.leader.speculation_source import CacheSource
+from ssdlib.engine.leader.verifier import LinkVerifier
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -77,7 +77,7 @@ def test_run_reports_the_speculators_phases(tiny_dirs, mode, extra):
 def test_host_times_of_both_ranks(tiny_dirs, monkeypatch):
     """SSDLIB_HOST_TIMES=1: the verifier's host-clock segments per round (h_*_s metrics) and the
     speculator's (STATS -> speculator_host_ms_per_round)."""
-    from ssdlib.engine.protocol import SPEC_HOST_SEGMENTS
+    from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS
     monkeypatch.setenv("SSDLIB_HOST_TIMES", "1")  # inherited by the spawned ranks
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
                    mode="ssd", k=4, max_batch=1, max_len=128) as g:

@@ -5,7 +5,7 @@ greedy rows give the same tokens with it as without it (CPU, gloo)."""
 import pytest
 
 from ssdlib import Generator, SamplingParams
-from ssdlib.engine.outcomes import q_after_build
+from ssdlib.engine.speculator.outcomes import q_after_build
 from ssdlib.errors import ConfigError
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23], [40, 41]]

@@ -3,7 +3,7 @@
 
 Each message is a small dataclass that knows its wire layout: ``pack`` turns it into the tensors
 that travel (one per message part, fixed dtype), ``unpack`` turns received tensors back into it.
-:class:`~ssdlib.engine.spec_link.SpecLink` (``spec_link.py``) moves them: point-to-point
+:class:`~ssdlib.distributed.spec_link.SpecLink` (``spec_link.py``) moves them: point-to-point
 send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on GPU, gloo on
 CPU; ``staged``: gloo through host memory for ranks that share a GPU). Nothing is pickled.
 

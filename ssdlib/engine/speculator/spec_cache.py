@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.protocol import CacheRows
+from ssdlib.distributed.protocol import CacheRows
 
 
 class SpeculationCache:

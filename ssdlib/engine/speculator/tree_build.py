@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.engine.runner.step_graphs import batch_bucket
 from ssdlib.engine.sampler import sample_branches
-from ssdlib.engine.step_graphs import batch_bucket
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
 from ssdlib.sampling import SamplingFacts, SamplingParams, SamplingTensors

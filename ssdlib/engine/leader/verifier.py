@@ -5,7 +5,7 @@ hand, take the next one, send the outcome (with where the next speculation came 
 (``speculation_source.py``) says where a row's next speculation comes from (the cache mirror in
 mode ``ssd``; the speculator's jit draft for plain SD with ``--draft-placement separate``), and
 its link is a transport (``spec_link.py`` between ranks, ``local_link.py`` in process). What the
-speculator still owes after an OUTCOME is one record, :class:`~ssdlib.engine.protocol.Replies`.
+speculator still owes after an OUTCOME is one record, :class:`~ssdlib.distributed.protocol.Replies`.
 
 Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
 exchange) and leave (an inactive outcome) at any time.
@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlib.engine.ar_loop import admit_with_first_token
-from ssdlib.engine.metrics import (record_acceptance, record_source,
-                                   speculation_source)
-from ssdlib.engine.local_link import LocalLink
-from ssdlib.engine.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
-from ssdlib.engine.spec_link import SpecLink
-from ssdlib.engine.speculation_source import CacheSource, JitSource, ask_jit
-from ssdlib.engine.speculator import build_speculator, cache_branches_of
+from ssdlib.distributed.local_link import LocalLink
+from ssdlib.distributed.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
+from ssdlib.distributed.spec_link import SpecLink
+from ssdlib.engine.leader.ar_loop import admit_with_first_token
+from ssdlib.engine.leader.metrics import record_acceptance, record_source, speculation_source
+from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
+from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
+from ssdlib.engine.speculator.speculator import build_speculator, cache_branches_of
 from ssdlib.engine.timing import HostClock, RoundTimer
-from ssdlib.engine.verify import commit_round, read_round, verify_round
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.speculative.acceptance import DraftQ, QKind

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
-from ssdlib.engine import compile_cache
-from ssdlib.engine.compiled import COMPILE_MIN_STEPS, compile_setting, resolve_compile
+from ssdlib.engine.runner import compile_cache
+from ssdlib.engine.runner.compiled import COMPILE_MIN_STEPS, compile_setting, resolve_compile
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.generator import is_phase_key

@@ -1,5 +1,5 @@
 """Where the leader takes a row's next speculation from after each verify (the ``source`` of a
-:class:`~ssdlib.engine.verifier.LinkVerifier`):
+:class:`~ssdlib.engine.leader.verifier.LinkVerifier`):
 
 - :class:`JitSource` (mode ``sd`` with ``--draft-placement separate``): every speculation is the
   speculator's draft, drafted just in time after the outcome (plain SD over a link);
@@ -13,9 +13,9 @@ Both answer the same questions; only the cache source receives CACHEs (``pushes_
 
 from __future__ import annotations
 
-from ssdlib.engine.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
-from ssdlib.engine.metrics import record_lookup
-from ssdlib.engine.protocol import CacheRows, Choice
+from ssdlib.distributed.protocol import CacheRows, Choice
+from ssdlib.engine.leader.cache_mirror import FALLBACK_STREAM, CacheMirror, local_fallback
+from ssdlib.engine.leader.metrics import record_lookup
 from ssdlib.speculative.rng import RowStream
 
 # a row's next speculation as the OUTCOME carries it: (Choice, arg, tokens [K])

@@ -35,7 +35,7 @@ def test_auto_placement_and_world_size(tiny_dirs):
 def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch):
     """An exception inside the in-process speculator ends the generate call with that error;
     the Generator closes cleanly."""
-    from ssdlib.engine.speculator import Speculator
+    from ssdlib.engine.speculator.speculator import Speculator
 
     def broken(self, *args):
         raise RuntimeError("speculator exploded")

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from ssdlib.engine.tree_build import build_key
+from ssdlib.engine.speculator.tree_build import build_key
 from ssdlib.loading import load_checkpoint
 from ssdlib.sampling import SamplingFacts, SamplingParams
 from dev.speculator_rounds import SpeculatorRounds

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssdlib.engine.metrics import finalize_acceptance_metrics
+from ssdlib.engine.leader.metrics import finalize_acceptance_metrics
 from ssdlib.sampling import SamplingParams
 from ssdlib.speculative.rng import RowStream
 from ssdlib.tokenizer.stop_strings import StopStrings

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ssdlib.engine.batching import last_index, pack_rows
-from ssdlib.engine.model_runner import ModelRunner
+from ssdlib.engine.runner.model_runner import ModelRunner
 from ssdlib.loading import load_checkpoint
 from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.tree_mask import tree_mask_full
