@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'auto' (default): CUDA where a GPU is visible, else CPU")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per rank (default: OMP_NUM_THREADS if set, else "
-                        "on CPU the cores shared out among the job's ranks on this host)")
+                        "on CPU the cores but one shared out among the job's ranks on this host)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
