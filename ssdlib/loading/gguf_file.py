@@ -16,12 +16,12 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError
-from ssdlib.gguf_reader import open_gguf, read_metadata
+from ssdlib.gguf_reader import GGUFFile, GGUFTensor, open_gguf, read_metadata
 from ssdlib.loading.checkpoint_types import Checkpoint
 from ssdlib.loading.gguf_config import config_from_gguf
 from ssdlib.loading.llama_names import expected_shapes, hf_name_for_gguf
@@ -47,10 +47,10 @@ def _torch_order(shape) -> tuple[int, ...]:
 class GGUFWeights:
     """A :class:`~ssdlib.loading.checkpoint.WeightSource` over a GGUF file (float32 tensors)."""
 
-    def __init__(self, path: str, reader: GGUFReader, config: ModelConfig,
+    def __init__(self, path: str, reader: GGUFFile, config: ModelConfig,
                  cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.path = path
-        self._tensors: dict[str, ReaderTensor] = {}
+        self._tensors: dict[str, GGUFTensor] = {}
         self._head_dim = config.head_dim
         # Rows of these tensors are permuted by llama.cpp, in groups of head_dim rows per head.
         self._permuted: set[str] = set()
