@@ -32,7 +32,17 @@ def main() -> int:
     import torch  # noqa: F401 - imported before the clock starts, as any caller has it
 
     from ssdlib.generator import Generator
+    from ssdlib.ops import graph_pool
     from ssdlib.sampling import SamplingParams
+
+    captured: list = []  # keys captured since the last clear (every pool of this process)
+    capture = graph_pool.GraphPool.capture
+
+    def recording_capture(self, key, fn):
+        if not self.has(key):
+            captured.append(repr(key))
+        return capture(self, key, fn)
+    graph_pool.GraphPool.capture = recording_capture
 
     with open(os.path.join(ROOT, "tools", "distill", "heldout_chat.jsonl")) as f:
         chats = [json.loads(line)["messages"] for line in f if line.strip()]
@@ -46,16 +56,18 @@ def main() -> int:
     if prof:
         prof.disable()
     report = {"start_s": time.perf_counter() - t0, "load_s": gen.load_s,
-              "warm_up_s": gen.warm_up_s, "runs": []}
+              "warm_up_s": gen.warm_up_s, "warm_up_captures": len(captured), "runs": []}
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     for i in range(args.runs):
+        captured.clear()
         t1 = time.perf_counter()
         out = gen.generate([{"messages": chats[i % len(chats)]}], params, chat=True)
         m = gen.last_run_metrics
         report["runs"].append({"wall_s": time.perf_counter() - t1,
                                "tokens": len(out[0].token_ids),
                                "decode_tok_s": m.get("decode_tok_s"),
-                               "captured_in_run": m.get("captured_in_run")})
+                               "captured_in_run": m.get("captured_in_run"),
+                               "keys": list(captured)})
     gen.close()
     print(json.dumps(report, indent=1))
     if args.json:

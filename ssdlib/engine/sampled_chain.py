@@ -84,7 +84,7 @@ def sampled_chain(runner, ids, positions, slots, logits_index, steps: int, vocab
     b, s = ids.shape
     graphs = runner.graphs
     prefill = runner.prefill_first(ids, positions, logits_index)  # a prompt: its own graphs
-    ids, positions = runner.step_queries(ids, positions, logits_index)
+    ids, positions = runner.step_queries(ids, positions, logits_index, catch_up=True)
     kv_len = runner.kv_bucket(int(positions.max()) + steps + 1)
     if graphs is not None and graphs.fits(b, s) and not prefill:
         return graphs.sampled_chain(ids, positions, slots, logits_index, steps, vocab, kv_len,

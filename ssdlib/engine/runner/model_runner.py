@@ -47,6 +47,10 @@ MAX_PREFILL_GRAPH = 2048
 # otherwise steps capturing every bucket (StepGraphs.all_buckets) pad it to a power of two, so
 # that every new prompt length does not capture (and compile) a new shape at admission.
 EXACT_STEP_QUERIES = 8
+# A draft's catch-up over the tokens it has not seen takes 1 token a round, or 2 after a round
+# that accepted every draft (the last draft and the bonus): padded to 2, one step shape serves
+# both, and a warm-up that never saw a round accept everything still captured it.
+CATCH_UP_QUERIES = 2
 
 
 def prefill_bucket(s: int, cap: int) -> int:
@@ -76,6 +80,12 @@ def eager_step_graphs() -> str:
     a power of two), without compiling. For tests: the GPU's code path exercised end to end on
     a CPU. Returns "" (unset), "eager" or "eager-all"."""
     return env.choice("SSDLIB_STEP_GRAPHS")
+
+
+def captures_steps(device: torch.device | str) -> bool:
+    """Whether runners on ``device`` take the captured-step path (CUDA; on CPU
+    ``SSDLIB_STEP_GRAPHS``), so that a warm-up has steps to capture."""
+    return torch.device(device).type == "cuda" or bool(eager_step_graphs())
 
 
 class ModelRunner:
@@ -196,19 +206,26 @@ class ModelRunner:
         return self.model(input_ids.to(dev), self.cache, meta, index)
 
     def step_queries(self, ids: torch.Tensor, positions: torch.Tensor,
-                     logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) for a forward: as given, or, where it fits a compiled step graph, a
-        forward of more than EXACT_STEP_QUERIES host queries a row with a logits index padded to
-        the next power of two (at most the graphs' queries). The padding continues each row's positions
-        (``pack_rows``' layout, as a prefill bucket's): its KV lands past the row's length,
-        never read before it is overwritten, and the logits index still points at real tokens."""
+                     logits_index: torch.Tensor | None,
+                     catch_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) for a forward: as given, or, where it fits a captured step that
+        captures every bucket, padded: a forward of more than EXACT_STEP_QUERIES host queries a
+        row with a logits index to the next power of two (at most the graphs' queries), a
+        draft's ``catch_up`` of fewer than CATCH_UP_QUERIES to that many. The padding
+        continues each row's positions (``pack_rows``' layout, as a prefill bucket's): its KV
+        lands past the row's length, never read before it is overwritten (the draft's next
+        token writes there), and the logits index still points at real tokens."""
         b, s = ids.shape
         g = self.graphs
         if (g is None or not g.all_buckets or not g.fits(b, s) or logits_index is None
-                or s <= EXACT_STEP_QUERIES or ids.device.type != "cpu"
-                or positions.device.type != "cpu"):
+                or ids.device.type != "cpu" or positions.device.type != "cpu"):
             return ids, positions
-        size = min(1 << (s - 1).bit_length(), g.max_queries)
+        if s > EXACT_STEP_QUERIES:
+            size = min(1 << (s - 1).bit_length(), g.max_queries)
+        elif catch_up and s < CATCH_UP_QUERIES:
+            size = CATCH_UP_QUERIES
+        else:
+            return ids, positions
         if size <= s or int(positions[:, 0].max()) + size > self.cache.max_len:
             return ids, positions
         padded = positions[:, :1] + torch.arange(size).view(1, -1)
@@ -276,7 +293,7 @@ class ModelRunner:
         round over 289 rounds and 4 sequences at b = 1)."""
         b, s = ids.shape
         prefill = self.prefill_first(ids, positions, logits_index)
-        ids, positions = self.step_queries(ids, positions, logits_index)
+        ids, positions = self.step_queries(ids, positions, logits_index, catch_up=True)
         kv_len = self.kv_bucket(int(positions.max()) + steps + 1)
         if self.graphs is not None and self.graphs.fits(b, s) and not prefill:
             return self.graphs.prefix_chain(ids, positions, slots, logits_index, steps, vocab,

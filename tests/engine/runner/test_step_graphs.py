@@ -723,3 +723,27 @@ def test_step_queries_pads_only_consecutive_positions(tiny_dirs):
     assert stepped.step_queries(ids, pos, None)[1] is pos  # no logits index: all positions
     short = torch.tensor([[3], [7]]) + torch.arange(8)
     assert stepped.step_queries(ids[:, :8], short, index)[1] is short  # up to 8: exact
+
+
+@pytest.mark.parametrize("pool_kind", ["all", "warm"])
+def test_catch_up_of_one_token_takes_the_two_token_step(tiny_dirs, pool_kind):
+    """On the capture-every-bucket policy a draft's catch-up of 1 unseen token is padded to 2,
+    so rounds that accepted every draft (2 unseen) find the step a warm-up captured whatever its
+    rounds accepted; the proposal is unchanged. Without that policy the length stays exact."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.runner.model_runner import CATCH_UP_QUERIES
+
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], "cpu", pool_kind)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    slots, lens = torch.tensor([1, 4]), [7, 9]
+    ids, pos = pack_rows([torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0, 0])
+    for r in (eager, stepped):
+        r.forward(ids, pos, slots, last_index(lens))
+    unseen = [torch.randint(0, V, (1,), generator=g).tolist() for _ in lens]
+    ids, pos = pack_rows(unseen, lens)
+    got = stepped.prefix_chain(ids, pos, slots, last_index([1, 1]), 3, V).cpu()
+    want = eager.prefix_chain(ids, pos, slots, last_index([1, 1]), 3, V).cpu()
+    assert got.tolist() == want.tolist()
+    widths = {k[2] for k in stepped.graphs.pool.keys() if k[0] == "pchain"}
+    assert widths == ({CATCH_UP_QUERIES} if pool_kind == "all" else {1})
