@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's single-file format): Llama weights served under HF names.
 
-Tensors are dequantized to float32 on demand with the ``gguf`` package. Two details matter:
+Tensors are dequantized to float32 on demand (``dequant.py``: torch for Q4_0, Q4_1 and Q8_0,
+the ``gguf`` package for the other types). Two details matter:
 
 * llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` within each head (it pairs
   rotary dimensions ``(i, i + d/2)`` as adjacent rows, its RoPE layout). We undo it exactly as
@@ -17,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from ssdlib.loading.dequant import dequantize
 
 from ssdlib.config import ModelConfig
 from ssdlib.errors import CheckpointError

@@ -141,8 +141,17 @@ def extension_available(device: torch.device | str | None = None) -> bool:
     return kind == "cpu" or (kind == "cuda" and bool(module.WITH_CUDA))
 
 
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of torch._dynamo (1-2 s at
+    start-up, in every process, compiling or not): the decorator sets this one mark, which
+    dynamo reads when it traces (tests/ops/test_extension_status.py checks that torch's does
+    the same)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Under torch.compile the decision is taken once while tracing and baked into the graph.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def use_extension(device: torch.device, op: str) -> bool:
     """Whether ``op`` should run compiled for a tensor on ``device``; on CUDA, logs once why not."""
     if extension_available(device):

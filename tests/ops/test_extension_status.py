@@ -142,3 +142,29 @@ def test_check_ext_command_prints_one_line():
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ssdlib._C: ")
     assert (proc.returncode == 0) == lines[0].startswith("ssdlib._C: OK")
+
+
+def test_constant_result_mark_matches_torchs():
+    """ssdlib marks use_extension as torch.compiler.assume_constant_result would, without
+    importing torch._dynamo: torch's decorator sets exactly this attribute."""
+    import torch
+
+    from ssdlib.ops._extension import assume_constant_result, use_extension
+
+    def f():
+        return 0
+
+    def g():
+        return 0
+
+    assert torch.compiler.assume_constant_result(f).__dict__ == assume_constant_result(g).__dict__
+    assert use_extension._dynamo_marked_constant is True
+
+
+def test_importing_ssdlib_does_not_import_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, ssdlib.generate, ssdlib.generator; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

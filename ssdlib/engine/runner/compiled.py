@@ -10,7 +10,6 @@ model traced every layer again for every step shape (minutes at start-up).
 from __future__ import annotations
 
 import torch
-import torch._dynamo
 
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
@@ -30,6 +29,8 @@ def compile_step_model(model, backend: str = "inductor"):
     specialisation: dynamic sizes would also mix the target's and the draft's widths where both
     run in one process (SD). Embedding, rotary tables, final norm and head stay eager (a
     handful of kernels). Compiled in the graph pool's warm-up, before capture."""
+    import torch._dynamo  # ~2-3 s of imports: only where something compiles
+
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
