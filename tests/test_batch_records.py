@@ -200,3 +200,19 @@ def test_ssd_batch_with_records_ending_on_their_first_token(tiny_dirs, tmp_path)
             assert r["token_ids"] == [] and r["finish_reason"] == "eos"
         elif i % 3 == 1:
             assert len(r["token_ids"]) == 1
+
+
+def test_the_whole_file_decides_compile_and_warms_up_before_the_first_chunk(tiny_dirs, tmp_path,
+                                                                             monkeypatch):
+    """The engine starts with every valid record's prompt (compile="auto" sees the file's work:
+    a short file does not compile) and warms up on them before the first chunk is timed; the
+    summary carries ready_s apart from the decode wall."""
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [json.dumps({"id": i, "prompt_ids": [5, 6, i + 1]}) for i in range(5)]
+                + ['{"id": 9, "prompt": ""}'])
+    with Generator(target=tiny_dirs["gqa"], max_len=64, max_batch=2, start=False) as g:
+        summary = run_batch(g, read_records(str(inp), DEFAULTS), str(out), chat=False, chunk=2)
+        assert g.cfg.compile is False  # 5 records of 3 tokens: far below the compile rule
+        assert g.warm_up_s > 0 and summary["ready_s"] == pytest.approx(g.ready_s)
+        assert summary["errors"] == 1 and summary["tokens"] == 15
