@@ -71,7 +71,7 @@ grep -A60 "Ordered by" /tmp/probe_warm.log | head -62 >> "$LOG"
 python3 -c "import json;r=json.load(open('$OUT/warm_probe_cold.json'));print('probe cold', {k:r[k] for k in ('start_s','load_s','warm_up_s','warm_up_captures')}); [print(' run',x) for x in r['runs']]" | tee -a "$LOG"
 for w in cold warm; do
   SSDLIB_CACHE_DIR=/tmp/cache_serve TRITON_CACHE_DIR=/tmp/cache_serve/triton python3 dev/startup_probe.py --json "$OUT/serve_$w.json" --log /tmp/serve_$w.log -- --mode sd --max-batch 8 > /dev/null 2>&1
-  { echo "== serve $w"; python3 -c "import json;r=json.load(open('$OUT/serve_$w.json'));print({k:r.get(k) for k in ('ready_s','first_request','sequential','first_over_p50')});print({k:v for k,v in r['sigterm'].items() if k!='streams'});print([(s.get('done'),s.get('finish_reason'),s.get('error')) for s in r['sigterm']['streams']])"; grep -E "loaded in|warm-up|captured" /tmp/serve_$w.log; } | tee -a "$LOG"
+  { echo "== serve $w"; python3 -c "import json;r=json.load(open('$OUT/serve_$w.json'));print({k:r.get(k) for k in ('ready_s','first_request','sequential','first_over_p50','first_prompt_again_s','first_over_again')});print({k:v for k,v in r['sigterm'].items() if k!='streams'});print([(s.get('done'),s.get('finish_reason'),s.get('error')) for s in r['sigterm']['streams']])"; grep -E "loaded in|warm-up|captured" /tmp/serve_$w.log; } | tee -a "$LOG"
 done
 echo "== bench b=1 (16 HumanEval chat prompts)" | tee -a "$LOG"
 timeout 240 python3 tools/bench.py --device cuda --humaneval "$STAGE/HumanEval.jsonl.gz" --max-new-tokens 256 --k 3 --n-prompts 16 --modes ar,sd,ssd:placement=stream --json "$OUT/bench_b1.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -30 | tee -a "$LOG"

@@ -40,6 +40,10 @@ def run_warmup(generator, stop: Callable[[], bool] = lambda: False) -> float:
     ``stop()`` is asked between the phases (a server told to stop does not finish its warm-up).
     Returns its seconds."""
     t0 = time.perf_counter()
+    # the request path's own first use: the chat template compiled, the tokenizer's caches
+    if generator.tokenizer.chat_template is not None:
+        ids = generator.encode({"messages": [{"role": "user", "content": "Hello!"}]}, True)
+        generator.tokenizer.decode(ids)
     generator.warm_up()
     cfg = generator.cfg
     # ar samples outside the captured steps: its rows' parameters make no step key
