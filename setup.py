@@ -218,10 +218,11 @@ setup(
         "jinja2",
         "numpy",
         "tqdm",
-        # the slot-attention kernel (ssdlib/ops/triton_slot_attention.py); elsewhere: the torch path
-        "triton; platform_system == 'Linux'",
     ],
     extras_require={
+        # the slot-attention kernel (ssdlib/ops/triton_slot_attention.py) and torch.compile's
+        # kernels: torch's CUDA builds bring triton with them; a CPU install runs the torch path
+        # and needs none (triton is ~1 GB)
         "triton": ["triton"],
         "flash": ["flash-attn"],
         # the HTTP server: python -m ssdlib.serve
