@@ -1,10 +1,9 @@
 // ssdlib._C.GraphPool: CUDA graphs keyed by an int, captured from Python callables, sharing one
-// memory pool, replayed singly or as a chain in one call (no Python between the launches).
+// memory pool, each replayed by its key.
 //
 //   pool = GraphPool(device, warmup=2, capture_error_mode="thread_local")
 //   pool.capture(key, fn)        # fn(): no arguments; `warmup` eager calls, then one captured call
 //   pool.replay(key)             # on the caller's current stream
-//   pool.replay_chain([k1, k2])  # k1 then k2, one call; every key is checked before any launch
 //   pool.has(key); len(pool); pool.clear()
 //
 // ssdlib/ops/graph_pool.py (NativeGraphPool) maps the engine's hashable keys to these ints and
@@ -19,14 +18,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
-#include <vector>
 
 namespace py = pybind11;
 
@@ -140,18 +137,6 @@ class GraphPool {
     graph.replay();
   }
 
-  void replay_chain(const std::vector<int64_t>& keys) {
-    std::vector<Graph*> chain;
-    chain.reserve(keys.size());
-    for (const int64_t key : keys) {
-      chain.push_back(&find(key));
-    }
-    py::gil_scoped_release no_gil;
-    for (Graph* graph : chain) {
-      graph->replay();
-    }
-  }
-
   // Drops every graph after the device is idle (no replay may still use their memory). The next
   // captures get a fresh pool id: the old pool is released once its last graph is gone.
   void clear() {
@@ -200,8 +185,6 @@ void bind_graph_pool(py::module_& m) {
            "Run fn() `warmup` times on the pool's side stream, then capture one call of it.")
       .def("has", &GraphPool::has, py::arg("key"))
       .def("replay", &GraphPool::replay, py::arg("key"), "Replay one graph on the current stream.")
-      .def("replay_chain", &GraphPool::replay_chain, py::arg("keys"),
-           "Replay the graphs of `keys` in order on the current stream, in one call.")
       .def("clear", &GraphPool::clear, "Synchronize the device and drop every graph.")
       .def("__len__", &GraphPool::size)
       .def_property_readonly("device", &GraphPool::device);

@@ -1,10 +1,12 @@
 """Captured step functions keyed by shape: CUDA graphs in one memory pool, or plain calls.
 
-``make_graph_pool(device, enabled)`` returns one of three pools with the same interface:
+``make_graph_pool(device, enabled)`` returns one of three pools with the same interface
+(:class:`GraphPool`):
 
-  NativeGraphPool  ``ssdlib._C.GraphPool`` (csrc/graph_pool): capture and replay in C++; a chain
-                   of replays is one call with no Python between the launches
-  TorchGraphPool   ``torch.cuda.CUDAGraph``, when the extension is missing or has no GraphPool
+  NativeGraphPool  the primary backend on CUDA where the extension is built:
+                   ``ssdlib._C.GraphPool`` (csrc/graph_pool), capture and replay in C++
+  TorchGraphPool   the fallback on CUDA, through ``torch.cuda.CUDAGraph``, when ``ssdlib._C`` is
+                   missing, has no GraphPool, or is disabled (``SSDLIB_DISABLE_EXT``)
   EagerPool        CPU, or ``enabled=False``: ``replay`` calls the function
 
 ``capture(key, fn)`` registers ``fn`` under a hashable ``key`` (e.g. ``("verify", b, s, kv)``).
@@ -20,8 +22,8 @@ Memory: what a graph frees during its capture (its intermediates) is reused by t
 after it; that is what makes one pool cheap. So a tensor that ``fn`` allocates and keeps (an
 output it rebinds) holds its value after a replay only until a graph captured BEFORE it replays;
 static outputs allocated before the capture, which ``fn`` writes into (nano-vllm's habit), always
-hold. In a ``replay_chain``, a graph may read a kept output of an earlier graph of the chain only
-if it was captured after that graph.
+hold. A step of several parts (the draft's K steps, the speculator's build) is captured as one
+function, so one replay runs it.
 
 Collectives (TP > 1) may be captured: the warm-up creates the NCCL communicator, and the default
 capture mode ``"thread_local"`` keeps CUDA calls from other threads (the NCCL watchdog's event
@@ -32,7 +34,7 @@ calls (``.item()``, a sync, ``cudaMalloc`` outside the pool) still fail loudly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -92,10 +94,6 @@ class GraphPool(ABC):
     def replay(self, key: Hashable) -> None:
         """Run the step of ``key`` (KeyError if it was never captured)."""
 
-    @abstractmethod
-    def replay_chain(self, keys: Iterable[Hashable]) -> None:
-        """Run the steps of ``keys`` in order; every key is checked before anything runs."""
-
     def clear(self) -> None:
         """Forget every step (graph pools: after the device is idle, and free their memory)."""
         self._fns.clear()
@@ -103,14 +101,6 @@ class GraphPool(ABC):
 
 def _missing(key: Hashable) -> KeyError:
     return KeyError(f"no graph captured for {key!r}")
-
-
-def _lookup(table: dict, keys: Iterable[Hashable]) -> list:
-    """``[table[k] for k in keys]``, or the KeyError of the first missing key."""
-    try:
-        return [table[key] for key in keys]
-    except KeyError as exc:
-        raise _missing(exc.args[0]) from None
 
 
 class EagerPool(GraphPool):
@@ -136,10 +126,6 @@ class EagerPool(GraphPool):
         except KeyError:
             raise _missing(key) from None
         fn()
-
-    def replay_chain(self, keys: Iterable[Hashable]) -> None:
-        for fn in _lookup(self._fns, keys):
-            fn()
 
 
 def _cuda_index(device: torch.device) -> int:
@@ -204,10 +190,6 @@ class TorchGraphPool(GraphPool):
             raise _missing(key) from None
         graph.replay()
 
-    def replay_chain(self, keys: Iterable[Hashable]) -> None:
-        for graph in _lookup(self._graphs, keys):
-            graph.replay()
-
     def clear(self) -> None:
         if self._graphs:
             torch.cuda.synchronize(self.device)  # no replay may still use the pool's memory
@@ -249,9 +231,6 @@ class NativeGraphPool(GraphPool):
             raise _missing(key) from None
         self._native.replay(native_id)
 
-    def replay_chain(self, keys: Iterable[Hashable]) -> None:
-        self._native.replay_chain(_lookup(self._ids, keys))
-
     def clear(self) -> None:
         self._native.clear()
         self._ids.clear()
@@ -260,8 +239,9 @@ class NativeGraphPool(GraphPool):
 
 def make_graph_pool(device: torch.device | str, enabled: bool = True, *, warmup: int = DEFAULT_WARMUP,
                     capture_error_mode: str = "thread_local") -> GraphPool:
-    """The pool for ``device``: native CUDA graphs where ``ssdlib._C`` has them, torch's otherwise
-    (logging once why), and plain calls on CPU or with ``enabled=False``.
+    """The pool for ``device``: native CUDA graphs (:class:`NativeGraphPool`, the primary backend)
+    where ``ssdlib._C`` has them, torch's (:class:`TorchGraphPool`) otherwise (logging once why), and plain calls
+    (:class:`EagerPool`) on CPU or with ``enabled=False``.
 
     Args:
         device: where the step functions run.

@@ -88,22 +88,21 @@ def test_eager_capture_stores_and_replay_calls():
     assert step.calls == 3
 
 
-def test_eager_replay_chain_order_and_missing_keys():
+def test_eager_replays_in_call_order_and_missing_keys():
     pool = EagerPool()
     buf = torch.ones(3)
     for key, fn in counter_steps(buf).items():
         pool.capture(key, fn)
-    pool.replay_chain(["mul", "add"])  # (1 * 2) + 1
+    pool.replay("mul")
+    pool.replay("add")  # (1 * 2) + 1
     assert buf.tolist() == [3, 3, 3]
     buf.fill_(1)
-    pool.replay_chain(("add", "mul"))  # (1 + 1) * 2
+    pool.replay("add")
+    pool.replay("mul")  # (1 + 1) * 2
     assert buf.tolist() == [4, 4, 4]
     with pytest.raises(KeyError, match="nope"):
-        pool.replay_chain(["mul", "nope"])  # checked before anything runs
-    assert buf.tolist() == [4, 4, 4]
-    with pytest.raises(KeyError):
         pool.replay("nope")
-    pool.replay_chain([])
+    assert buf.tolist() == [4, 4, 4]
 
 
 def test_eager_duplicate_bad_fn_and_clear():
@@ -175,22 +174,22 @@ def test_replay_matches_eager(kind):
 
 @needs_cuda
 @pytest.mark.parametrize("kind", GRAPH_KINDS)
-def test_replay_chain_order(kind):
+def test_replays_in_call_order(kind):
     pool = cuda_pool(kind, warmup=1)
     buf = torch.ones(16, device="cuda")
     for key, fn in counter_steps(buf).items():
         pool.capture(key, fn)
     buf.fill_(1)  # the warm-up calls changed it
-    pool.replay_chain(["mul", "add"])
+    pool.replay("mul")
+    pool.replay("add")
     assert buf.tolist() == [3] * 16
     buf.fill_(1)
-    pool.replay_chain(["add", "mul", "add"])
+    for key in ("add", "mul", "add"):
+        pool.replay(key)
     assert buf.tolist() == [5] * 16
     with pytest.raises(KeyError):
-        pool.replay_chain(["mul", "missing"])  # nothing replayed
+        pool.replay("missing")  # nothing replayed
     assert buf.tolist() == [5] * 16
-    with pytest.raises(KeyError):
-        pool.replay("missing")
 
 
 @needs_cuda
@@ -214,7 +213,8 @@ def test_graphs_share_one_memory_pool(kind):
     more = torch.cuda.memory_reserved() - base - first
     assert first > 0
     assert more <= first // 2, (first, more)
-    pool.replay_chain([("step", i) for i in range(6)])
+    for i in range(6):
+        pool.replay(("step", i))
     torch.testing.assert_close(out, (x * 2).exp() + 1)
 
 

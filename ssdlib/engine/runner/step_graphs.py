@@ -6,19 +6,19 @@ after (``ssdlib.ops.graph_pool``: CUDA graphs from the compiled extension or tor
 eager calls of the same code with ``cuda_graphs=False`` and on CPU).
 
 A step's key is (mode, batch bucket, queries per row, logits rows, key-length bucket, tree
-length). Inputs are copied into static device buffers: integer inputs given on the host travel
-in ONE host-to-device copy (a flat int64 arena whose views are the buffers); inputs already on the
-device are copied device to device. Batches are padded to their bucket with ghost rows that point
-at a scratch KV slot, see one key (limit 1) and are never read back.
+length). Inputs live in one ``StaticInputs`` arena (``static_inputs.py``): integer inputs given
+on the host travel in ONE host-to-device copy, inputs already on the device are copied device to
+device. Batches are padded to their bucket with ghost rows that point at a scratch KV slot, see
+one key (limit 1), sample greedily and are never read back.
 
 Outputs are the captured graph's own tensors: read them before the next replay of the same key.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
 from ssdlib.engine.sampled_chain import sampled_chain_body
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.sampling import SamplingParams, SamplingTensors
@@ -26,68 +26,51 @@ from ssdlib.sampling import SamplingParams, SamplingTensors
 # A ghost row's sampling parameters: a greedy row of SamplingTensors.host_table.
 GHOST_ROW = SamplingTensors.host_table([SamplingParams()])[0].numpy()
 
-# Batch buckets (nano-vllm's habit): 1, 2, 4, 8, then steps of 8.
-SMALL_BUCKETS = (1, 2, 4, 8)
-
-
-def batch_bucket(b: int) -> int:
-    for size in SMALL_BUCKETS:
-        if b <= size:
-            return size
-    return -(-b // 8) * 8
-
 
 class StepGraphs:
     """Static buffers and captured forwards for one :class:`ModelRunner`."""
-
-    # arena segments, each [max_rows * max_queries] int64 (slots: [max_rows])
-    SEGMENTS = ("ids", "pos", "limit", "index", "tree_index")
 
     def __init__(self, runner, pool, max_batch: int, max_queries: int, max_tree: int,
                  kind: str = "", use_kernel: bool | None = None, model=None,
                  all_buckets: bool = False):
         self.runner = runner
         self.pool = pool
-        # a step captured for one batch bucket is captured for every bucket up to max_rows at
-        # once (with torch.compile each bucket is a compile of seconds, a plain capture tens of
-        # ms, which would otherwise fall in the middle of a run, whenever rows leave and the
-        # batch shrinks to a new bucket); on CUDA always, so a warm-up captures them all
-        self.all_buckets = all_buckets
         self.kind = kind  # prefixes the keys: several StepGraphs may share one pool
         # the model a forward step runs: the runner's step model (torch.compile'd with
         # compile=True) unless given (the prefill graphs run the plain one)
         self.model = runner.step_model if model is None else model
         # the in-place attention kernel (few queries per row) or SDPA (prefill graphs)
         self.use_kernel = runner.use_kernel if use_kernel is None else use_kernel
-        self.max_rows = batch_bucket(max_batch)
         self.max_queries = max_queries
         self.max_tree = max_tree
+        # a step captured for one batch bucket is captured for every bucket up to max_rows at
+        # once with all_buckets (with torch.compile each bucket is a compile of seconds, a plain
+        # capture tens of ms, which would otherwise fall in the middle of a run, whenever rows
+        # leave and the batch shrinks to a new bucket); on CUDA always, so a warm-up captures
+        # them all. Per row: ids, positions, key limits, logits index, tree index [queries],
+        # the slot, a sampled chain's parameter table (float64) and stream (key, counter)
+        q = max_queries
+        self.inputs = StaticInputs(runner.device, max_batch, {
+            "ids": Segment(q), "pos": Segment(q), "limit": Segment(q, ghost=1),
+            "index": Segment(q), "tree_index": Segment(q),
+            "slots": Segment(1, ghost=runner.scratch_slot),
+            "table": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2)},
+            all_buckets=all_buckets)
+        self.max_rows = self.inputs.max_rows
         dev = runner.device
-        n = self.max_rows * max_queries
-        self.offsets = {name: i * n for i, name in enumerate(self.SEGMENTS)}
-        self.offsets["slots"] = len(self.SEGMENTS) * n
-        # a sampled chain's rows: parameter table [rows, 4] (float64 bits) and streams [rows, 2]
-        self.offsets["table"] = self.offsets["slots"] + self.max_rows
-        self.offsets["streams"] = self.offsets["table"] + 4 * self.max_rows
-        self.arena_size = self.offsets["streams"] + 2 * self.max_rows
-        self.arena = torch.zeros(self.arena_size, dtype=torch.int64, device=dev)
-        # the host side of the one copy, filled with numpy (a few µs; torch's small CPU ops
-        # cost ~50 µs a step) and reused: a copy from pageable memory is staged before it
-        # returns, so the next fill cannot race it
-        self._host = np.zeros(self.arena_size, dtype=np.int64)
-        self._host_t = torch.from_numpy(self._host)
         self.tree_mask = torch.zeros(self.max_rows, max_queries, max(max_tree, 1),
                                      dtype=torch.bool, device=dev)
         self.outputs: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def all_buckets(self) -> bool:
+        return self.inputs.all_buckets
 
     def fits(self, b: int, s: int, tree_len: int = 0) -> bool:
         return b <= self.max_rows and s <= self.max_queries and tree_len <= self.max_tree
 
     def _view(self, name: str, rows: int, cols: int | None) -> torch.Tensor:
-        start = self.offsets[name]
-        if cols is None:
-            return self.arena[start:start + rows]
-        return self.arena[start:start + rows * cols].view(rows, cols)
+        return self.inputs.view(name, rows, cols)
 
     def forward(self, ids, positions, slots, kv_limit, logits_index, kv_len: int,
                 tree_index=None, tree_mask=None, tree_len: int = 0) -> torch.Tensor:
@@ -156,7 +139,7 @@ class StepGraphs:
             self.outputs[key] = sampled_chain_body(
                 self.runner, self._view("ids", rows, s), self._view("pos", rows, s),
                 self._view("slots", rows, None), self._view("index", rows, 1), steps, vocab,
-                kv_len, self.use_kernel, self._view("table", rows, 4).view(torch.float64),
+                kv_len, self.use_kernel, self._view("table", rows, 4),
                 self._view("streams", rows, 2), facts)
 
         tokens, q = self._replay(key, run)
@@ -174,66 +157,32 @@ class StepGraphs:
         bucket too (the first rows of the inputs in hand, ghost rows past them)."""
         if self.pool.has(key):
             return
-        for rows in self.capture_buckets(key[1]):
+        for rows in self.inputs.capture_buckets(key[1]):
             other = key[:1] + (rows,) + key[2:]
             if not self.pool.has(other):
                 self.pool.capture(other, lambda k=other, r=rows: run(k, r))
 
-    def fill_rows(self, rows: int) -> int:
-        """Rows of the static inputs to fill for a step of ``rows`` (ghosts past the real
-        ones): every bucket's with ``all_buckets``."""
-        return self.max_rows if self.all_buckets else rows
-
-    def capture_buckets(self, rows: int) -> list[int]:
-        """The batch buckets to capture when ``rows`` is first needed (``rows`` last)."""
-        if not self.all_buckets:
-            return [rows]
-        out, b = [], 1
-        while b <= self.max_rows:
-            out.append(batch_bucket(b))
-            b = out[-1] + 1
-        return [r for r in out if r != rows] + [rows]
-
     def _fill(self, rows, b, s, n, ids, positions, slots, kv_limit, logits_index, tree_index,
               tree_mask, tree_len, table=None, streams=None) -> None:
-        """Real rows first, ghost rows after: scratch slot, position 0, limit 1 (a greedy
-        parameter row, stream 0)."""
-        host = self._host
-        host.fill(0)
-        rows = self.fill_rows(rows)  # ghosts for every bucket's capture
+        """Real rows first, ghost rows after (every bucket's with ``all_buckets``): scratch
+        slot, position 0, limit 1 (a greedy parameter row, stream 0); one upload."""
+        inputs = self.inputs
+        rows = inputs.fill_rows(rows)
         if table is not None:
-            tv = self._view_of(host, "table", rows, 4).view(np.float64)
-            tv[:b] = table.numpy()
-            tv[b:] = GHOST_ROW
-            self._view_of(host, "streams", rows, 2)[:b] = streams.numpy()
-        device_inputs = []
-        parts = [("ids", ids, 0), ("pos", positions, 0), ("limit", kv_limit, 1),
-                 ("slots", slots, self.runner.scratch_slot)]
+            inputs.put("table", rows, table, 4)
+            inputs.put("streams", rows, streams, 2)
+        inputs.put("ids", rows, ids, s)
+        inputs.put("pos", rows, positions, s)
+        inputs.put("limit", rows, kv_limit, s)
+        inputs.put("slots", rows, slots)
         if n:
-            parts.append(("index", logits_index, 0))
+            inputs.put("index", rows, logits_index, n)
         if tree_index is not None:
-            parts.append(("tree_index", tree_index, 0))
-        for name, src, ghost in parts:
-            cols = None if name == "slots" else (n if name == "index" else s)
-            hv = self._view_of(host, name, rows, cols)
-            if ghost:
-                hv[b:] = ghost
-            if src.device.type == "cpu":
-                hv[:b] = src.numpy()
-            else:
-                device_inputs.append((name, cols, src))
-        self.arena[:self.arena_size].copy_(self._host_t, non_blocking=True)  # one copy
-        for name, cols, src in device_inputs:
-            self._view(name, rows, cols)[:b].copy_(src)
+            inputs.put("tree_index", rows, tree_index, s)
+        inputs.upload()
         if tree_mask is not None:
             self.tree_mask[:b, :s, :tree_len].copy_(tree_mask)
             self.tree_mask[b:rows].zero_()
-
-    def _view_of(self, host: np.ndarray, name: str, rows: int, cols: int | None) -> np.ndarray:
-        start = self.offsets[name]
-        if cols is None:
-            return host[start:start + rows]
-        return host[start:start + rows * cols].reshape(rows, cols)
 
     def _run(self, key, rows, s, n, kv_len, tree, tree_len) -> None:
         r = self.runner

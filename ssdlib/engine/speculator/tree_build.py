@@ -24,21 +24,27 @@ key length), instead of some forty small launches from the host; ghost rows of t
 the scratch slot (the cache's last row) and are greedy. Step 0 is separate because step 3
 overwrites the tree scratch and kept candidates it reads, and a captured body must give the
 same result however often it runs (the pool's warm-up runs it first). Without a graph pool
-(CPU) the same bodies run eagerly.
+(CPU) the same bodies run eagerly on the same inputs.
+
+The inputs are one ``StaticInputs`` arena (``engine/runner/static_inputs.py``), with the
+runner's ``StepGraphs`` bucket policy: per row the speculation, committed length, slot, reused
+branch, the candidates (copied device to device), and for a sampled build the parameter table
+and stream position; filled with numpy and sent in one copy a build.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.runner.step_graphs import batch_bucket
+from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
+from ssdlib.engine.runner.step_graphs import GHOST_ROW
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
 from ssdlib.sampling import SamplingFacts, SamplingParams, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
-GHOST_PARAMS = SamplingParams()  # ghost rows of a sampled build: greedy
+GHOST_PARAMS = SamplingParams()  # ghost rows of a sampled build: greedy (GHOST_ROW's table row)
 
 
 def branch_outcomes(cand: torch.Tensor, sent: torch.Tensor, pos: torch.Tensor,
@@ -91,25 +97,20 @@ class TreeBuildStep:
         self.top, self.vocab = top, vocab
         graphs = runner.graphs
         self.pool = graphs.pool if graphs is not None else None
-        # as the runner's steps (StepGraphs.all_buckets, compiled layers): a build captured for
-        # one batch bucket is captured for every bucket at once, so no compile falls mid-run
+        # captures go through the runner's steps (StepGraphs.capture), and the arena follows
+        # their bucket policy: with all_buckets a build captured for one batch bucket is
+        # captured for every bucket at once, so no compile falls mid-run. Without a pool the
+        # rows are the batch's own (at most one a slot)
         self.graphs = graphs
-        dev = runner.device
-        rows = graphs.max_rows if graphs is not None else 0
-        C = branch_top.shape[-1]
-        self.cand = torch.zeros(rows, self.K + 1, C, dtype=torch.int64, device=dev)
-        # one int64 arena, one host-to-device copy a build: the host integers (_host_ints) and,
-        # for sampled builds, per row (temperature, top_k, top_p, greedy) as float64 bits and
-        # (stream key, first counter)
-        n_ints = rows * (self.K + 3)
-        self.arena = torch.zeros(n_ints + 6 * rows, dtype=torch.int64, device=dev)
-        self.ints = self.arena[:n_ints]
-        self.params = self.arena[n_ints:n_ints + 4 * rows].view(rows, 4).view(torch.float64)
-        self.streams = self.arena[n_ints + 4 * rows:].view(rows, 2)
-        self._host = torch.zeros(self.arena.shape[0], dtype=torch.int64)  # its host side
-        self._host_params = self._host[n_ints:n_ints + 4 * rows].view(rows, 4).view(torch.float64)
-        self._host_streams = self._host[n_ints + 4 * rows:].view(rows, 2)
-        self.index = torch.zeros(2, self.B, dtype=torch.int64, device=dev)  # pos, rank
+        K, C = self.K, branch_top.shape[-1]
+        self.C = C
+        self.inputs = StaticInputs(runner.device, runner.scratch_slot, {
+            "sent": Segment(K), "lengths": Segment(1),
+            "slots": Segment(1, ghost=runner.scratch_slot), "reuse": Segment(1, ghost=-1),
+            "cand": Segment((K + 1) * C),
+            "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2)},
+            all_buckets=graphs is not None and graphs.all_buckets)
+        self.index = torch.zeros(2, self.B, dtype=torch.int64, device=runner.device)  # pos, rank
         self._index_src: torch.Tensor | None = None
 
     def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None) -> None:
@@ -174,25 +175,32 @@ class TreeBuildStep:
             return tok
         return pick
 
-    def _host_ints(self, rows: int, sent, lengths, slots, reuse) -> torch.Tensor:
-        """[rows * (K + 3)] int64: sent [rows, K], committed length [rows], slot [rows], reused
-        branch [rows] (-1: none); ghost rows (past the real ones) use the scratch slot."""
-        b, K = len(sent), self.K
-        host = torch.zeros(rows * (K + 3), dtype=torch.int64)
-        host[:b * K] = torch.tensor(sent, dtype=torch.int64).view(-1)
-        host[rows * K:rows * K + b] = torch.tensor(lengths, dtype=torch.int64)
-        host[rows * (K + 1):rows * (K + 1) + b] = torch.tensor(slots, dtype=torch.int64)
-        host[rows * (K + 1) + b:rows * (K + 2)] = self.runner.scratch_slot
-        host[rows * (K + 2):] = -1
-        host[rows * (K + 2):rows * (K + 2) + b] = torch.tensor(reuse, dtype=torch.int64)
-        return host
+    def _fill(self, rows: int, cand, sent, lengths, slots, reuse, sampled_rows):
+        """The build's inputs for ``rows`` rows (ghosts past the real ones: the scratch slot, no
+        reused branch, greedy), in one upload -> the sampled build's facts (None: greedy).
+        A sampled build reserves K * B draws of each row's stream."""
+        inputs = self.inputs
+        inputs.put("sent", rows, sent, self.K)
+        inputs.put("lengths", rows, lengths)
+        inputs.put("slots", rows, slots)
+        inputs.put("reuse", rows, reuse)
+        inputs.put("cand", rows, cand, (self.K + 1) * self.C)
+        facts = None
+        if sampled_rows is not None:
+            params = [r.params for r in sampled_rows]
+            inputs.put("params", rows, SamplingTensors.host_table(params), 4)
+            inputs.put("streams", rows, RowStreams.reserve_host(
+                [r.stream for r in sampled_rows], self.K * self.B), 2)
+            facts = SamplingTensors.host_facts(params + [GHOST_PARAMS] * (rows - len(params)))
+        inputs.upload()
+        return facts
 
-    def _views(self, ints: torch.Tensor, rows: int, width: int | None = None):
-        """(sent [rows, K], n [rows], slots [rows], reuse [rows]): the first ``rows`` of a
-        :meth:`_host_ints` laid out for ``width`` rows (default ``rows``)."""
-        K, w = self.K, width or rows
-        return (ints[:w * K].view(w, K)[:rows], ints[w * K:w * K + rows],
-                ints[w * (K + 1):w * (K + 1) + rows], ints[w * (K + 2):w * (K + 2) + rows])
+    def _views(self, rows: int):
+        """(cand [rows, K+1, C], sent [rows, K], n [rows], slots [rows], reuse [rows]) on the
+        device."""
+        v, K = self.inputs.view, self.K
+        return (v("cand", rows, (K + 1) * self.C).view(rows, K + 1, self.C), v("sent", rows, K),
+                v("lengths", rows), v("slots", rows), v("reuse", rows))
 
     def run(self, cand: torch.Tensor, sent: list[list[int]], lengths: list[int],
             slots: list[int], pos: torch.Tensor, rank: torch.Tensor, kv_len: int,
@@ -203,85 +211,51 @@ class TreeBuildStep:
         continues, or -1. ``sampled_rows`` (with ``params`` and ``stream``): a sampled build,
         which reserves K * B draws of each row's stream."""
         kv_len = self.runner.kv_bucket(kv_len)
-        dev = self.runner.device
         b = cand.shape[0]
         rows = batch_bucket(b) if self.pool is not None else b
-        # the host tables' row count: every bucket's when all of them are captured at once
-        width = self.graphs.fill_rows(rows) if self.pool is not None else rows
         reuse = [-1] * b if reuse is None else reuse
         hits = any(x >= 0 for x in reuse)
-        ints = self._host_ints(width, sent, lengths, slots, reuse)
-        if sampled_rows is not None:
-            host_params, host_streams, facts = self._host_sampling(width, sampled_rows)
+        # the inputs' rows: every bucket's when all of them are captured at once
+        width = self.inputs.fill_rows(rows)
+        facts = self._fill(width, cand, sent, lengths, slots, reuse, sampled_rows)
         if self.pool is None:
-            sampler = None
-            if sampled_rows is not None:
-                sampler = self._sampler(host_params.to(dev), host_streams.to(dev), facts, fan,
-                                        saguaro_c)
-            sent_d, n_d, slots_d, reuse_d = self._views(ints.to(dev), rows)
+            sampler = None if facts is None else self._sampler(rows, facts, fan, saguaro_c)
+            cand_v, sent_v, n_v, slots_v, reuse_v = self._views(rows)
             if hits:
-                cand = cand.clone()
-                self.continue_hits(cand, sent_d, n_d, slots_d, reuse_d, kv_len)
-            self.body(cand, sent_d, n_d, slots_d, pos, rank, kv_len, sampler)
+                self.continue_hits(cand_v, sent_v, n_v, slots_v, reuse_v, kv_len)
+            self.body(cand_v, sent_v, n_v, slots_v, pos, rank, kv_len, sampler)
             return
-        sampling = None if sampled_rows is None else (host_params, host_streams, facts)
-        self._run_captured(cand, ints, rows, width, pos, rank, kv_len, hits, sampling, fan,
-                           saguaro_c)
+        self._run_captured(rows, pos, rank, kv_len, hits, facts, fan, saguaro_c)
 
-    def _run_captured(self, cand, ints, rows: int, width: int, pos, rank, kv_len: int,
-                      hits: bool, sampling, fan: tuple, saguaro_c: float) -> None:
-        """:meth:`run` with a graph pool: the host tables (laid out for ``width`` rows) in one
-        copy, then the replays (captured on first use, for every batch bucket at once where
-        the runner's steps are). ``sampling``: (parameter table, streams, facts) or None."""
-        b = cand.shape[0]
-        self._host[:ints.shape[0]] = ints
-        facts = None
-        if sampling is not None:
-            host_params, host_streams, facts = sampling
-            self._host_params[:width] = host_params
-            self._host_streams[:width] = host_streams
-        # one copy (reusing the host buffer is safe: a copy from pageable memory is staged
-        # before it returns)
-        self.arena.copy_(self._host, non_blocking=True)
-        self.cand[:b].copy_(cand)
-        self.cand[b:width].zero_()
+    def _run_captured(self, rows: int, pos, rank, kv_len: int, hits: bool,
+                      facts: SamplingFacts | None, fan: tuple, saguaro_c: float) -> None:
+        """:meth:`run` with a graph pool, its inputs uploaded: the replays (captured on first
+        use, for every batch bucket at once where the runner's steps are)."""
         if self._index_src is not pos:  # the fan-out's branch index (kept while it holds)
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
         if hits:  # every bucket's continuation before any build: the build overwrites its inputs
             key = ("tree_continue", rows, kv_len)
-            self.graphs.capture(key, lambda _, r: self.continue_hits(
-                self.cand[:r], *self._views(self.ints, r, width), kv_len))
+            self.graphs.capture(key, lambda _, r: self.continue_hits(*self._views(r), kv_len))
             self.pool.replay(key)
         key = build_key(rows, kv_len, facts, fan, saguaro_c)
-        if sampling is not None and not self.pool.has(key):
+        if facts is not None and not self.pool.has(key):
             self.cache.q  # allocated now: not inside a warm-up or a capture
 
         def step(_, r):
             # the sampler inside the body: its tensors are computed from the static tables at
             # every replay (a sampler built once would keep the first round's values)
-            sampler = None if sampling is None else self._sampler(
-                self.params[:r], self.streams[:r], facts, fan, saguaro_c)
-            sent_v, n_v, slots_v, _ = self._views(self.ints, r, width)
-            self.body(self.cand[:r], sent_v, n_v, slots_v, self.index[0], self.index[1],
-                      kv_len, sampler)
+            sampler = None if facts is None else self._sampler(r, facts, fan, saguaro_c)
+            cand_v, sent_v, n_v, slots_v, _ = self._views(r)
+            self.body(cand_v, sent_v, n_v, slots_v, self.index[0], self.index[1], kv_len,
+                      sampler)
         self.graphs.capture(key, step)
         self.pool.replay(key)
 
-    def _host_sampling(self, rows: int, sampled_rows):
-        """(parameter table [rows, 4], streams [rows, 2] = (key, first counter), the host's
-        facts) of a sampled build; reserves K * B draws of each row's stream; ghost rows are
-        greedy."""
-        b = len(sampled_rows)
-        params = [r.params for r in sampled_rows] + [GHOST_PARAMS] * (rows - b)
-        streams = torch.zeros(rows, 2, dtype=torch.int64)
-        streams[:b] = RowStreams.reserve_host([r.stream for r in sampled_rows], self.K * self.B)
-        return SamplingTensors.host_table(params), streams, SamplingTensors.host_facts(params)
-
-    def _sampler(self, params: torch.Tensor, streams: torch.Tensor, facts: SamplingFacts, fan,
-                 saguaro_c: float):
-        """(SamplingTensors, RowStreams, fan-out, C) over the device tables ``params`` [rows, 4]
-        and ``streams`` [rows, 2] (static buffers when captured)."""
+    def _sampler(self, rows: int, facts: SamplingFacts, fan, saguaro_c: float):
+        """(SamplingTensors, RowStreams, fan-out, C) over the first ``rows`` of the static
+        parameter table [rows, 4] and streams [rows, 2]."""
+        params, streams = self.inputs.view("params", rows, 4), self.inputs.view("streams", rows, 2)
         return (SamplingTensors.from_table(params, facts),
                 RowStreams(streams[:, 0], streams[:, 1], self.K * self.B), tuple(fan), saguaro_c)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ssdlib.engine.runner.model_runner import ModelRunner
-from ssdlib.engine.runner.step_graphs import StepGraphs, batch_bucket
+from ssdlib.engine.runner.static_inputs import batch_bucket
+from ssdlib.engine.runner.step_graphs import StepGraphs
 from ssdlib.loading import load_checkpoint
 
 

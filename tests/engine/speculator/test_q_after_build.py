@@ -15,7 +15,7 @@ def _run(tiny_dirs):
     sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
     greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
-                   mode="ssd", k=3, max_batch=2, max_len=128, fallback="jit") as g:
+                   mode="ssd", k=3, max_batch=2, max_len=128, fallback="jit", device="cpu") as g:
         outs = g.generate(PROMPTS, [sampled, greedy, sampled, sampled])
         return [o.token_ids for o in outs], g.last_run_metrics
 
