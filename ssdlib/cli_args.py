@@ -44,7 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (default on CUDA: decode / verify / draft / tree "
                         "steps replay captured CUDA graphs)")
     s = p.add_argument_group("speculation")
-    s.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    s.add_argument("--k", type=int, default=5,
+                   help="draft tokens per round (the most a round drafts with --adaptive-k)")
+    s.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each sequence's K (0 .. --k) every round from its measured "
+                        "acceptance and the measured draft / verify costs; K = 0 decodes like "
+                        "ar (default: on)")
     s.add_argument("--fan-out", default="auto",
                    help="'auto' (Thm 12), a list like 8,5,3,2,1,4 (K+1 entries), or all-accepted:N")
     s.add_argument("--fan-out-budget", type=int, default=16, help="cache budget B for --fan-out auto")
@@ -70,7 +75,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
-                dtype=a.dtype, k=a.k, fan_out=a.fan_out, fan_out_budget=a.fan_out_budget,
+                dtype=a.dtype, k=a.k, adaptive_k=a.adaptive_k, fan_out=a.fan_out,
+                fan_out_budget=a.fan_out_budget,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
                 speculator_placement=a.speculator_placement,
                 max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,

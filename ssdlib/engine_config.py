@@ -31,7 +31,10 @@ class EngineConfig:
     # so every rank (and every later check) sees "cpu" or "cuda"
     device: str = "auto"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    k: int = 5
+    k: int = 5  # draft tokens per round; with adaptive_k the most a round drafts
+    # choose each sequence's K (0 .. k) every round from its measured acceptance and the measured
+    # costs of a draft step and a verify (ssdlib.speculative.adaptive_k); False: always k
+    adaptive_k: bool = True
     fan_out: str = "auto"
     fan_out_budget: int = 16
     saguaro_c: float = 1.0
@@ -88,6 +91,8 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not (1 <= self.k <= 32):
             raise ConfigError(f"--k must be an integer in [1, 32], got {self.k!r}")
+        if not isinstance(self.adaptive_k, bool):
+            raise ConfigError(f"adaptive_k must be True or False, got {self.adaptive_k!r}")
         if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) \
                 or not (0.0 < self.saguaro_c <= 1.0):
             raise ConfigError(f"--saguaro-c must be in (0, 1], got {self.saguaro_c!r}")

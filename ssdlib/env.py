@@ -63,6 +63,10 @@ SWITCHES: tuple[Switch, ...] = (
            choices=("torch",)),
     Switch("SSDLIB_DISABLE_EXT", "flag", False,
            "1: never use the compiled extension ssdlib._C (pure-PyTorch ops, torch's CUDA graphs)"),
+    Switch("SSDLIB_K_SCHEDULE", "text", None,
+           "comma-separated K values (0 .. --k): instead of the adaptive choice, the n-th "
+           "choice gives the row in slot s the value at (s + n) mod their count, so rows of "
+           "one round differ (for tests of the per-row limits; ssdlib.speculative.adaptive_k)"),
     Switch("SSDLIB_Q_AFTER_BUILD", "flag", False,
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
            "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),

@@ -89,6 +89,8 @@ def run(args) -> int:
                      + f"decode_tok_s={m['decode_tok_s']:.1f}"
                      + (f" acceptance_rate={m['acceptance_rate']:.3f}"
                         if "acceptance_rate" in m else "")
+                     + (f" mean_k={m['mean_k']:.2f} k0_rounds={m['k0_rounds']}"
+                        if "mean_k" in m else "")
                      + (f" hit_rate={m['hit_rate']:.3f}" if "hit_rate" in m else "") + "\n")
     if args.output:
         write_jsonl_atomic(args.output, [

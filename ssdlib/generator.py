@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from ssdlib.capacity import check_memory
 from ssdlib.distributed.launcher import RankGroup
 from ssdlib.distributed.world import under_torchrun
-from ssdlib.engine.leader.metrics import mean_accepted_by_source
+from ssdlib.engine.leader.metrics import k_totals, mean_accepted_by_source
 from ssdlib.engine.leader.sequence import Output, Request
 from ssdlib.engine.runner.compile_cache import use_compile_cache
 from ssdlib.engine.runner.compiled import resolve_compile
@@ -528,6 +528,10 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     ``rounds`` is summed the same way, so ``key / rounds`` is the mean phase time per round
     (rounds weighted by how many sequences they carried).
 
+    ``mean_k`` and ``k0_rounds``: the speculation length chosen per round (adaptive K) and the
+    rounds at K = 0; ``k_costs`` the cost estimates it chose on (ms: a draft step, the rest of a
+    round by K), per call like the speculator's keys below.
+
     ``speculator_rounds`` and ``speculator_ms_per_round`` ({phase: mean ms per OUTCOME round},
     phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output;
     so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``),
@@ -554,6 +558,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         out["acceptance_rate"] = accepted / tried if tried else 0.0
         out["mean_accepted"] = accepted / out["rounds"]
         out["tokens_per_round"] = (accepted + out["rounds"]) / out["rounds"]
+    out.update(k_totals(o.metrics for o in outputs))  # adaptive K: mean K, rounds at K = 0
     lookups = sum(o.metrics.get("lookups", 0) for o in outputs)
     if lookups:
         out["hit_rate"] = sum(o.metrics.get("hits", 0) for o in outputs) / lookups
@@ -569,7 +574,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
     for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round",
-                "stream_overlap"):
+                "stream_overlap", "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

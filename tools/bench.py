@@ -7,7 +7,8 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
 
 - throughput: per mode, tok/s = generated tokens / wall seconds of the timed generate call (a
   warm-up call first, excluded; CUDA synchronized), decode tok/s (the run's wall-clock decode
-  rate, ssdlib.generator.run_metrics), acceptance, tokens per round, SSD hit rate, verifier
+  rate, ssdlib.generator.run_metrics), acceptance, tokens per round, the mean K chosen and the
+  rounds at K = 0 (adaptive K; ``sd:adaptive_k=0`` runs a fixed K), SSD hit rate, verifier
   idle fraction, whether greedy output equals AR's, and ``ready s``: the engine's start-up plus
   the warm-up call (loading, graph capture, and torch.compile with ``compile=1``; JSON rows
   also hold ``engine_ready_s``, the engine's own start-up with its warm-up, and
@@ -63,7 +64,7 @@ from ssdlib.loading.draft import materialize_hf  # noqa: E402
 from ssdlib.prompts import PromptEncoder  # noqa: E402
 
 ROW_KEYS = ("decode_tok_s", "ttft_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
-            "hit_rate", "fallbacks", "accepted_by_source", "verifier_idle_frac",
+            "mean_k", "k0_rounds", "k_costs", "hit_rate", "fallbacks", "accepted_by_source", "verifier_idle_frac",
             "speculator_idle_frac", "prefill_s", "captured_in_run")
 # breakdown columns come first in this order; any other phase key follows, sorted
 PHASE_ORDER = ("draft", "verify", "wait", "cache_build", "host")
@@ -131,7 +132,7 @@ def sync(device: str) -> None:
 # ``ssd:draft=DIR`` compares drafts (a name or a directory without ':'), ``ssd:compile=1``
 # torch.compile inside the captured steps, ``ssd:env=SSDLIB_NAME=VALUE`` an engine environment
 # variable for that row's ranks (an experiment's switch), ``ssd:placement=stream`` (or ``rank``)
-# the speculator's placement
+# the speculator's placement, ``sd:adaptive_k=0`` a fixed K (adaptive K on and off compared)
 
 
 def _flag(value: str) -> bool:
@@ -157,7 +158,7 @@ _ENGINE_SWITCHES = {s.name for s in env.SWITCHES if s.reader == "ssdlib"}
 _env.__name__ = "SSDLIB_NAME=VALUE (a variable listed in ssdlib/env.py)"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
                 "fallback": str, "draft": str, "compile": _flag, "env": _env,
-                "placement": str}
+                "placement": str, "adaptive_k": _flag}
 ENGINE_MODES = ("ar", "sd", "ssd")
 
 
@@ -205,7 +206,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     spec) and the run aggregate (for the breakdown)."""
     mode, options = parse_mode(spec)
     kw = dict(target=args.target, mode=mode, tp=args.tp, device=args.device, dtype=args.dtype,
-              k=args.k, max_batch=args.batch, max_len=args.max_len, fan_out=args.fan_out,
+              k=args.k, adaptive_k=args.adaptive_k, max_batch=args.batch, max_len=args.max_len,
+              fan_out=args.fan_out,
               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c,
               fallback=args.fallback, cuda_graphs=args.cuda_graphs, compile=args.compile)
     if mode != "ar":
@@ -403,13 +405,15 @@ def fmt(value, spec: str, width: int) -> str:
 def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
     ar = next((r for r in rows if r["mode"] == "ar"), None)
     print(f"{'mode':12} {'batch':>5} {'tok/s':>8} {'vs AR':>6} {'dec tok/s':>9} {'accept':>7} "
-          f"{'tok/rnd':>7} {'hit':>6} {'v_idle':>6} {'greedy==AR':>10} {'ready s':>7}")
+          f"{'tok/rnd':>7} {'mean K':>6} {'K=0':>6} {'hit':>6} {'v_idle':>6} {'greedy==AR':>10} "
+          f"{'ready s':>7}")
     for r in rows:
         vs = r["tok_s"] / ar["tok_s"] if ar else None
         same = r.get("greedy_equals_ar", "-")
         print(f"{r['mode']:12} {r['batch']:5d} {r['tok_s']:8.1f} {fmt(vs, '.2f', 6)} "
               f"{fmt(r.get('decode_tok_s'), '.1f', 9)} {fmt(r.get('acceptance_rate'), '.3f', 7)} "
-              f"{fmt(r.get('tokens_per_round'), '.2f', 7)} {fmt(r.get('hit_rate'), '.3f', 6)} "
+              f"{fmt(r.get('tokens_per_round'), '.2f', 7)} {fmt(r.get('mean_k'), '.2f', 6)} "
+              f"{fmt(r.get('k0_rounds'), 'd', 6)} {fmt(r.get('hit_rate'), '.3f', 6)} "
               f"{fmt(r.get('verifier_idle_frac'), '.3f', 6)} {str(same):>10} "
               f"{fmt(r.get('ready_s'), '.1f', 7)}")
     for r in rows:  # SSD: where its speculations came from and how many tokens each kept
@@ -465,6 +469,9 @@ def parse_args(argv):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="each sequence's K chosen per round (the engine's default; a mode may "
+                        "set its own: sd:adaptive_k=0)")
     p.add_argument("--fan-out", default="auto")
     p.add_argument("--fan-out-budget", type=int, default=16)
     p.add_argument("--saguaro-c", type=float, default=1.0)

@@ -7,7 +7,7 @@ that travel (one per message part, fixed dtype), ``unpack`` turns received tenso
 send/recv on the two-rank ``spec_group``, tensors on the rank's device (NCCL on GPU, gloo on
 CPU; ``staged``: gloo through host memory for ranks that share a GPU). Nothing is pickled.
 
-Leader -> speculator messages start with a control frame: int64 [8 + (6 + K) * max_batch] = the
+Leader -> speculator messages start with a control frame: int64 [8 + (7 + K) * max_batch] = the
 :class:`Header`, then OUTCOME's rows (zeros for other messages). An OUTCOME is therefore one
 transfer and one read-back.
 
@@ -66,8 +66,8 @@ class Header:
 
 
 class ControlFrame:
-    """What every leader -> speculator message starts with, int64 [8 + (6 + K) * max_batch]:
-    the :class:`Header`, then an OUTCOME's rows [b, 6 + K] (zeros for the other messages)."""
+    """What every leader -> speculator message starts with, int64 [8 + (7 + K) * max_batch]:
+    the :class:`Header`, then an OUTCOME's rows [b, 7 + K] (zeros for the other messages)."""
 
     @staticmethod
     def size(max_batch: int, k: int) -> int:
@@ -83,7 +83,7 @@ class ControlFrame:
 
     @staticmethod
     def unpack(buf: torch.Tensor, k: int) -> tuple[Header, torch.Tensor]:
-        """-> (header, the rows part [max_batch, 6 + K]: an OUTCOME's first b rows)."""
+        """-> (header, the rows part [max_batch, 7 + K]: an OUTCOME's first b rows)."""
         return Header.unpack(buf[:Header.SIZE]), buf[Header.SIZE:].view(-1, Outcome.width(k))
 
 
@@ -151,9 +151,11 @@ class Outcome:
     """OUTCOME (L -> S): the rows of one exchange -- all running rows after a round, or the new
     rows after an ADMIT (k = 0, t* = the token sampled from the prefill) -- and each live row's
     next speculation as the leader chose it. An inactive row leaves the batch. After the header:
-    int64 [b, 6 + K] = (slot, k accepted, bonus t*, active, choice, arg, s_1..s_K): ``choice`` a
-    :class:`Choice`, ``arg`` the cache branch (CACHE) or the QKind (LOCAL), the tokens of a
-    CACHE or LOCAL row (zeros for JIT)."""
+    int64 [b, 7 + K] = (slot, k accepted, bonus t*, active, choice, arg, limit, s_1..s_K):
+    ``choice`` a :class:`Choice`, ``arg`` the cache branch (CACHE) or the QKind (LOCAL),
+    ``limit`` how many of the next speculation's tokens the leader will verify (adaptive K, 0 ..
+    K: the outcome of that speculation has k <= limit; a jit draft of a cacheless speculator
+    drafts only that many), the tokens of a CACHE or LOCAL row (zeros for JIT)."""
 
     slots: list[int]
     accepted: list[int]  # k
@@ -166,19 +168,21 @@ class Outcome:
     tokens: list[list[int]] = field(default_factory=list)  # [b][K]
     verify_us: int = 0  # the leader's last verify forward, µs: a jit draft's cost is weighed
     # against it (Thm 17); in the header
+    limit: list[int] = field(default_factory=list)  # per row (default: K)
 
     def __post_init__(self):
         n = len(self.slots)
         self.choice = self.choice or [int(Choice.JIT)] * n
         self.arg = self.arg or [0] * n
         self.tokens = self.tokens or [[0] * self.k for _ in range(n)]
+        self.limit = self.limit or [self.k] * n
         if not (len(self.accepted) == len(self.bonus) == len(self.active) == len(self.choice)
-                == len(self.arg) == len(self.tokens) == n):
+                == len(self.arg) == len(self.tokens) == len(self.limit) == n):
             raise ValueError("Outcome: every column needs one entry per row")
 
     @staticmethod
     def width(k: int) -> int:
-        return 6 + k
+        return 7 + k
 
     def header(self) -> Header:
         return Header(Op.OUTCOME, len(self.slots), 0, self.sampling, self.verify_us)
@@ -190,14 +194,14 @@ class Outcome:
         return int(Choice.JIT) in live, bool(live) and self.sampling
 
     def values(self) -> list[int]:
-        """The rows [b, 6 + K], flattened."""
-        return [v for s, k, t, a, c, g, toks in zip(self.slots, self.accepted, self.bonus,
-                                                    self.active, self.choice, self.arg,
-                                                    self.tokens)
-                for v in (s, k, t, int(a), c, g, *toks)]
+        """The rows [b, 7 + K], flattened."""
+        return [v for s, k, t, a, c, g, n, toks in zip(self.slots, self.accepted, self.bonus,
+                                                       self.active, self.choice, self.arg,
+                                                       self.limit, self.tokens)
+                for v in (s, k, t, int(a), c, g, n, *toks)]
 
     def pack(self, out: torch.Tensor) -> torch.Tensor:
-        """Write into the first b rows of ``out`` (int64 [>= b, 6 + K]) and return them."""
+        """Write into the first b rows of ``out`` (int64 [>= b, 7 + K]) and return them."""
         rows = torch.tensor(self.values(), dtype=torch.int64).view(-1, self.width(self.k))
         return out[:rows.shape[0]].copy_(rows)
 
@@ -206,7 +210,8 @@ class Outcome:
         host = rows.tolist()  # one read
         return cls([r[0] for r in host], [r[1] for r in host], [r[2] for r in host],
                    [bool(r[3]) for r in host], header.sampling, k, [r[4] for r in host],
-                   [r[5] for r in host], [r[6:] for r in host], header.verify_us)
+                   [r[5] for r in host], [r[7:] for r in host], header.verify_us,
+                   [r[6] for r in host])
 
 
 @dataclass

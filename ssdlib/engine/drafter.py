@@ -2,7 +2,14 @@
 
 The draft's KV cache is kept in step with the committed tokens lazily: ``valid[slot]`` counts the
 leading committed tokens whose KV is correct. Each proposal first feeds the committed tokens the
-draft has not seen (usually 1, or 2 after a fully accepted round), then K-1 single-token steps.
+draft has not seen (1, or 2 after a fully accepted round; at least the last 2, so that the
+chain has one shape either way), then K-1 single-token steps.
+
+Rounds that draft nothing (adaptive K = 0: the target decodes alone) leave the draft behind;
+:meth:`Drafter.skip` notes them, and the next proposal first catches those rows up
+(:meth:`Drafter.catch_up`), as it does a new sequence's prompt, so that the proposal's own chain
+starts from the usual one or two unseen tokens: the shapes of a proposal's chain depend on k
+only, which the warm-up runs through.
 """
 
 from __future__ import annotations
@@ -14,15 +21,69 @@ from ssdlib.engine.sampled_chain import fit_vocab, sampled_chain
 from ssdlib.sampling import SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
+# positions a row of the draft's catch-up forward holds (padded; a longer gap takes several)
+CATCH_UP_QUERIES = 32
+# committed tokens a proposal's chain feeds (the unseen ones: 1, or 2 after a fully accepted
+# round; a seen one again to make 2); a row further behind is caught up first
+CHAIN_UNSEEN = 2
+
 
 class Drafter:
-    def __init__(self, runner, vocab_size: int):
+    def __init__(self, runner, vocab_size: int, draws: int = 0):
         self.runner = runner
         self.vocab_size = vocab_size  # the target's: draft logits are cut/padded to it
+        # draws of a sampled row's stream every proposal reserves (K_max: the same whatever k a
+        # round drafts, and in a round that drafts nothing, rng's convention); 0: k
+        self.draws = draws
         self.valid: dict[int, int] = {}
+        self.lagging: set[int] = set()  # slots skipped by a round since their last proposal
+        # the last proposal was k steps of the chain and no more (no prompt, no catch-up): its
+        # time measures a draft step
+        self.plain = True
 
     def reset(self, slot: int) -> None:
         self.valid[slot] = 0
+        self.lagging.discard(slot)
+
+    def skip(self, seqs) -> None:
+        """A round drafts nothing for ``seqs``: their streams still give up a proposal's draws,
+        and their next proposal catches the draft up first."""
+        for s in seqs:
+            s.stream.reserve(self.draws)
+            self.lagging.add(s.slot)
+
+    @torch.inference_mode()
+    def catch_up(self, seqs) -> None:
+        """Before a proposal: rows more than CHAIN_UNSEEN tokens behind get their committed
+        tokens but the last fed first, so that the proposal's chain (one step shape per k)
+        starts from the usual one or two unseen tokens. A new sequence's prompt goes in one
+        forward (a prefill: its shape follows the prompt's length, never k); a row that skipped
+        rounds (:meth:`skip`) in forwards of CATCH_UP_QUERIES positions a row (rows padded; the
+        padding's KV lands past the row's tokens and is overwritten before it is read): one
+        step shape whatever the gap. (A speculator's jit rows, fed up to their last draft,
+        are otherwise left to the chain.)"""
+        behind = [s for s in seqs if len(s.tokens) - self.valid.get(s.slot, 0) > CHAIN_UNSEEN]
+        new = [s for s in behind if self.valid.get(s.slot, 0) == 0]
+        late = [s for s in behind if s.slot in self.lagging and self.valid.get(s.slot, 0) > 0]
+        self.lagging.difference_update(s.slot for s in seqs)
+        self.plain = not (new or late)
+        if new:
+            lengths = [len(s.tokens) - 1 for s in new]
+            ids, pos = pack_rows([s.tokens[:-1] for s in new], [0] * len(new))
+            self.runner.forward(ids, pos, slots_tensor(new), last_index(lengths))
+            for s, n in zip(new, lengths):
+                self.valid[s.slot] = n
+        n = CATCH_UP_QUERIES
+        while late:
+            starts = [self.valid[s.slot] for s in late]
+            rows = [s.tokens[v:min(v + n, len(s.tokens) - 1)] for s, v in zip(late, starts)]
+            ids, _ = pack_rows(rows, starts)
+            ids = torch.nn.functional.pad(ids, (0, n - ids.shape[1]))
+            pos = torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(n)
+            self.runner.forward(ids, pos, slots_tensor(late))  # only the KV is wanted
+            for s, r in zip(late, rows):
+                self.valid[s.slot] += len(r)
+            late = [s for s in late if self.valid[s.slot] < len(s.tokens) - 1]
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         return fit_vocab(logits, self.vocab_size)
@@ -40,8 +101,12 @@ class Drafter:
         (float32; one-hot on greedy rows), or None for q when every row is greedy and
         ``want_q`` is False. Greedy batches run without host syncs: each step's argmax feeds
         the next step on the device."""
-        rows = [q.tokens[self.valid.get(q.slot, 0):] for q in seqs]
-        starts = [self.valid.get(q.slot, 0) for q in seqs]
+        self.catch_up(seqs)
+        # at least CHAIN_UNSEEN tokens a row (one seen token fed again, its KV rewritten): the
+        # chain's first forward has one shape whether the last round accepted everything or not
+        starts = [max(0, min(self.valid.get(q.slot, 0), len(q.tokens) - CHAIN_UNSEEN))
+                  for q in seqs]
+        rows = [q.tokens[st:] for q, st in zip(seqs, starts)]
         ids, pos = pack_rows(rows, starts)
         slots = slots_tensor(seqs)
         index = last_index([len(r) for r in rows])
@@ -71,7 +136,7 @@ class Drafter:
         row's stream (draw j for token j), as one chain (``sampled_chain.py``: one graph
         replay on GPU)."""
         params = [s.params for s in seqs]
-        streams = RowStreams.reserve_host([s.stream for s in seqs], k)
+        streams = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
         return sampled_chain(self.runner, ids, positions, slots, index, k - 1, self.vocab_size,
                              SamplingTensors.host_table(params), streams,
                              SamplingTensors.host_facts(params))

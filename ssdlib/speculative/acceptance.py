@@ -10,10 +10,16 @@ each token was *actually* drawn from. :class:`DraftQ` carries that q: dense per 
 model, Saguaro-scaled or not), or declared by kind (one-hot for a deterministic proposer such as
 n-gram lookup, uniform for random tokens), so the verifier never materialises [b, K, V] one-hots.
 
-Rows may carry fewer valid draft tokens than K (``num_draft``); positions >= num_draft are ignored
-(their token ids and q may be garbage). Randomness follows :mod:`ssdlib.speculative.rng`: each row
-draws exactly K+1 uniforms per call (K accept tests, one bonus draw). Both rules are batched over
-rows and read nothing back to the host (checks of host-side inputs aside).
+Rows may carry fewer valid draft tokens than K (``num_draft``): the per-row limit. A row with
+num_draft = n < K is verified exactly as if only its first n drafts had been proposed: positions
+>= n are ignored (their token ids and q may be garbage), at most n drafts are accepted, and after
+n acceptances t* is drawn from p_{n+1} (greedy: its argmax), not from a residual. This is how a
+batch runs rows of different speculation lengths in one forward (adaptive K: the forward has
+max n + 1 positions a row). Randomness follows :mod:`ssdlib.speculative.rng`: each row reserves
+K+1 uniforms per call and uses draws 0 .. n-1 for its accept tests and draw n for t*, the very
+draws a call with its n drafts alone would use (a row's tokens do not depend on the longest row
+of its batch). Both rules are batched over rows and read nothing back to the host (checks of
+host-side inputs aside).
 """
 
 from __future__ import annotations
@@ -163,6 +169,12 @@ def _num_draft(num_draft: torch.Tensor | Sequence[int] | int | None, b: int, K: 
         return torch.full((b,), K, dtype=torch.int64, device=device)
     if isinstance(num_draft, int):
         num_draft = [num_draft] * b
+    if not isinstance(num_draft, torch.Tensor):  # a host list (the engine's, every round)
+        if len(num_draft) != b:
+            raise ValueError(f"num_draft must have shape [{b}], got {len(num_draft)} values")
+        if b and (min(num_draft) < 0 or max(num_draft) > K):
+            raise ValueError(f"num_draft must be in [0, {K}], got {list(num_draft)}")
+        return torch.tensor(num_draft, dtype=torch.int64).to(device, non_blocking=True)
     nd = torch.as_tensor(num_draft, dtype=torch.int64)
     if nd.shape != (b,):
         raise ValueError(f"num_draft must have shape [{b}], got {tuple(nd.shape)}")
@@ -186,7 +198,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                   num_draft: torch.Tensor | Sequence[int] | int | None = None) -> VerifyOutcome:
     """Greedy verification. draft_tokens [b, K] int64; target_logits [b, K+1, V] (logits or
     probabilities: only the argmax is used; ties go to torch.argmax's choice, as in AR greedy);
-    num_draft [b] valid draft tokens per row (default K)."""
+    num_draft [b] valid draft tokens per row, each row's limit (default K; module doc)."""
     b, K = _check_shapes(draft_tokens, target_logits)
     device = draft_tokens.device
     nd = _num_draft(num_draft, b, K, device)
@@ -204,9 +216,10 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_q: DraftQ, target_p: torch.
                    generators: Generators = None) -> VerifyOutcome:
     """Exact speculative sampling. draft_tokens [b, K] int64; draft_q the q they were drawn from;
     target_p [b, K+1, V] the exact target distribution (after temperature / top-k / top-p, see
-    :func:`ssdlib.sampling.target_distributions`); num_draft [b] (default K); generators: the
-    rows' :class:`~ssdlib.speculative.rng.RowStreams` with K+1 draws reserved per row (the
-    engine's form), one generator for the batch, or None (see :mod:`ssdlib.speculative.rng`)."""
+    :func:`ssdlib.sampling.target_distributions`); num_draft [b] each row's limit (default K;
+    module doc); generators: the rows' :class:`~ssdlib.speculative.rng.RowStreams` with at least
+    K+1 draws reserved per row (the engine's form), one generator for the batch, or None (see
+    :mod:`ssdlib.speculative.rng`)."""
     b, K = _check_shapes(draft_tokens, target_p)
     device, V = draft_tokens.device, target_p.shape[-1]
     if draft_q.batch != b or (draft_q.probs is not None and draft_q.probs.shape[1:] != (K, V)):
@@ -238,5 +251,5 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_q: DraftQ, target_p: torch.
         # one happen anyway, p itself is the right distribution.
         use_residual = rejected & (residual.sum(-1) > 0)              # [b]
         dist = torch.where(use_residual[:, None], residual, p_k)
-    bonus = sample_categorical(dist, u[:, K])                         # [b]
+    bonus = sample_categorical(dist, u.gather(1, nd[:, None])[:, 0])  # [b]: draw num_draft
     return VerifyOutcome(k, bonus, accepted_mask, nd)

@@ -15,8 +15,12 @@ the rows' keys and first counters to the device with its other inputs. The fixed
 
 * sampling one token from a distribution: 1 (inverse CDF, :func:`sample_categorical`);
 * verifying K draft tokens (:func:`~ssdlib.speculative.acceptance.verify_sampled`): K+1, K
-  accept tests then the bonus draw;
+  accept tests then the bonus draw (a row limited to n < K drafts: tests 0 .. n-1, the bonus
+  draw n);
 * drafting k tokens autoregressively: k (draw j for token j); k random draft tokens: k;
+* the speculative loops reserve for K_max whatever K a round runs (adaptive K): K_max + 1
+  draws for a verify, K_max for a proposal (also in a round that drafts nothing), so a row's
+  draws never depend on the longest row of its batch;
 * sampling B branch tokens of one row at once: B, in branch order.
 
 ``generators`` arguments take a :class:`RowStreams` (what the engine passes), a single

@@ -122,7 +122,8 @@ def _admit() -> Admit:
 def _outcome() -> Outcome:
     return Outcome([0, 3, 1], [2, 0, 0], [5, 4, 0], [True, True, False], sampling=True, k=K,
                    choice=[int(Choice.CACHE), int(Choice.LOCAL), int(Choice.JIT)],
-                   arg=[4, int(QKind.ONEHOT), 0], tokens=[[1, 2, 3], [3, 2, 1], [0, 0, 0]])
+                   arg=[4, int(QKind.ONEHOT), 0], tokens=[[1, 2, 3], [3, 2, 1], [0, 0, 0]],
+                   limit=[3, 1, 0])
 
 
 def _spec() -> Speculation:
@@ -151,12 +152,12 @@ def _same_spec(a: Speculation, b: Speculation) -> bool:
 
 def test_control_frame_carries_header_and_outcome_rows():
     frame = torch.full((ControlFrame.size(4, K),), -7, dtype=torch.int64)
-    assert frame.shape == (8 + (6 + K) * 4,)
+    assert frame.shape == (8 + (7 + K) * 4,)
     msg = _outcome()
     ControlFrame.pack(frame, msg.header(), msg)
     header, rows = ControlFrame.unpack(frame, K)
     assert header == msg.header() and Outcome.unpack(rows[:header.b], header, K) == msg
-    assert rows[3].tolist() == [0] * (6 + K)  # rows beyond b are zeros, not stale data
+    assert rows[3].tolist() == [0] * (7 + K)  # rows beyond b are zeros, not stale data
     ControlFrame.pack(frame, Header(Op.SHUTDOWN))
     header, rows = ControlFrame.unpack(frame, K)
     assert header == Header(Op.SHUTDOWN) and not bool(rows.any())
@@ -188,12 +189,13 @@ def test_outcome_pack_unpack():
     assert msg.header() == Header(Op.OUTCOME, 3, 0, True)
     buf = torch.full((5, Outcome.width(K)), -9, dtype=torch.int64)  # max_batch rows
     rows = msg.pack(buf)
-    assert rows.tolist() == [[0, 2, 5, 1, 1, 4, 1, 2, 3], [3, 0, 4, 1, 2, 1, 3, 2, 1],
-                             [1, 0, 0, 0, 0, 0, 0, 0, 0]] and buf[3, 0] == -9
+    assert rows.tolist() == [[0, 2, 5, 1, 1, 4, 3, 1, 2, 3], [3, 0, 4, 1, 2, 1, 1, 3, 2, 1],
+                             [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]] and buf[3, 0] == -9
     assert Outcome.unpack(rows, msg.header(), K) == msg
-    # defaults: every row asks for a jit draft
+    # defaults: every row asks for a jit draft, to be verified whole
     plain = Outcome([2], [1], [3], [True], sampling=False, k=K)
     assert plain.choice == [int(Choice.JIT)] and plain.tokens == [[0] * K]
+    assert plain.limit == [K]
     with pytest.raises(ValueError, match="one entry per row"):
         Outcome([2, 4], [1], [3, 3], [True, True], sampling=False, k=K)
 

@@ -57,7 +57,8 @@ def test_sd_greedy_equals_ar(tiny_dirs, ar_reference, draft, batch, tp):
 
 def test_sd_with_draft_on_its_own_rank(tiny_dirs, ar_reference):
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"], mode="sd",
-                   draft_placement="separate", k=4, max_batch=2, max_len=128) as g:
+                   draft_placement="separate", k=4, max_batch=2, max_len=128,
+                   adaptive_k=False) as g:  # K = 4 every round: speculation happens
         outs = g.generate(PROMPTS, GREEDY)
         run = g.last_run_metrics
     check_equal(tiny_dirs, ar_reference, outs)
@@ -66,7 +67,7 @@ def test_sd_with_draft_on_its_own_rank(tiny_dirs, ar_reference):
 
 def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads"], mode="sd", k=4,
-                   max_batch=4, max_len=128) as g:
+                   max_batch=4, max_len=128, adaptive_k=False) as g:
         outs = g.generate(PROMPTS, GREEDY)
     check_equal(tiny_dirs, ar_reference, outs)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
@@ -103,6 +104,71 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
         by_source = o.metrics["accepted_by_source"]
         assert sum(r for r, _ in by_source.values()) == o.metrics["rounds"]
         assert sum(a for _, a in by_source.values()) == o.metrics["accepted"]
+
+
+# ---- adaptive K: the policy's choices, and per-row limits forced by a schedule ----------------
+@pytest.fixture
+def prior_costs(monkeypatch):
+    """The policy decides on its cost priors (a draft step = 1/4 verify): on a CPU a tiny draft
+    costs as much as its target, and measured costs would make K = 0 right for any draft."""
+    from ssdlib.speculative.adaptive_k import StepCosts
+
+    monkeypatch.setattr(StepCosts, "observe_draft", lambda *a: None)
+    monkeypatch.setattr(StepCosts, "observe_round", lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """A draft with random weights of its own (its greedy tokens rarely agree with the
+    target's)."""
+    from tests.tiny import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("random_draft")), "smol_heads", seed=5)
+
+
+def test_adaptive_k_falls_to_zero_with_a_random_draft(tiny_dirs, ar_reference, random_draft,
+                                                      prior_costs):
+    with Generator(target=tiny_dirs["smol_heads"], draft=random_draft, mode="sd", k=4,
+                   max_batch=4, max_len=128) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert all(o.metrics["k0_rounds"] > o.metrics["rounds"] / 2 for o in outs)
+    assert run["mean_k"] < 1.5 and run["k0_rounds"] == sum(o.metrics["k0_rounds"] for o in outs)
+    assert all(o.metrics["k_alpha"] < 0.3 for o in outs)
+    assert "round_ms_by_k" in run["k_costs"]
+
+
+def test_adaptive_k_keeps_k_max_when_the_draft_is_the_target(tiny_dirs, ar_reference,
+                                                             prior_costs):
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads"], mode="sd", k=4,
+                   max_batch=4, max_len=128) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert all(o.metrics["mean_k"] == 4 and o.metrics["k0_rounds"] == 0 for o in outs)
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+
+# row s of the n-th choice gets SCHEDULE[(s + n) % 12]: rows of one round differ, and rounds at
+# K = 0 for up to four rows in a row (an AR step of the batch, the draft caught up after it), at
+# K_max and in between follow one another
+SCHEDULE = "4,0,0,0,0,2,0,0,0,0,1,3"
+
+
+@pytest.mark.parametrize("mode,kw,batch", [
+    ("sd", {}, 4), ("sd", {"draft_placement": "separate"}, 2),
+    ("ssd", {"speculator_placement": "stream", "fallback": "jit"}, 3),
+    ("ssd", {"speculator_placement": "rank", "fallback": "ngram"}, 2)])
+def test_greedy_equals_ar_with_per_row_limits(tiny_dirs, ar_reference, monkeypatch, mode, kw,
+                                              batch):
+    monkeypatch.setenv("SSDLIB_K_SCHEDULE", SCHEDULE)
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                   mode=mode, k=4, max_batch=batch, max_len=128, **kw) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+    for o in outs:
+        assert 0 < o.metrics["k0_rounds"] < o.metrics["rounds"] and 0 < o.metrics["mean_k"] < 4
+        assert o.metrics["tried"] <= o.metrics["drafted"] <= 4 * o.metrics["rounds"]
 
 
 # ---- distribution tests ----------------------------------------------------------------------
@@ -208,3 +274,58 @@ def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference, 
     assert [outs[0].metrics["accepted"], outs[2].metrics["accepted"]] == \
         [o.metrics["accepted"] for o in alone]
     assert all(len(outs[i].token_ids) == 6 for i in (1, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def close_draft(small_vocab, tmp_path_factory):
+    """A draft nearer the small-vocabulary target: most drafts are accepted, so rows often use
+    all of their K_i, where the limit decides how t* is drawn."""
+    from tests.tiny import make_noisy_draft
+
+    return make_noisy_draft(small_vocab[0], str(tmp_path_factory.mktemp("close_draft")), 0.03)
+
+
+@pytest.mark.parametrize("mode,kw,schedule", [
+    ("sd", {}, "3,0,2,0,1"), ("sd", {}, "0"),
+    ("ssd", {"speculator_placement": "stream"}, "3,0,2,0,1"),
+    ("ssd", {"speculator_placement": "rank"}, "3,0,2,0,1")])
+def test_sampling_distribution_with_per_row_limits(small_vocab, close_draft, monkeypatch, mode,
+                                                   kw, schedule):
+    """Rows of one verify limited to different K (schedule "0": every round an AR step of the
+    target): still the target's distribution."""
+    t, d = small_vocab[0], close_draft
+    monkeypatch.setenv("SSDLIB_K_SCHEDULE", schedule)
+    extra = dict(fallback="jit", fan_out="2,1,1,2") if mode == "ssd" else {}
+    with Generator(target=t, draft=d, mode=mode, k=3, max_batch=1000, max_len=32, **extra,
+                   **kw) as g:
+        counts = sample_pairs(g, 2.0, 1.0, seed=4)  # T = 2: a sharp target spreads its mass
+        run = g.last_run_metrics
+    assert run["k0_rounds"] > 0
+    assert chi2_test(counts, exact_joint(t, 2.0, 1.0)) > 1e-3
+
+
+def test_per_row_limits_bonus_from_a_residual_is_detected(small_vocab, close_draft, monkeypatch):
+    """Power: a row that accepted all of its K_i < K drafts must draw t* from p at K_i; drawing
+    it from the residual there (as if draft K_i + 1 had been rejected) must fail the test."""
+    import ssdlib.engine.leader.verify as verify
+    from ssdlib.speculative.rng import sample_categorical
+
+    t, d = small_vocab[0], close_draft
+    real = verify.verify_sampled
+
+    def residual_at_the_limit(tokens, q, p, limits, generators):
+        o = real(tokens, q, p, limits, generators)
+        rows = torch.arange(len(tokens))
+        k = o.accepted
+        pos = k.clamp(max=tokens.shape[1] - 1)
+        residual = (p[rows, k] - q.at(pos, tokens[rows, pos], p.shape[-1])).clamp_min(0)
+        full = (k == o.num_draft) & (k < tokens.shape[1]) & (residual.sum(-1) > 0)
+        wrong = sample_categorical(residual + (residual.sum(-1, keepdim=True) == 0),
+                                   torch.rand(len(tokens), dtype=torch.float64))
+        return type(o)(k, torch.where(full, wrong, o.bonus), o.accepted_mask, o.num_draft)
+
+    monkeypatch.setattr(verify, "verify_sampled", residual_at_the_limit)
+    monkeypatch.setenv("SSDLIB_K_SCHEDULE", "3,0,2,0,1")
+    with Generator(target=t, draft=d, mode="sd", k=3, max_batch=1000, max_len=32) as g:
+        counts = sample_pairs(g, 2.0, 1.0, seed=4)
+    assert chi2_test(counts, exact_joint(t, 2.0, 1.0)) < 1e-3

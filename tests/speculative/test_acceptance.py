@@ -126,7 +126,8 @@ def test_row_streams_make_rows_independent_of_the_batch():
 
 
 def test_sampled_rule_matches_a_per_row_loop():
-    """The batched rule against the rule stated one row at a time with the row's K+1 uniforms."""
+    """The batched rule against the rule stated one row at a time with the row's uniforms: a
+    row limited to n drafts takes its accept tests from draws 0 .. n-1 and t* from draw n."""
     g = torch.Generator().manual_seed(3)
     b, K, V = 40, 3, 6
     q = torch.softmax(2 * torch.randn(b, K, V, generator=g, dtype=torch.float64), -1)
@@ -144,7 +145,8 @@ def test_sampled_rule_matches_a_per_row_loop():
         if k < nd[i]:
             dist = (p[i, k] - q[i, k]).clamp_min(0)
         assert out.accepted[i].item() == k
-        assert out.bonus[i].item() == sample_categorical(dist[None], u[i, K:]).item()
+        bonus_u = u[i, nd[i]:nd[i] + 1]
+        assert out.bonus[i].item() == sample_categorical(dist[None], bonus_u).item()
 
 
 def test_sample_categorical_never_returns_zero_mass_tokens():
@@ -203,3 +205,44 @@ def test_sample_categorical_blocks_never_return_zero_mass_tokens():
     out = sample_categorical(probs.expand(len(u), vocab), u)
     assert set(out.tolist()) <= set(keep.tolist())
     assert out.tolist() == [5, 255, 257, 511, 999, 999]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_limits_verify_each_row_as_if_only_its_drafts_were_proposed(sampled):
+    """Adaptive K: a batch verifies max K_i drafts a row, row i limited to K_i; each row's
+    outcome equals the outcome of verifying its first K_i drafts alone (one row, K = K_i), on
+    the same draws of its stream (greedy: the same argmaxes)."""
+    g = torch.Generator().manual_seed(4)
+    b, K, V = 24, 4, 5
+    q = torch.softmax(2 * torch.randn(b, K, V, generator=g, dtype=torch.float64), -1)
+    p = torch.softmax(2 * torch.randn(b, K + 1, V, generator=g, dtype=torch.float64), -1)
+    p[:b // 2, :K] = q[:b // 2]  # rows where drafts are often accepted, so limits bind
+    draft = sample_token(q, g)
+    limits = torch.randint(K + 1, (b,), generator=g).tolist()
+    if sampled:
+        out = verify_sampled(draft, DraftQ.from_probs(q), p, limits,
+                             RowStreams.reserve(row_streams(5, b), K + 1))
+    else:
+        out = verify_greedy(draft, p, limits)
+    streams = row_streams(5, b)
+    for i, n in enumerate(limits):
+        row = slice(i, i + 1)
+        if sampled:  # the row alone reserves n + 1 draws: the first of the batch call's
+            one = verify_sampled(draft[row, :n], DraftQ.from_probs(q[row, :n]), p[row, :n + 1],
+                                 generators=RowStreams.reserve(streams[i:i + 1], n + 1))
+        else:
+            one = verify_greedy(draft[row, :n], p[row, :n + 1])
+        assert (out.accepted[i].item(), out.bonus[i].item()) == \
+            (one.accepted.item(), one.bonus.item()), i
+        assert out.accepted_mask[i, n:].sum() == 0
+    assert (out.accepted == torch.tensor(limits)).any()  # some row used all of its drafts
+    assert (out.accepted < torch.tensor(limits)).any()
+
+
+def test_limits_from_a_host_list_are_checked():
+    draft, logits = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, 5)
+    with pytest.raises(ValueError, match="num_draft"):
+        verify_greedy(draft, logits, [1, 4])
+    with pytest.raises(ValueError, match="num_draft"):
+        verify_greedy(draft, logits, [1])
+    assert verify_greedy(draft, logits, [0, 3]).num_draft.tolist() == [0, 3]

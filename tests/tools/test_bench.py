@@ -25,9 +25,9 @@ def bench(tiny_dirs, prompts_file, out, *extra):
 
 def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd") == 0
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd,sd:adaptive_k=0") == 0
     printed = capsys.readouterr().out
-    assert "greedy==AR" in printed and "per-round time" in printed
+    assert "greedy==AR" in printed and "per-round time" in printed and "mean K" in printed
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "models", "command", "args", "rows", "breakdown"}
     machine = report["machine"]
@@ -35,11 +35,15 @@ def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
         assert key in machine
     assert report["models"]["target"]["path"] == tiny_dirs["smol_heads"]
     assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
-    assert "--prompts-file" in report["command"] and report["args"]["modes"] == "ar,sd"
+    assert "--prompts-file" in report["command"]
+    assert report["args"]["modes"] == "ar,sd,sd:adaptive_k=0" and report["args"]["adaptive_k"]
     assert report["prompts"]["prompt_tokens"] == [5, 3]
 
     rows = {r["mode"]: r for r in report["rows"]}
-    assert list(rows) == ["ar", "sd"]
+    assert list(rows) == ["ar", "sd", "sd:adaptive_k=0"]
+    fixed = rows.pop("sd:adaptive_k=0")  # adaptive K off in that row: every round at K = 5
+    assert fixed["mean_k"] == 5 and fixed["k0_rounds"] == 0 and fixed["greedy_equals_ar"]
+    assert 0 <= rows["sd"]["mean_k"] <= 5 and "round_ms_by_k" in rows["sd"]["k_costs"]
     for r in rows.values():
         assert r["tokens"] == 16 and r["tok_s"] > 0 and r["wall_s"] > 0
         assert 0 < r["decode_tok_s"] and "token_ids" not in r
@@ -136,7 +140,8 @@ def test_json_token_ids_kept_on_request(tiny_dirs, prompts_file, tmp_path):
 def test_mode_variants_run_in_one_invocation(tiny_dirs, prompts_file, tmp_path):
     """``sd:k=2`` is mode sd with K = 2 for its row only: labelled by its spec, exact."""
     out = tmp_path / "bench.json"
-    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd,sd:k=2", "--k", "4") == 0
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd,sd:k=2", "--k", "4",
+                 "--no-adaptive-k") == 0
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["rows"]}
     assert list(rows) == ["ar", "sd", "sd:k=2"]
@@ -153,6 +158,7 @@ def test_mode_option_values():
 
     assert parse_mode("ssd:compile=1:k=2") == ("ssd", {"compile": True, "k": 2})
     assert parse_mode("ar:compile=false") == ("ar", {"compile": False})
+    assert parse_mode("sd:adaptive_k=0") == ("sd", {"adaptive_k": False})
 
 
 def test_mode_variant_sets_an_engine_environment_variable(tiny_dirs, prompts_file, tmp_path,
@@ -177,7 +183,8 @@ def test_mode_variant_runs_another_draft(tiny_dirs, prompts_file, tmp_path):
     """``sd:draft=DIR`` runs its row with that draft: a worse draft accepts less, still exact."""
     out = tmp_path / "bench.json"
     bad = tiny_dirs["smol_heads_bad_draft"]
-    assert bench(tiny_dirs, prompts_file, out, "--modes", f"ar,sd,sd:draft={bad}") == 0
+    assert bench(tiny_dirs, prompts_file, out, "--modes", f"ar,sd,sd:draft={bad}",
+                 "--no-adaptive-k") == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     other = rows[f"sd:draft={bad}"]
     assert other["options"] == {"draft": bad} and other["greedy_equals_ar"] is True

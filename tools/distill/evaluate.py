@@ -44,11 +44,13 @@ def prompt_sets(humaneval: str | None, n: int | None, with_humaneval: bool = Tru
 def evaluate_draft(target: str, draft: str, sets: dict, k: int = 5,
                    temperatures=(0.0, 0.7), max_new_tokens: int = 128, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0) -> list[dict]:
-    """One SD run per (set, temperature) -> rows with a_p, mean accepted, tokens per round."""
+    """One SD run per (set, temperature) -> rows with a_p, mean accepted, tokens per round
+    (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice)."""
     from ssdlib import Generator, SamplingParams
 
     rows = []
-    with Generator(target, mode="sd", draft=draft, k=k, device=device, dtype=dtype) as gen:
+    with Generator(target, mode="sd", draft=draft, k=k, device=device, dtype=dtype,
+                   adaptive_k=False) as gen:
         for name, prompts in sets.items():
             for temp in temperatures:
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp,

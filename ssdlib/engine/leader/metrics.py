@@ -7,9 +7,12 @@ from ssdlib.speculative.acceptance import QKind
 FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random"}
 
 
-def record_acceptance(seqs, result, k: int) -> None:
-    """result: the round's :class:`~ssdlib.engine.leader.verify.RoundResult` (host lists)."""
-    for q, accepted_row in zip(seqs, result.accepted_mask):
+def record_acceptance(seqs, result, limits: list[int], k_max: int,
+                      alphas: list[float] | None = None) -> None:
+    """result: the round's :class:`~ssdlib.engine.leader.verify.RoundResult` (host lists);
+    limits: each row's K this round (its drafts verified, 0 .. k_max); alphas: each row's
+    acceptance estimate after the round (adaptive K), when there is one."""
+    for i, (q, accepted_row, k) in enumerate(zip(seqs, result.accepted_mask, limits)):
         m = q.metrics
         m["rounds"] += 1
         n_acc = sum(accepted_row)
@@ -17,15 +20,22 @@ def record_acceptance(seqs, result, k: int) -> None:
         m["accepted"] = m.get("accepted", 0) + n_acc
         # a token is tried only if every token before it was accepted
         m["tried"] = m.get("tried", 0) + n_acc + (1 if n_acc < k else 0)
-        pos = m.setdefault("accepted_by_pos", [0] * k)
-        for i, a in enumerate(accepted_row):
-            pos[i] += int(a)
+        pos = m.setdefault("accepted_by_pos", [0] * k_max)
+        for j, a in enumerate(accepted_row):
+            pos[j] += int(a)
+        m["k_sum"] = m.get("k_sum", 0) + k
+        m["k0_rounds"] = m.get("k0_rounds", 0) + (k == 0)
+        if alphas is not None:
+            m["k_alpha"] = alphas[i]
 
 
 def finalize_acceptance_metrics(m: dict) -> None:
-    """Derived per-output metrics: acceptance rate a_p, mean accepted length per round; SSD's
-    hit rates and idle fractions."""
+    """Derived per-output metrics: acceptance rate a_p, mean accepted length per round, the
+    mean K chosen (``mean_k``; ``k0_rounds`` rounds at K = 0, ``k_alpha`` the last acceptance
+    estimate they were chosen on); SSD's hit rates and idle fractions."""
     finalize_ssd_metrics(m)
+    if "k_sum" in m and m["rounds"]:
+        m["mean_k"] = m.pop("k_sum") / m["rounds"]  # the K chosen, per round
     if m.get("drafted"):
         # a_p: per-token acceptance (accepted / tried), the paper's definition
         m["acceptance_rate"] = m["accepted"] / m["tried"] if m["tried"] else 0.0
@@ -71,6 +81,18 @@ def mean_accepted_by_source(outputs_metrics) -> dict[str, dict[str, float]]:
             t[1] += accepted
     return {s: {"rounds": r, "mean_accepted": a / r if r else 0.0}
             for s, (r, a) in sorted(total.items())}
+
+
+def k_totals(outputs_metrics) -> dict:
+    """Over outputs' metrics: ``mean_k`` (the K chosen, per round, rounds weighted as
+    ``rounds`` is) and ``k0_rounds`` (rounds at K = 0, summed); {} without speculation."""
+    rounds = k_sum = k0 = 0
+    for m in outputs_metrics:
+        if "mean_k" in m:
+            rounds += m["rounds"]
+            k_sum += m["mean_k"] * m["rounds"]
+            k0 += m.get("k0_rounds", 0)
+    return {"mean_k": k_sum / rounds, "k0_rounds": k0} if rounds else {}
 
 
 def finalize_ssd_metrics(m: dict) -> None:

@@ -1,52 +1,100 @@
 """Mode ``sd``: plain speculative decoding, the draft on the leader rank (the paper's SD baseline).
 
-Each round: the draft proposes K tokens per row, the target verifies K+1 positions in one
-forward, the exact rule accepts a prefix k and picks t*, both models keep only committed KV.
+Each round: every row gets its speculation length K_i (adaptive K,
+:mod:`ssdlib.speculative.adaptive_k`); the draft proposes K = max K_i tokens per row, the target
+verifies K+1 positions in one forward, the exact rule accepts a prefix k <= K_i of each row and
+picks t*, both models keep only committed KV. A round with K = 0 is a plain AR step of the target
+(the draft runs nothing, and catches up when a later round drafts).
 """
 
 from __future__ import annotations
+
+import torch
 
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
 from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
-from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.runner.model_runner import ModelRunner, captures_steps
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.loading.draft import load_draft
+from ssdlib.ops.graph_pool import capture_count
 from ssdlib.speculative.acceptance import DraftQ
+from ssdlib.speculative.adaptive_k import AdaptiveK, StepCosts, k_schedule
 
 
 class SDLoop:
-    def __init__(self, target, drafter: Drafter, k: int, device):
+    def __init__(self, target, drafter: Drafter, k: int, device, adaptive: bool = True,
+                 sweep: bool = False, schedule: list[int] | None = None):
         self.target = target
         self.drafter = drafter
         self.k = k
         self.device = device
         self.lookahead = k + 1
         self.timer = RoundTimer(device)
+        self.policy = AdaptiveK(k, StepCosts(k), enabled=adaptive, sweep=sweep,
+                                schedule=schedule or ())
+        # (K, whether its draft time measures k draft steps) of the round whose phases the
+        # timer still holds
+        self._timed: tuple[int, bool] | None = None
 
     def admit(self, seqs) -> None:
         admit_with_first_token(self.target, seqs, self.device)
         for q in seqs:
             self.drafter.reset(q.slot)
+            self.policy.admit(q.slot)
+        # the draft's prefill now, with the target's shapes (the prompts'), not at the first
+        # proposal: that may come after rounds at K = 0, with a length no warm-up foresaw
+        self.drafter.prefill(seqs)
+
+    def _learn_costs(self, phases: dict, tag: tuple[int, bool] | None) -> None:
+        """A timed round's phases -> the policy's cost estimates: a draft step (from a round
+        whose proposal was its chain alone: no prompt, no catch-up), the rest of the round."""
+        if not phases or tag is None:
+            return
+        k, plain = tag
+        if k > 0 and plain:
+            self.policy.costs.observe_draft(phases.get("draft", 0.0), k)
+        self.policy.costs.observe_round(k, phases.get("verify", 0.0) + phases.get("host", 0.0))
 
     def step(self, seqs) -> None:
         timer = self.timer
         timer.start()
-        greedy = all(s.params.greedy for s in seqs)
-        tokens, q = self.drafter.propose(seqs, self.k, want_q=not greedy)
+        captured = capture_count()
+        sampled = [not s.params.greedy for s in seqs]
+        limits = self.policy.choose([s.slot for s in seqs], sampled)
+        k = max(limits)
+        if k > 0:
+            tokens, q = self.drafter.propose(seqs, k, want_q=any(sampled))
+            draft_q = DraftQ.from_probs(q) if any(sampled) else None
+        else:  # an AR step of the target: no draft work
+            self.drafter.skip(seqs)
+            tokens = torch.zeros(len(seqs), 0, dtype=torch.int64)
+            draft_q = DraftQ.uniform(len(seqs))
         timer.mark("draft")
-        timer.flush()  # the last round's phases, read while the draft runs
-        draft_q = None if greedy else DraftQ.from_probs(q)
-        outcome = verify_round(self.target, seqs, tokens, draft_q, self.device)
+        self._learn_costs(timer.flush(), self._timed)  # the last round's, read while drafting
+        outcome = verify_round(self.target, seqs, tokens, draft_q, self.device, limits=limits,
+                               draws=self.k + 1)
         result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(seqs, result)
-        self.drafter.after_commit(seqs, result.accepted, self.k)
-        record_acceptance(seqs, result, self.k)
+        if k > 0:
+            self.drafter.after_commit(seqs, result.accepted, k)
+        keys = [s.slot for s in seqs]
+        self.policy.observe(keys, limits, result.accepted, sampled)
+        record_acceptance(seqs, result, limits, self.k, [self.policy.alpha(i) for i in keys])
         timer.mark("host")
-        timer.add_to(seqs, defer=True)
+        phases = timer.add_to(seqs, defer=True)  # {} when kept for the next round's flush
+        # a round that captured a step (a sweep's, a new shape's) says nothing of the costs
+        tag = None if self.policy.sweeping or capture_count() != captured else \
+            (k, k > 0 and self.drafter.plain)
+        self._timed = tag if timer.timed and not phases else None
+        self._learn_costs(phases, tag)
+
+    def batch_metrics(self) -> dict:
+        """The policy's cost estimates (ms), for the run's metrics."""
+        return {"k_costs": self.policy.costs.snapshot()}
 
 
 def build_sd_loop(cfg, world, target, target_ck):
@@ -56,5 +104,7 @@ def build_sd_loop(cfg, world, target, target_ck):
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
-    loop = SDLoop(target, Drafter(runner, target_ck.config.vocab_size), cfg.k, world.device)
+    drafter = Drafter(runner, target_ck.config.vocab_size, draws=cfg.k)
+    loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
+                  sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
     return loop, lambda: None

@@ -9,6 +9,13 @@ speculator still owes after an OUTCOME is one record, :class:`~ssdlib.distribute
 
 Continuous batching: rows are identified by their KV slot; sequences join (ADMIT + a first
 exchange) and leave (an inactive outcome) at any time.
+
+Adaptive K (:mod:`ssdlib.speculative.adaptive_k`): when the leader takes a row's next speculation
+it also picks how many of its K tokens it will verify (the row's limit K_i, sent in the OUTCOME);
+the verify then runs max K_i + 1 positions and each row accepts at most its K_i. An SSD speculator
+drafts and builds K tokens whatever the limits (its cache and its tree have one shape; drafting
+costs the leader's choice nothing, so the choice weighs the verify alone); a cacheless
+speculator (sd, separate draft) drafts only as many as the largest limit of its jit rows.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.metrics import record_acceptance, record_source, speculation_source
 from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
 from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
+from ssdlib.engine.runner.model_runner import captures_steps
 from ssdlib.engine.speculator.speculator import build_speculator, cache_branches_of
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.ops.graph_pool import capture_count
 from ssdlib.speculative.acceptance import DraftQ, QKind
+from ssdlib.speculative.adaptive_k import DRAFT_PRIOR, AdaptiveK, StepCosts, k_schedule
 
 
 @dataclass
@@ -48,7 +58,8 @@ class LinkVerifier:
     a Leader); ``source`` says where each row's next speculation comes from."""
 
     def __init__(self, target, link: SpecLink | LocalLink, k: int, device,
-                 source: JitSource | CacheSource):
+                 source: JitSource | CacheSource, adaptive: bool = True, sweep: bool = False,
+                 schedule: list[int] | None = None):
         self.target = target
         self.link = link
         self.k = k
@@ -65,6 +76,13 @@ class LinkVerifier:
         self._stats_read = False
         self.timer = RoundTimer(device)
         self.clock = HostClock()  # SSDLIB_HOST_TIMES=1: host-clock segments of a round
+        # an SSD speculator drafts K whatever the limits: a draft step costs the choice nothing
+        costs = StepCosts(k, 0.0 if source.pushes_cache else DRAFT_PRIOR)
+        self.policy = AdaptiveK(k, costs, enabled=adaptive, sweep=sweep, schedule=schedule or ())
+        self.limits: dict[int, int] = {}  # per slot: K_i of the speculation in hand
+        self._drafted = 0  # tokens a row the speculator drafts for the next round (jit source)
+        # (K verified, K drafted for the next round) of the round whose phases the timer holds
+        self._timed: tuple[int, int] | None = None
 
     def admit(self, seqs) -> None:
         self.clock.admitted()
@@ -74,6 +92,7 @@ class LinkVerifier:
         self._leaving = [s for s in self._leaving if s not in taken]
         for q in seqs:
             self.source.admit_row(q)
+            self.policy.admit(q.slot)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
@@ -91,11 +110,23 @@ class LinkVerifier:
         if self.replies.cache_slots is not None and not self.replies.cache_posted:
             self.link.post_cache(len(self.replies.cache_slots))
             self.replies.cache_posted = True
-        self._read_phases(self.timer.flush())
+        self._read_phases(self.timer.flush(), self._timed)
 
-    def _read_phases(self, phases: dict) -> None:
-        if "verify" in phases:  # a timed round (the speculator keeps the last value)
-            self._verify_us = int(1e6 * phases["verify"])
+    def _read_phases(self, phases: dict, ks: tuple[int, int] | None) -> None:
+        """A timed round's phases: the verify time told to the speculator, the policy's costs
+        (``ks``: the K it verified, the K the speculator drafted for the next round)."""
+        if "verify" not in phases:
+            return
+        self._verify_us = int(1e6 * phases["verify"])  # (the speculator keeps the last value)
+        if ks is None:
+            return
+        verified, drafted = ks
+        rest = sum(phases.values())
+        if not self.source.pushes_cache and drafted > 0:
+            # a cacheless speculator's jit draft is the wait for the next speculation
+            self.policy.costs.observe_draft(phases.get("wait", 0.0), drafted)
+            rest -= phases.get("wait", 0.0)
+        self.policy.costs.observe_round(verified, rest)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -130,15 +161,26 @@ class LinkVerifier:
         chosen = [self.source.choose(q, k, t) if a and not first else ask_jit(self.k)
                   for q, (k, t), a in zip(seqs, outcomes, alive)]
         chosen += [ask_jit(self.k)] * len(leaving)
+        live = [q for q, a in zip(seqs, alive) if a]
+        # each live row's K for its next verify
+        chosen_k = iter(self.policy.choose([q.slot for q in live],
+                                           [not q.params.greedy for q in live]))
+        limits = [next(chosen_k) if a else 0 for a in alive]
+        for q, n, a in zip(seqs, limits, alive):
+            if a:
+                self.limits[q.slot] = n
+        self._drafted = max(limits, default=0)
         msg = Outcome([q.slot for q in seqs] + leaving, [k for k, _ in outcomes] + gone,
                       [t for _, t in outcomes] + gone, alive + [False] * len(leaving),
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
                       k=self.k, choice=[c for c, _, _ in chosen], arg=[g for _, g, _ in chosen],
-                      tokens=[t for _, _, t in chosen], verify_us=self._verify_us)
+                      tokens=[t for _, _, t in chosen], verify_us=self._verify_us,
+                      limit=limits + gone)
         self.link.send_outcome(msg)
         for q, a in zip(seqs, alive):
             if not a:
                 self.spec.pop(q.slot, None)
+                self.limits.pop(q.slot, None)
         if not any(alive):
             self._take_stats(self.link.recv_stats())
             return
@@ -173,8 +215,9 @@ class LinkVerifier:
             stats = self._stats.plus(stats)
         self._stats, self._stats_read = stats, False
 
-    def _draft_q(self, active) -> DraftQ | None:
-        """The q of the speculations in hand (None when every row is greedy)."""
+    def _draft_q(self, active, k: int) -> DraftQ | None:
+        """The q of the speculations in hand, their first ``k`` positions (None when every row
+        is greedy)."""
         if all(q.params.greedy for q in active):
             return None
         self._take_q()
@@ -189,24 +232,31 @@ class LinkVerifier:
                     kind = int(QKind.ONEHOT)
                 q_probs = torch.zeros(self.k, self.link.vocab_size, device=self.device)
             kinds.append(kind)
-            probs.append(q_probs)
+            probs.append(q_probs[:k])
         return DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
 
     def step(self, active) -> None:
         timer, clock = self.timer, self.clock
         clock.start()
         timer.start()
-        tokens = torch.tensor([self.spec[q.slot].tokens for q in active],
-                              dtype=torch.int64)  # [b, K], host
+        captured = capture_count()
+        sweeping = self.policy.sweeping  # this round's K is a sweep's (chosen last round)
+        limits = [self.limits.get(q.slot, self.k) for q in active]
+        k = max(limits)  # the round verifies k drafts a row; row i accepts at most limits[i]
+        tokens = torch.tensor([self.spec[q.slot].tokens[:k] for q in active],
+                              dtype=torch.int64).view(len(active), k)  # [b, k], host
         # q (and an SSD speculator's CACHE) are received once the forward is launched
-        outcome = verify_round(self.target, active, tokens, lambda: self._draft_q(active),
-                               self.device, after_launch=self._after_launch)
+        outcome = verify_round(self.target, active, tokens, lambda: self._draft_q(active, k),
+                               self.device, after_launch=self._after_launch, limits=limits,
+                               draws=self.k + 1)
         clock.tick("launch")
         result = read_round(tokens, outcome)
         clock.tick("read")
         timer.mark("verify")
         commit_round(active, result)
-        record_acceptance(active, result, self.k)
+        keys = [q.slot for q in active]
+        self.policy.observe(keys, limits, result.accepted, [not q.params.greedy for q in active])
+        record_acceptance(active, result, limits, self.k, [self.policy.alpha(i) for i in keys])
         for q, accepted in zip(active, result.accepted):
             record_source(q.metrics, self.spec[q.slot].source, accepted)
         timer.mark("host")
@@ -218,12 +268,19 @@ class LinkVerifier:
         timer.mark("wait")  # the next speculation is in hand (at once on a cache hit)
         clock.tick("exchange")
         # read back after the next forward is launched (``_after_launch``), unless a row ended
-        self._read_phases(timer.add_to(active, defer=True))
+        phases = timer.add_to(active, defer=True)
+        # a round that captured a step (a sweep's, a new shape's; the next round's is drafted
+        # during this one's wait) says nothing of the costs
+        swept = sweeping or self.policy.sweeping
+        ks = None if swept or capture_count() != captured else (k, self._drafted)
+        self._timed = ks if timer.timed and not phases else None
+        self._read_phases(phases, ks)
         clock.tick("timer")
         clock.add_to(active)
 
     def release(self, seq) -> None:
         self.source.release_row(seq.slot)
+        self.policy.release(seq.slot)
         if self.spec.pop(seq.slot, None) is not None:
             self._leaving.append(seq.slot)  # tell the speculator with the next outcome
 
@@ -240,7 +297,7 @@ class LinkVerifier:
         self._stats_read = True
         stats = self._stats
         if stats is None:
-            return {}
+            return {"k_costs": self.policy.costs.snapshot()}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
 
         def ms_per_round(seconds: dict) -> dict:
@@ -250,7 +307,8 @@ class LinkVerifier:
             "branch_kv_reused_frac": stats.reused / hits if hits else 0.0,
             # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
             "speculator_rounds": rounds,
-            "speculator_ms_per_round": ms_per_round(stats.phase_s)}
+            "speculator_ms_per_round": ms_per_round(stats.phase_s),
+            "k_costs": self.policy.costs.snapshot()}
         if any(stats.host_s.values()):  # SSDLIB_HOST_TIMES=1 on the speculator rank
             out["speculator_host_ms_per_round"] = ms_per_round(stats.host_s)
         overlap = self.link.overlap  # the stream placement on a GPU
@@ -289,5 +347,6 @@ def build_link_verifier(cfg, world, target, target_ck):
                 link.attach(build_speculator(cfg, world.device, target_ck, link))
             if link.cuda:  # what was set up on other streams is done before either side runs
                 torch.cuda.synchronize(world.device)
-    loop = LinkVerifier(target, link, cfg.k, world.device, source)
+    loop = LinkVerifier(target, link, cfg.k, world.device, source, adaptive=cfg.adaptive_k,
+                        sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
     return loop, loop.close

@@ -19,11 +19,14 @@ from ssdlib.speculative.acceptance import DraftQ, VerifyOutcome, verify_greedy, 
 
 def verify_round(target, seqs, draft_tokens: torch.Tensor,
                  draft_q: DraftQ | Callable[[], DraftQ | None] | None, device,
-                 after_launch: Callable[[], None] | None = None) -> VerifyOutcome:
+                 after_launch: Callable[[], None] | None = None,
+                 limits: list[int] | None = None, draws: int | None = None) -> VerifyOutcome:
     """draft_tokens [b, K] (host or device) -> outcome (k accepted, bonus t*) per row. Does not
     commit. ``draft_q`` may be a callable, called once the target forward is launched (so that
     receiving q overlaps the forward); ``after_launch`` likewise, in every round (e.g. to post
-    a receive whose host cost then overlaps the forward)."""
+    a receive whose host cost then overlaps the forward). ``limits`` [b]: each row's K (its
+    drafts past it are not verified: adaptive K; default K); ``draws``: the draws each sampled
+    row's stream gives up (default K + 1; the loops reserve K_max + 1 whatever K is)."""
     b, k = draft_tokens.shape
     # host inputs in numpy (a few µs; torch's small CPU ops cost tens of µs each, every round)
     last = np.array([[q.tokens[-1]] for q in seqs], dtype=np.int64)     # [b, 1]
@@ -38,15 +41,18 @@ def verify_round(target, seqs, draft_tokens: torch.Tensor,
     if after_launch is not None:
         after_launch()
     draft_tokens = draft_tokens.to(device, non_blocking=True)
+    if limits is not None and all(n == k for n in limits):
+        limits = None  # every row verifies all K: nothing to copy
     if all(q.params.greedy for q in seqs):
-        return verify_greedy(draft_tokens, logits)
+        return verify_greedy(draft_tokens, logits, limits)
     p = row_distributions(logits, seqs)
     if callable(draft_q):
         draft_q = draft_q()
     if draft_q is None:
         raise ValueError("sampling rows need the draft q")
-    streams = reserve_streams(seqs, k + 1, logits.device)  # K accept tests + the bonus draw
-    return verify_sampled(draft_tokens, draft_q, p, generators=streams)
+    # K accept tests + the bonus draw (a row limited to n: n tests, then draw n)
+    streams = reserve_streams(seqs, max(k + 1, draws or 0), logits.device)
+    return verify_sampled(draft_tokens, draft_q, p, limits, generators=streams)
 
 
 @dataclass

@@ -100,12 +100,13 @@ def draft_jit(drafter, rows: list[SpecRow], k: int, want_q: bool):
 
 def answer_jit(drafter, rows: list[SpecRow], k: int, ans: Answer, loc: torch.Tensor) -> None:
     """Draft the rows' next speculations now into positions ``loc`` of ``ans`` (their dense q
-    too when the exchange samples); returns once the tokens are on the host."""
+    too when the exchange samples): k tokens (<= the answer's K; the rest stay zeros, never
+    verified); returns once the tokens are on the host."""
     toks, qs = draft_jit(drafter, rows, k, want_q=ans.q is not None)
-    ans.tokens[loc] = toks.cpu()
+    ans.tokens[loc, :k] = toks.cpu()
     ans.kinds[loc] = int(QKind.DENSE)
     if ans.q is not None:
-        ans.q[loc.to(ans.q.device, non_blocking=True)] = qs.to(ans.q.dtype)
+        ans.q[loc.to(ans.q.device, non_blocking=True), :k] = qs.to(ans.q.dtype)
 
 
 def _tries(k: int, K: int) -> int:
@@ -133,15 +134,16 @@ class Fallbacks:
         # batch: with those, each new batch's first rounds fell back to jit until measured)
         self.hits = self.lookups = 0
 
-    def observe_ngram(self, k: int) -> None:
-        """An n-gram speculation had k tokens accepted: learn its per-token acceptance."""
+    def observe_ngram(self, k: int, limit: int | None = None) -> None:
+        """An n-gram speculation had k of its first ``limit`` tokens (default K) accepted: learn
+        its per-token acceptance."""
         self.ngram_accepted += k
-        self.ngram_tried += _tries(k, self.K)
+        self.ngram_tried += _tries(k, self.K if limit is None else limit)
 
-    def observe_jit(self, k: int) -> None:
-        """A jit speculation had k tokens accepted."""
+    def observe_jit(self, k: int, limit: int | None = None) -> None:
+        """A jit speculation had k of its first ``limit`` tokens (default K) accepted."""
         self.jit_accepted += k
-        self.jit_tried += _tries(k, self.K)
+        self.jit_tried += _tries(k, self.K if limit is None else limit)
 
     def observe_lookups(self, lookups: int, hits: int) -> None:
         self.lookups += lookups

@@ -28,6 +28,7 @@ class SpecRow:
         self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
         self.kind = int(QKind.DENSE)
         self.hit = False  # the speculation in flight came from the cache
+        self.limit: int | None = None  # how many of its tokens the leader verifies (None: all)
 
     @classmethod
     def admitted(cls, row: AdmitRow, device: torch.device) -> "SpecRow":

@@ -140,10 +140,12 @@ class Speculator:
                 if row is not None:
                     del self.rows[slot]
                 continue
+            limit = self.K if row.limit is None else row.limit  # of the speculation verified
             if row.commit(k, t):
                 if self.cache is not None:
-                    self.cache.observe(row, k)
-                verified.append(k)
+                    self.cache.observe(row, k, limit)
+                verified.append((k, limit))
+            row.limit = outcome.limit[i]  # of the next speculation
             live.append(i)
         if self.cache is not None:
             self.cache.observe_round(verified)
@@ -195,8 +197,12 @@ class Speculator:
             rows = [self.rows[outcome.slots[live[j]]] for j in jit]
             if self.cache is not None:
                 self.cache.fallbacks.jit(rows, ans, jit)  # timed: Thm 17 weighs jit's cost
-            else:
-                answer_jit(self.drafter, rows, self.K, ans, torch.tensor(jit))
+            else:  # no cache to build: draft only what the leader will verify
+                k = max(r.limit for r in rows)
+                if k > 0:
+                    answer_jit(self.drafter, rows, k, ans, torch.tensor(jit))
+                else:
+                    self.drafter.skip(rows)
         if self.cache is not None:
             lookups, hits = self.cache.answered(outcome, live, ans,
                                                 [self.rows[outcome.slots[i]] for i in live])
@@ -247,17 +253,18 @@ class CacheRole:
     def invalidate(self, slots: list[int]) -> None:
         self.cache.invalidate(slots)
 
-    def observe(self, row: SpecRow, k: int) -> None:
-        """The row's speculation in flight had k tokens accepted."""
+    def observe(self, row: SpecRow, k: int, limit: int) -> None:
+        """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
-            self.fallbacks.observe_ngram(k)
+            self.fallbacks.observe_ngram(k, limit)
         elif row.kind == int(QKind.DENSE) and not row.hit:  # a jit draft: its a_p on misses
-            self.fallbacks.observe_jit(k)
+            self.fallbacks.observe_jit(k, limit)
 
-    def observe_round(self, accepted: list[int]) -> None:
-        """The round's verified rows had ``accepted`` tokens accepted (one call a round)."""
-        if self.estimator is not None and accepted:
-            self.estimator.observe_verify(accepted, [self.K] * len(accepted))
+    def observe_round(self, verified: list[tuple[int, int]]) -> None:
+        """The round's verified rows: (tokens accepted, tokens verified) each (one call a
+        round)."""
+        if self.estimator is not None and verified:
+            self.estimator.observe_verify([k for k, _ in verified], [n for _, n in verified])
 
     def expect_push(self, outcome: Outcome, device) -> None:
         """The CACHE's rows for this OUTCOME, on the device now: the push after the build
@@ -327,7 +334,7 @@ def build_speculator(cfg, device, target_ck, link) -> Speculator:
                          cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
     vocab = target_ck.config.vocab_size
-    drafter = Drafter(runner, vocab)
+    drafter = Drafter(runner, vocab, draws=cfg.k)
     cache = CacheRole(cfg, runner, drafter, vocab) if cfg.mode == "ssd" else None
     return Speculator(cfg, runner, link, vocab, drafter, cache)
 

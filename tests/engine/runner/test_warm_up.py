@@ -87,6 +87,23 @@ def test_generate_after_warm_up_captures_nothing(tiny_dirs, monkeypatch, capture
         assert all(len(o.token_ids) == 24 for o in outs)
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_adaptive_k_after_warm_up_captures_nothing(tiny_dirs, monkeypatch, captured, mode):
+    """Adaptive K picks any K in 0 .. k per round (a random draft: rounds at K = 0, probes,
+    the draft's catch-up after them): the warm-up's sweep has run every shape it can pick."""
+    from tests.tiny import make_tiny_llama
+
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    draft = make_tiny_llama(str(tiny_dirs["smol_heads"]) + "-random-draft", "smol_heads", seed=5)
+    with Generator(target=tiny_dirs["smol_heads"], draft=draft, mode=mode, k=3, max_batch=3,
+                   max_len=96, start=False) as g:
+        g.start(PROMPTS, GREEDY)
+        warm = len(captured)
+        outs = g.generate(PROMPTS, SamplingParams(max_new_tokens=48, ignore_eos=True))
+        assert captured[warm:] == [] and g.last_run_metrics["captured_in_run"] == 0
+    assert sum(o.metrics["k0_rounds"] for o in outs) > 0 or mode == "ssd"
+
+
 def test_without_warm_up_the_run_captures(tiny_dirs, monkeypatch, captured):
     """The counter the tests above read sees captures inside a run when there was no warm-up."""
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager")

@@ -1,0 +1,271 @@
+"""Adaptive speculation length: per sequence, each round, the K in 0 .. K_max that maximises the
+expected committed tokens per unit of time.
+
+Rule. With a per-token acceptance alpha (every token is accepted with probability alpha given the
+ones before it were), a round that proposes K drafts commits in expectation
+
+    E(K, alpha) = 1 + alpha + ... + alpha^K = (1 - alpha^(K+1)) / (1 - alpha)   (alpha = 1: K + 1)
+
+tokens (the bonus token included) and costs cost(K) = K * c_draft + c_verify(K), where c_verify(0)
+is a plain AR step of the target. The policy takes argmax_K E(K, alpha) / cost(K), the larger K on
+a tie. A draft that fails ends at K = 0 (plain decoding); one that the target agrees with keeps
+K_max as long as a draft step is cheaper than a verify.
+
+alpha, per sequence: exponentially decayed counts of accepted and tried draft tokens (a token is
+tried when every token before it was accepted, so tokens past a rejection count for nothing),
+started at PRIOR_ALPHA with the weight of PRIOR_TRIES tries: alpha = accepted / tried.
+
+Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has chosen K = 0 for
+``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
+still chooses K = 0, the interval doubles (up to MAX_PROBE_INTERVAL); otherwise it restarts at
+FIRST_PROBE_INTERVAL.
+
+Costs (:class:`StepCosts`): running medians (of the last COST_WINDOW measurements: a round that
+also ran something once, a first call's set-up, a collector's pause, must not decide many rounds
+after it) of the seconds of one draft step and of the rest of a round at each K, fed by the
+loop's round timer. Before a measurement, and always for rows that sample, the priors stand in:
+a verify of any K costs 1, a draft step ``draft_prior`` of it. Sampled rows decide on the priors
+so that a seeded sequence's K schedule, and with it its tokens, depends on its own tokens only
+(measured times differ from run to run; a greedy row's tokens are the target's argmaxes whatever
+K it runs).
+
+Sweep (``sweep=True``, for engines that capture their steps): the loop's first rounds run every K
+once, K_max down to 0 and 0 again (a second K = 0 round leaves the draft behind by more than a
+round, so the round after it runs the draft's catch-up), for batches of greedy rows and for
+batches with a sampled row apart: the warm-up then meets every step shape the policy can pick.
+Those rounds capture their steps, so their times say nothing of the costs: the loops feed
+:class:`StepCosts` neither from a sweep's round (``AdaptiveK.sweeping``) nor from any round in
+which a step was captured.
+
+Everything here is host arithmetic on Python numbers, a few operations per row and round.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Sequence
+
+from ssdlib import env
+from ssdlib.errors import ConfigError
+
+PRIOR_ALPHA = 0.9  # a fresh sequence's acceptance before it has tried a draft token (K_max at the
+# prior costs)
+PRIOR_TRIES = 2.0  # ... with the weight of this many tried tokens
+DECAY = 0.8  # per observed round: the counts' memory is ~1 / (1 - DECAY) = 5 rounds
+FIRST_PROBE_INTERVAL = 4  # rounds at K = 0 before the first probe
+MAX_PROBE_INTERVAL = 64
+COST_WINDOW = 15  # measurements a cost estimate is the median of
+DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """E(K, alpha): committed tokens of a round of ``k`` drafts, the bonus token included."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, costs: Sequence[float], least: int = 0) -> int:
+    """argmax over K in ``least`` .. len(costs) - 1 of E(K, alpha) / costs[K] (the larger K on a
+    tie)."""
+    best, rate = least, -1.0
+    for k in range(least, len(costs)):
+        r = expected_tokens(k, alpha) / costs[k]
+        if r >= rate:
+            best, rate = k, r
+    return best
+
+
+class StepCosts:
+    """Running estimates of a round's cost at each K (seconds once measured).
+
+    ``observe_draft(seconds, steps)``: a proposal of ``steps`` tokens took ``seconds``;
+    ``observe_round(k, seconds)``: the rest of a round that verified ``k`` drafts (the verify
+    forward, acceptance, commit; for k = 0 an AR step). :meth:`table` gives cost(K) for every K:
+    K * draft + rest(K). A K not measured yet takes the nearest measured one's rest; a draft not
+    measured ``draft_prior`` times the mean rest. Before any measurement, and with
+    ``measured=False``, the priors: rest = 1, draft = ``draft_prior``."""
+
+    def __init__(self, k_max: int, draft_prior: float = DRAFT_PRIOR, window: int = COST_WINDOW):
+        if k_max < 0 or draft_prior < 0 or window < 1:
+            raise ValueError("StepCosts: k_max >= 0, draft_prior >= 0 and window >= 1 needed")
+        self.k_max = k_max
+        self.draft_prior = draft_prior
+        self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
+        self._rest = [deque(maxlen=window) for _ in range(k_max + 1)]  # seconds, per K
+        # their medians, each recomputed when its window changes (a few µs, once a round)
+        self.draft: float | None = None  # seconds per draft step (None: not measured)
+        self.rest: list[float | None] = [None] * (k_max + 1)  # seconds of the rest, per K
+        self._cache: list[float] | None = None  # the measured table, until the next sample
+        self._prior = [1.0 + k * draft_prior for k in range(k_max + 1)]
+
+    def observe_draft(self, seconds: float, steps: int) -> None:
+        if steps > 0 and seconds >= 0:
+            self._draft.append(seconds / steps)
+            self.draft = median(self._draft)
+            self._cache = None
+
+    def observe_round(self, k: int, seconds: float) -> None:
+        if 0 <= k <= self.k_max and seconds > 0:
+            self._rest[k].append(seconds)
+            self.rest[k] = median(self._rest[k])
+            self._cache = None
+
+    @property
+    def measured(self) -> bool:
+        return any(r is not None for r in self.rest)
+
+    def table(self, measured: bool = True) -> list[float]:
+        """cost(K) for K = 0 .. k_max (prior units without measurements or with
+        ``measured=False``)."""
+        if not measured or not self.measured:
+            return self._prior
+        if self._cache is None:
+            self._cache = self._measured_table()
+        return self._cache
+
+    def _measured_table(self) -> list[float]:
+        known = [(k, r) for k, r in enumerate(self.rest) if r is not None]
+        rest = [r if r is not None else min(known, key=lambda kr: abs(kr[0] - k))[1]
+                for k, r in enumerate(self.rest)]
+        draft = self.draft
+        if draft is None:
+            draft = self.draft_prior * sum(r for _, r in known) / len(known)
+        return [k * draft + rest[k] for k in range(self.k_max + 1)]
+
+    def snapshot(self) -> dict:
+        """The estimates in ms, for the run's metrics: draft step, and the rest per K."""
+        return {"draft_step_ms": None if self.draft is None else 1e3 * self.draft,
+                "round_ms_by_k": {str(k): 1e3 * r for k, r in enumerate(self.rest)
+                                  if r is not None}}
+
+
+@dataclass
+class RowState:
+    """One sequence's acceptance estimate and probe schedule."""
+
+    accepted: float = PRIOR_ALPHA * PRIOR_TRIES  # decayed counts
+    tried: float = PRIOR_TRIES
+    zeros: int = 0  # rounds in a row it chose K = 0
+    interval: int = FIRST_PROBE_INTERVAL
+    probing: bool = False  # its current round is a probe
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else PRIOR_ALPHA
+
+
+@dataclass
+class _Sweep:
+    """The K values still to run once each, per kind of batch (greedy, with a sampled row)."""
+
+    todo: dict[bool, list[int]] = field(default_factory=dict)
+
+    def next(self, sampled: bool) -> int | None:
+        values = self.todo.get(sampled)
+        return values.pop(0) if values else None
+
+
+class AdaptiveK:
+    """The speculation length of every row, each round (module doc for the rule).
+
+    ``admit(key)`` when a sequence takes a slot, ``choose(keys, sampled)`` before a round -> each
+    row's limit K_i (the round runs max K_i drafts; row i accepts at most K_i of them), and
+    ``observe(keys, limits, accepted)`` after it. ``enabled=False``: always K_max.
+    ``schedule`` (for tests of the per-row limits: ``SSDLIB_K_SCHEDULE``): no rule, the n-th
+    call gives row ``key`` the value ``schedule[(key + n) % len(schedule)]``."""
+
+    def __init__(self, k_max: int, costs: StepCosts | None = None, enabled: bool = True,
+                 sweep: bool = False, schedule: Sequence[int] = ()):
+        if k_max < 1:
+            raise ValueError(f"AdaptiveK: k_max must be >= 1, got {k_max}")
+        if any(not 0 <= k <= k_max for k in schedule):
+            raise ValueError(f"AdaptiveK: a schedule's values must be in [0, {k_max}], "
+                             f"got {list(schedule)}")
+        self.schedule = list(schedule)
+        self._calls = 0
+        self.sweeping = False  # the last choice was a sweep's (its round captures: not timed)
+        self.k_max = k_max
+        self.costs = costs if costs is not None else StepCosts(k_max)
+        self.enabled = enabled
+        self.rows: dict[int, RowState] = {}
+        order = list(range(k_max, -1, -1)) + [0]
+        self._sweep = _Sweep({False: list(order), True: list(order)} if enabled and sweep else {})
+
+    def admit(self, key: int) -> None:
+        self.rows[key] = RowState()
+
+    def release(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def alpha(self, key: int) -> float:
+        return self._row(key).alpha
+
+    def _row(self, key: int) -> RowState:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = RowState()
+        return row
+
+    def choose(self, keys: Sequence[int], sampled: Sequence[bool]) -> list[int]:
+        """Each row's K for the next round: keys [b] (e.g. KV slots), sampled [b] (whether the row
+        samples: it then decides on the cost priors)."""
+        if self.schedule:
+            n, self._calls = len(self.schedule), self._calls + 1
+            return [self.schedule[(key + self._calls) % n] for key in keys]
+        if not self.enabled:
+            return [self.k_max] * len(keys)
+        forced = self._sweep.next(any(sampled)) if keys else None
+        self.sweeping = forced is not None
+        if forced is not None:
+            return [forced] * len(keys)
+        measured, prior = self.costs.table(), self.costs.table(measured=False)
+        out = []
+        for key, s in zip(keys, sampled):
+            row = self._row(key)
+            costs = prior if s else measured
+            k = best_k(row.alpha, costs)
+            if k == 0:
+                row.zeros += 1
+                if row.zeros > row.interval:  # a probe: the best K >= 1
+                    k = best_k(row.alpha, costs, least=1)
+                    row.probing = True
+            if k > 0:
+                row.zeros = 0
+            out.append(k)
+        return out
+
+    def observe(self, keys: Sequence[int], limits: Sequence[int], accepted: Sequence[int],
+                sampled: Sequence[bool]) -> None:
+        """A round verified ``limits[i]`` drafts of row ``keys[i]`` and accepted ``accepted[i]``
+        of them (rows at K = 0 learn nothing)."""
+        for key, k, a, s in zip(keys, limits, accepted, sampled):
+            if k <= 0:
+                continue
+            row = self._row(key)
+            row.accepted = DECAY * row.accepted + a
+            row.tried = DECAY * row.tried + a + (1 if a < k else 0)
+            if row.probing:
+                row.probing = False
+                costs = self.costs.table(measured=not s)
+                failed = best_k(row.alpha, costs) == 0
+                row.interval = (min(2 * row.interval, MAX_PROBE_INTERVAL) if failed
+                                else FIRST_PROBE_INTERVAL)
+
+
+def k_schedule(k_max: int) -> list[int]:
+    """``SSDLIB_K_SCHEDULE`` (tests: each row's K fixed by a schedule, :class:`AdaptiveK`) as a
+    list of K values, [] when unset."""
+    raw = env.text("SSDLIB_K_SCHEDULE")
+    if raw is None:
+        return []
+    try:
+        values = [int(x) for x in raw.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= k <= k_max for k in values):
+        raise ConfigError(f"SSDLIB_K_SCHEDULE={raw!r}: expected comma-separated integers in "
+                          f"[0, {k_max}] (--k)")
+    return values

@@ -1,0 +1,178 @@
+"""The adaptive speculation length policy on its own, with synthetic acceptance and costs: the
+expected-tokens formula against a simulation, the argmax rule against brute force, a failing
+draft reaching K = 0 and probing at growing intervals, a good draft keeping K_max, the cost
+estimates (medians, fallbacks, priors for sampled rows) and the warm-up sweep."""
+
+import random
+
+import pytest
+
+from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, AdaptiveK,
+                                           StepCosts, best_k, expected_tokens)
+
+
+def test_expected_tokens_matches_a_simulation():
+    rng = random.Random(0)
+    for k, alpha in [(0, 0.3), (1, 0.5), (3, 0.8), (5, 0.126), (4, 1.0)]:
+        n = 5_000
+        total = 0
+        for _ in range(n):
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            total += accepted + 1  # the bonus token
+        assert total / n == pytest.approx(expected_tokens(k, alpha), rel=0.04)
+
+
+def test_best_k_is_the_brute_force_argmax():
+    rng = random.Random(1)
+    for _ in range(200):
+        k_max = rng.randint(1, 6)
+        alpha = rng.random()
+        costs = sorted(rng.uniform(0.5, 3.0) for _ in range(k_max + 1))
+        rates = [expected_tokens(k, alpha) / c for k, c in enumerate(costs)]
+        k = best_k(alpha, costs)
+        assert rates[k] == max(rates)
+        assert best_k(alpha, costs, least=1) >= 1
+
+
+def test_the_rule_on_its_textbook_cases():
+    cheap = [1.0 + 0.25 * k for k in range(6)]  # a draft step = 1/4 verify, verify flat in K
+    assert best_k(1.0, cheap) == 5  # a draft equal to the target: K_max
+    assert best_k(0.126, cheap) == 0  # the long-prompt draft: plain decoding wins
+    assert best_k(0.8, cheap) == 3  # a good draft need not take K_max
+    assert best_k(0.5, [1.0, 1.25, 1.5]) == 1
+    # a draft step as costly as a verify: speculation never pays
+    assert best_k(0.95, [1.0 + k for k in range(6)]) == 0
+
+
+def run_rounds(policy, key, alpha, rounds, rng, sampled=False):
+    """Rounds of one row whose drafts are accepted with probability ``alpha`` each: the K
+    chosen per round."""
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose([key], [sampled])[0]
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe([key], [k], [accepted], [sampled])
+        ks.append(k)
+    return ks
+
+
+def test_failing_draft_reaches_zero_and_probes_ever_less_often():
+    policy = AdaptiveK(5)
+    policy.admit(0)
+    ks = run_rounds(policy, 0, 0.0, 400, random.Random(2))
+    first_zero = ks.index(0)
+    assert first_zero <= 6  # a few rounds of evidence are enough
+    probes = [i for i in range(first_zero, len(ks)) if ks[i] > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and all(ks[i] == 1 for i in probes)  # the cheapest probe
+    assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL + 1
+    assert probes[0] - first_zero == FIRST_PROBE_INTERVAL
+    assert sum(k > 0 for k in ks[100:]) <= 300 // MAX_PROBE_INTERVAL + 1
+
+
+def test_good_draft_keeps_k_max_and_a_recovered_draft_comes_back():
+    policy = AdaptiveK(5)
+    policy.admit(0)
+    rng = random.Random(3)
+    assert run_rounds(policy, 0, 1.0, 50, rng) == [5] * 50
+    # the draft fails for a while, then agrees again: the probes find it
+    assert run_rounds(policy, 0, 0.0, 40, rng)[-1] == 0
+    back = run_rounds(policy, 0, 0.95, 200, rng)
+    assert min(back[-50:]) >= 3 and sum(back[-50:]) / 50 > 4.5
+
+
+def test_rows_are_independent_and_admission_resets():
+    policy = AdaptiveK(4)
+    rng = random.Random(4)
+    for key in (0, 1):
+        policy.admit(key)
+    run_rounds(policy, 0, 0.0, 30, rng)
+    assert policy.choose([0, 1], [False, False]) == [0, 4]
+    assert policy.alpha(0) < 0.2 < 0.8 < policy.alpha(1)
+    policy.admit(0)  # a new sequence in the slot
+    assert policy.choose([0], [False]) == [4]
+
+
+def test_disabled_policy_always_takes_k_max():
+    policy = AdaptiveK(3, enabled=False, sweep=True)
+    policy.admit(0)
+    assert run_rounds(policy, 0, 0.0, 20, random.Random(5)) == [3] * 20
+
+
+def test_costs_medians_fallbacks_and_priors():
+    costs = StepCosts(4, draft_prior=0.25)
+    assert costs.table() == costs.table(measured=False) == [1.0, 1.25, 1.5, 1.75, 2.0]
+    costs.observe_round(4, 2e-3)  # only K = 4 measured: every K's rest is its, the draft prior
+    assert costs.table() == pytest.approx([2e-3 + k * 0.5e-3 for k in range(5)])
+    for s in (1e-3, 1e-3, 1e-3, 50e-3):  # one outlier (a first call) does not decide
+        costs.observe_draft(4 * s, 4)
+    assert costs.draft == pytest.approx(1e-3)
+    costs.observe_round(0, 1e-3)
+    # K = 1, 2 take the nearest measured K's rest (ties: the lower K)
+    assert costs.rest == [1e-3, None, None, None, 2e-3]
+    assert costs.table() == pytest.approx([1e-3, 2e-3, 3e-3, 5e-3, 6e-3])
+    assert costs.table(measured=False) == [1.0, 1.25, 1.5, 1.75, 2.0]
+    snap = costs.snapshot()
+    assert snap["draft_step_ms"] == pytest.approx(1.0)
+    assert snap["round_ms_by_k"] == pytest.approx({"0": 1.0, "4": 2.0})
+    with pytest.raises(ValueError):
+        StepCosts(3, draft_prior=-1.0)
+
+
+def test_sampled_rows_decide_on_the_priors():
+    """Measured costs say a draft step costs as much as a verify (never speculate); a greedy row
+    follows them, a sampled row keeps the priors (its K schedule must not depend on timing)."""
+    costs = StepCosts(4)
+    costs.observe_round(0, 1e-3)
+    costs.observe_round(4, 1e-3)
+    costs.observe_draft(4e-3, 4)
+    policy = AdaptiveK(4, costs)
+    for key in (0, 1):
+        policy.admit(key)
+    assert policy.choose([0, 1], [False, True]) == [0, 4]
+
+
+def test_sweep_runs_every_k_once_per_kind_then_decides():
+    policy = AdaptiveK(3, sweep=True)
+    for key in (0, 1):
+        policy.admit(key)
+    greedy = [policy.choose([0, 1], [False, False]) for _ in range(5)]
+    assert greedy == [[3, 3], [2, 2], [1, 1], [0, 0], [0, 0]]
+    # a batch with a sampled row has its own sweep
+    assert [policy.choose([0, 1], [False, True])[0] for _ in range(5)] == [3, 2, 1, 0, 0]
+    assert policy.choose([0, 1], [False, False]) == [3, 3]  # swept: the rule again
+
+
+def test_schedule_fixes_each_rows_k(monkeypatch):
+    from ssdlib.errors import ConfigError
+    from ssdlib.speculative.adaptive_k import k_schedule
+
+    monkeypatch.delenv("SSDLIB_K_SCHEDULE", raising=False)
+    assert k_schedule(4) == []
+    monkeypatch.setenv("SSDLIB_K_SCHEDULE", "4,0,2")
+    policy = AdaptiveK(4, enabled=False, schedule=k_schedule(4))
+    assert [policy.choose([0, 1, 2], [False] * 3) for _ in range(2)] == [[0, 2, 4], [2, 4, 0]]
+    for bad in ("4,5", "x", ","):
+        monkeypatch.setenv("SSDLIB_K_SCHEDULE", bad)
+        with pytest.raises(ConfigError, match="SSDLIB_K_SCHEDULE"):
+            k_schedule(4)
+
+
+def test_flag_and_config():
+    import argparse
+
+    from ssdlib.cli_args import add_engine_args, engine_kwargs
+    from ssdlib.engine_config import EngineConfig
+    from ssdlib.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["adaptive_k"] is True
+    assert engine_kwargs(p.parse_args(["--no-adaptive-k"]))["adaptive_k"] is False
+    assert EngineConfig().adaptive_k is True
+    with pytest.raises(ConfigError, match="adaptive_k"):
+        EngineConfig(adaptive_k="yes")
