@@ -1,5 +1,12 @@
-"""Adaptive speculation length: per sequence, each round, the K in 0 .. K_max that maximises the
-expected committed tokens per unit of time.
+"""Adaptive speculation length: per sequence, each round, the K among ``k_choices(K_max)`` (0, a
+middle value and K_max) that maximises the expected committed tokens per unit of time.
+
+Choices. Every K a round can run is a set of captured steps (the verify of K + 1 positions, the
+draft's chain of K steps, greedy and sampled, for every batch bucket), each a compile at start-up
+where the steps are compiled; the choices are kept to three, 0, ceil(K_max / 2) and K_max, so that
+the warm-up grows by a few shapes, not by K_max + 1 of them. Near the optimum E / cost is flat in
+K (it changes by a few percent between neighbouring K at the acceptances a working draft has), so
+little is lost; K = 0 (plain decoding) and K_max are always among them.
 
 Rule. With a per-token acceptance alpha (every token is accepted with probability alpha given the
 ones before it were), a round that proposes K drafts commits in expectation
@@ -29,8 +36,8 @@ so that a seeded sequence's K schedule, and with it its tokens, depends on its o
 (measured times differ from run to run; a greedy row's tokens are the target's argmaxes whatever
 K it runs).
 
-Sweep (``sweep=True``, for engines that capture their steps): the loop's first rounds run every K
-once, K_max down to 0 and 0 again (a second K = 0 round leaves the draft behind by more than a
+Sweep (``sweep=True``, for engines that capture their steps): the loop's first rounds run every
+choice once, K_max down to 0 and 0 again (a second K = 0 round leaves the draft behind by more than a
 round, so the round after it runs the draft's catch-up), for batches of greedy rows and for
 batches with a sampled row apart: the warm-up then meets every step shape the policy can pick.
 Those rounds capture their steps, so their times say nothing of the costs: the loops feed
@@ -67,11 +74,18 @@ def expected_tokens(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_k(alpha: float, costs: Sequence[float], least: int = 0) -> int:
-    """argmax over K in ``least`` .. len(costs) - 1 of E(K, alpha) / costs[K] (the larger K on a
-    tie)."""
-    best, rate = least, -1.0
-    for k in range(least, len(costs)):
+def k_choices(k_max: int) -> tuple[int, ...]:
+    """The K a round may run: 0, ceil(K_max / 2) and K_max (module doc), ascending."""
+    return tuple(sorted({0, (k_max + 1) // 2, k_max}))
+
+
+def best_k(alpha: float, costs: Sequence[float], least: int = 0,
+           choices: Sequence[int] | None = None) -> int:
+    """argmax over K in ``choices`` (default: 0 .. len(costs) - 1) from ``least`` up of
+    E(K, alpha) / costs[K] (the larger K on a tie)."""
+    ks = [k for k in (range(len(costs)) if choices is None else choices) if k >= least]
+    best, rate = ks[0], -1.0
+    for k in ks:
         r = expected_tokens(k, alpha) / costs[k]
         if r >= rate:
             best, rate = k, r
@@ -191,7 +205,8 @@ class AdaptiveK:
         self.costs = costs if costs is not None else StepCosts(k_max)
         self.enabled = enabled
         self.rows: dict[int, RowState] = {}
-        order = list(range(k_max, -1, -1)) + [0]
+        self.choices = k_choices(k_max)
+        order = sorted(self.choices, reverse=True) + [0]
         self._sweep = _Sweep({False: list(order), True: list(order)} if enabled and sweep else {})
 
     def admit(self, key: int) -> None:
@@ -226,11 +241,11 @@ class AdaptiveK:
         for key, s in zip(keys, sampled):
             row = self._row(key)
             costs = prior if s else measured
-            k = best_k(row.alpha, costs)
+            k = best_k(row.alpha, costs, choices=self.choices)
             if k == 0:
                 row.zeros += 1
                 if row.zeros > row.interval:  # a probe: the best K >= 1
-                    k = best_k(row.alpha, costs, least=1)
+                    k = best_k(row.alpha, costs, least=1, choices=self.choices)
                     row.probing = True
             if k > 0:
                 row.zeros = 0

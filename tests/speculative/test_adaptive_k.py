@@ -8,7 +8,9 @@ import random
 import pytest
 
 from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, AdaptiveK,
-                                           StepCosts, best_k, expected_tokens)
+                                           RowState,
+                                           StepCosts, best_k, expected_tokens,
+                                           k_choices)
 
 
 def test_expected_tokens_matches_a_simulation():
@@ -68,7 +70,8 @@ def test_failing_draft_reaches_zero_and_probes_ever_less_often():
     assert first_zero <= 6  # a few rounds of evidence are enough
     probes = [i for i in range(first_zero, len(ks)) if ks[i] > 0]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes and all(ks[i] == 1 for i in probes)  # the cheapest probe
+    cheapest = min(k for k in policy.choices if k > 0)
+    assert probes and all(ks[i] == cheapest for i in probes)  # the cheapest probe
     assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL + 1
     assert probes[0] - first_zero == FIRST_PROBE_INTERVAL
     assert sum(k > 0 for k in ks[100:]) <= 300 // MAX_PROBE_INTERVAL + 1
@@ -136,14 +139,24 @@ def test_sampled_rows_decide_on_the_priors():
     assert policy.choose([0, 1], [False, True]) == [0, 4]
 
 
-def test_sweep_runs_every_k_once_per_kind_then_decides():
+def test_choices_are_zero_a_middle_value_and_k_max():
+    assert [k_choices(k) for k in (1, 2, 3, 4, 5, 8)] == [
+        (0, 1), (0, 1, 2), (0, 2, 3), (0, 2, 4), (0, 3, 5), (0, 4, 8)]
+    policy = AdaptiveK(5)
+    for alpha in (0.0, 0.3, 0.6, 0.8, 1.0):
+        policy.rows[0] = RowState()
+        policy.rows[0].accepted, policy.rows[0].tried = alpha * 100, 100.0
+        assert policy.choose([0], [False])[0] in (0, 3, 5)
+
+
+def test_sweep_runs_every_choice_once_per_kind_then_decides():
     policy = AdaptiveK(3, sweep=True)
     for key in (0, 1):
         policy.admit(key)
-    greedy = [policy.choose([0, 1], [False, False]) for _ in range(5)]
-    assert greedy == [[3, 3], [2, 2], [1, 1], [0, 0], [0, 0]]
+    greedy = [policy.choose([0, 1], [False, False]) for _ in range(4)]
+    assert greedy == [[3, 3], [2, 2], [0, 0], [0, 0]]
     # a batch with a sampled row has its own sweep
-    assert [policy.choose([0, 1], [False, True])[0] for _ in range(5)] == [3, 2, 1, 0, 0]
+    assert [policy.choose([0, 1], [False, True])[0] for _ in range(4)] == [3, 2, 0, 0]
     assert policy.choose([0, 1], [False, False]) == [3, 3]  # swept: the rule again
 
 
