@@ -38,3 +38,28 @@ def test_acceptance_is_one_for_the_target_itself_and_lower_for_another_model(tmp
     # the block is replaced, not appended again; the card's own text stays
     assert text.startswith("# draft\n\nintro\n") and text.count(evaluate.CARD_BEGIN) == 1
     assert f"{rows2[1]['a_p']:.3f}" in text
+
+
+def test_acceptance_by_prompt_length(tmp_path):
+    """--lengths adds one set per length: prompts of about that many tokens built from HumanEval
+    code, the draft's acceptance measured on each (the target as its own draft: 1.0)."""
+    from ssdlib.loading import load_checkpoint
+
+    target = make_tiny_chat_model(str(tmp_path / "target"), seed=0)
+    he = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(he, "wt") as f:
+        for i in range(20):
+            f.write(json.dumps({"prompt": f"def f{i}(x):\n", "canonical_solution":
+                                f"    return x + {i}\n"}) + "\n")
+    rows = evaluate.run(target, target, str(he), n=2, k=3, max_new_tokens=4,
+                        with_humaneval=False, lengths=(120, 200))
+    assert [r["set"] for r in rows] == ["chat", "chat", "code, 120 tokens", "code, 120 tokens",
+                                        "code, 200 tokens", "code, 200 tokens"]
+    assert all(r["a_p"] == 1.0 and r["prompts"] == 2 for r in rows), rows
+    tok = load_checkpoint(target).tokenizer
+    code = evaluate.humaneval_code(str(he))
+    for length in (120, 200):
+        prompts = evaluate.length_prompts(tok, code, length, 2)
+        sizes = [len(tok.encode(p["messages"][0]["content"])) for p in prompts]
+        assert all(length // 2 < s <= length for s in sizes), sizes
+        assert prompts[0] != prompts[1]

