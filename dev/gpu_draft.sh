@@ -102,6 +102,9 @@ EVAL_PROMPTS=${EVAL_PROMPTS:-32}
 EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}
 EVAL_DEVICE=${EVAL_DEVICE:-cuda}
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-180}
+# acceptance by prompt length too (tools.distill.evaluate --lengths), LENGTH_PROMPTS prompts each
+EVAL_LENGTHS=${EVAL_LENGTHS:-}
+LENGTH_PROMPTS=${LENGTH_PROMPTS:-4}
 PROBE=${PROBE:-.stage/floor_probe.py}
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-120}
 # TARS_TO_OUT=0: the packed candidates stay on the machine ($WORK/cand_NAME.tar and
@@ -255,7 +258,7 @@ step_eval() {
     ( CUDA_VISIBLE_DEVICES=$g timeout -k 10 "$EVAL_TIMEOUT" python -m tools.distill.candidates \
         evaluate --target "$TARGET" --draft "$dir" --out "$W/evals/$name.json" "${he[@]}" \
         --n-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_MAX_NEW" --device "$EVAL_DEVICE" \
-        "${card[@]}" > "$W/eval_$name.log" 2>&1
+        --lengths "$EVAL_LENGTHS" --length-prompts "$LENGTH_PROMPTS" "${card[@]}" > "$W/eval_$name.log" 2>&1
       echo "[gpu_draft] eval $name: rc $?"; grep -E '^\|' "$W/eval_$name.log" | sed "s/^/  [$name] /"
       tail -n 3 "$W/eval_$name.log" | grep -iE 'error|Traceback' | sed "s/^/  [$name] /" ) &
     pids+=($!)

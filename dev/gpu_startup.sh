@@ -13,7 +13,7 @@
 #   call 3: PART=3 ...   carry .snap .stage/smol3.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
 #           (the one-prompt CLI cold and warm, 40 prompts with the batch tool, the server cold and
 #           warm: ready, first request, 40 in a row, SIGTERM with 4 streams; bench SD b = 1)
-#   call 4: PART=4 ...   carry .snap .stage/HumanEval.jsonl.gz (SD vs AR by prompt length, adaptive K)
+# (SD against AR by prompt length: dev/gpu_lengths.sh, once the GGUF is in /tmp)
 # Every measurement starts from an empty cache directory unless it says warm.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; PART=${PART:-1}
@@ -33,31 +33,13 @@ export PYTHONPATH=$SNAP:/tmp/site SSDLIB_MODEL_DIRS=/tmp SSDLIB_COMMIT=$(cat COM
 python3 -m ssdlib.ops.check_ext 2>&1 | tail -2
 if [ "$PART" = 1 ]; then
   [ -z "${GPU_TESTS:-}" ] && exit 0
-  timeout 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
+  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest tests -m gpu -q -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
   exit 0
 fi
 if [ "$PART" = 2 ]; then
   cp "$STAGE/smol3.part.01" /tmp/
+  [ -z "${GPU_TESTS:-}" ] && exit 0
   SSDLIB_SKIP_EXT=1 timeout 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/pytest_gpu_noext.log"
-  exit 0
-fi
-# PART=4 (after 3, the GGUF still in /tmp): speculation against AR by prompt length, adaptive K
-# on and off, b = 1, greedy, 128 tokens past EOS; one invocation per length
-if [ "$PART" = 4 ]; then
-  for L in 512 2048 6144; do
-    python3 - "$STAGE/HumanEval.jsonl.gz" "$L" > /tmp/long_$L.jsonl <<'EOF3'
-import json, sys
-from ssdlib.loading import load_checkpoint
-from tools.distill.evaluate import humaneval_code, length_prompts
-tok = load_checkpoint("smollm2-135m").tokenizer
-for p in length_prompts(tok, humaneval_code(sys.argv[1]), int(sys.argv[2]), 2):
-    print(json.dumps(p))
-EOF3
-    echo "== prompts of <= $L tokens" | tee -a "$OUT/long.log"
-    timeout 170 python3 tools/bench.py --device cuda --prompts-file /tmp/long_$L.jsonl --chat \
-        --modes ar,sd:adaptive_k=0,sd --max-new-tokens 128 --ignore-eos --max-len 8192 \
-        --n-prompts 2 --k 3 --json "$OUT/long_$L.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -12 | tee -a "$OUT/long.log"
-  done
   exit 0
 fi
 cat /tmp/smol3.part.00 /tmp/smol3.part.01 "$STAGE/smol3.part.02" > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf

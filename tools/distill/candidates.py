@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--device", default="cuda")
     e.add_argument("--dtype", default=None)
     e.add_argument("--card", default=None)
+    e.add_argument("--lengths", default="", help="as tools.distill.evaluate's --lengths")
+    e.add_argument("--length-prompts", type=int, default=None)
     pr = sub.add_parser("probe", help="decode step times (floor probe, one graph replay)")
     pr.add_argument("--probe", required=True, help="path of floor_probe.py")
     pr.add_argument("--out", required=True)
@@ -295,7 +297,9 @@ def main(argv: list[str] | None = None) -> None:
         from tools.distill import evaluate
 
         rows = evaluate.run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens,
-                            a.device, a.dtype, a.card)
+                            a.device, a.dtype, a.card,
+                            lengths=evaluate.parse_lengths(e, a.lengths),
+                            length_n=evaluate.parse_lengths_n(e, a.length_prompts))
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)
     elif a.cmd == "probe":

@@ -134,9 +134,10 @@ def write_card(path: str, text: str) -> None:
 def run(target: str, draft: str, humaneval: str | None = None, n: int | None = None,
         k: int = 5, max_new_tokens: int = 128, device: str = "cpu", dtype: str | None = None,
         card: str | None = None, with_humaneval: bool = True,
-        lengths: tuple[int, ...] = ()) -> list[dict]:
+        lengths: tuple[int, ...] = (), length_n: int | None = None) -> list[dict]:
     code = humaneval_code(humaneval) if lengths else []
-    by_length = {f"code, {length} tokens": (length, code, n or 4) for length in lengths}
+    by_length = {f"code, {length} tokens": (length, code, length_n or n or 4)
+                 for length in lengths}
     # room for the longest prompt, its answer and the chat template
     max_len = max([2048] + [length + max_new_tokens + 64 for length in lengths])
     rows = evaluate_draft(target, draft, prompt_sets(humaneval, n, with_humaneval), k,
@@ -148,6 +149,23 @@ def run(target: str, draft: str, humaneval: str | None = None, n: int | None = N
     if card:
         write_card(card, text)
     return rows
+
+
+def parse_lengths(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
+    """--lengths '512,2048' -> (512, 2048); a parser error names a bad value."""
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--lengths must be integers separated by commas, got {text!r}")
+    if any(x < 1 for x in lengths):
+        p.error(f"--lengths must be positive, got {text!r}")
+    return lengths
+
+
+def parse_lengths_n(p: argparse.ArgumentParser, n: int | None) -> int | None:
+    if n is not None and n < 1:
+        p.error(f"--length-prompts must be at least 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,17 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--card", default=None, help="model card to write the table into")
     p.add_argument("--lengths", default="",
                    help="comma-separated prompt lengths in tokens (e.g. 512,2048,6144): "
-                        "acceptance by prompt length on HumanEval code (--n-prompts each, "
-                        "default 4)")
+                        "acceptance by prompt length on HumanEval code (--length-prompts each)")
+    p.add_argument("--length-prompts", type=int, default=None,
+                   help="prompts per --lengths set (default --n-prompts, else 4)")
     a = p.parse_args(argv)
-    try:
-        lengths = tuple(int(x) for x in a.lengths.split(",") if x.strip())
-    except ValueError:
-        p.error(f"--lengths must be integers separated by commas, got {a.lengths!r}")
-    if any(x < 1 for x in lengths):
-        p.error(f"--lengths must be positive, got {a.lengths!r}")
+    lengths = parse_lengths(p, a.lengths)
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,
-        a.card, not a.no_humaneval, lengths)
+        a.card, not a.no_humaneval, lengths, parse_lengths_n(p, a.length_prompts))
 
 
 if __name__ == "__main__":
