@@ -28,12 +28,13 @@ for p in length_prompts(tok, humaneval_code(sys.argv[1]), int(sys.argv[2]), int(
     print(json.dumps(p))
 EOF3
 }
-MODES="ar,sd:adaptive_k=0,sd,sd:draft=$RND,ssd"
-[ -n "$NEW_DRAFT" ] && MODES="$MODES,sd:draft=$NEW_DRAFT:adaptive_k=0,sd:draft=$NEW_DRAFT,ssd:draft=$NEW_DRAFT"
+DEFAULT_MODES="ar,sd:adaptive_k=0,sd,sd:draft=$RND,ssd"
+[ -n "$NEW_DRAFT" ] && DEFAULT_MODES="$DEFAULT_MODES,sd:draft=$NEW_DRAFT:adaptive_k=0,sd:draft=$NEW_DRAFT,ssd:draft=$NEW_DRAFT"
+MODES=${MODES:-$DEFAULT_MODES}  # RND and NEW_DRAFT may be named in a MODES given
 for L in $LENGTHS; do
   prompts "$L" 2
   echo "== prompts of <= $L tokens, b = 1" | tee -a "$OUT/lengths.log"
-  timeout 200 python3 tools/bench.py --device cuda --prompts-file "/tmp/long_${L}_2.jsonl" --chat \
+  timeout ${BENCH_TIMEOUT:-200} python3 tools/bench.py --device cuda --prompts-file "/tmp/long_${L}_2.jsonl" --chat \
       --modes "$MODES" --max-new-tokens 128 --ignore-eos --max-len 8192 --n-prompts 2 --k 3 \
       --json "$OUT/len_$L.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -24 | tee -a "$OUT/lengths.log"
 done

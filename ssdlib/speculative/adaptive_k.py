@@ -14,8 +14,8 @@ ones before it were), a round that proposes K drafts commits in expectation
     E(K, alpha) = 1 + alpha + ... + alpha^K = (1 - alpha^(K+1)) / (1 - alpha)   (alpha = 1: K + 1)
 
 tokens (the bonus token included) and costs cost(K) = K * c_draft + c_verify(K), where c_verify(0)
-is a plain AR step of the target. The policy takes argmax_K E(K, alpha) / cost(K), the larger K on
-a tie. A draft that fails ends at K = 0 (plain decoding); one that the target agrees with keeps
+is a plain AR step of the target. The policy takes the K of the best rate E(K, alpha) / cost(K);
+when that K drafts, a longer one whose rate is within LONGER_K_MARGIN of it. A draft that fails ends at K = 0 (plain decoding); one that the target agrees with keeps
 K_max as long as a draft step is cheaper than a verify.
 
 alpha, per sequence: exponentially decayed counts of accepted and tried draft tokens (a token is
@@ -61,8 +61,9 @@ PRIOR_ALPHA = 0.9  # a fresh sequence's acceptance before it has tried a draft t
 # prior costs)
 PRIOR_TRIES = 2.0  # ... with the weight of this many tried tokens
 DECAY = 0.8  # per observed round: the counts' memory is ~1 / (1 - DECAY) = 5 rounds
-FIRST_PROBE_INTERVAL = 4  # rounds at K = 0 before the first probe
-MAX_PROBE_INTERVAL = 64
+FIRST_PROBE_INTERVAL = 8  # rounds at K = 0 before the first probe
+MAX_PROBE_INTERVAL = 128
+LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share of the best
 COST_WINDOW = 15  # measurements a cost estimate is the median of
 DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
 
@@ -80,16 +81,18 @@ def k_choices(k_max: int) -> tuple[int, ...]:
 
 
 def best_k(alpha: float, costs: Sequence[float], least: int = 0,
-           choices: Sequence[int] | None = None) -> int:
-    """argmax over K in ``choices`` (default: 0 .. len(costs) - 1) from ``least`` up of
-    E(K, alpha) / costs[K] (the larger K on a tie)."""
+           choices: Sequence[int] | None = None, margin: float = LONGER_K_MARGIN) -> int:
+    """The K in ``choices`` (default: 0 .. len(costs) - 1) from ``least`` up with the best rate
+    E(K, alpha) / costs[K]; when that K drafts, the longest K whose rate is within ``margin`` of
+    it (acceptance comes in runs, so the geometric E undervalues a longer K a little, and a K that
+    follows every wobble of alpha costs more than the few percent it would gain). K = 0 is taken
+    only on its own merit: plain decoding must never lose to a speculation by the margin."""
     ks = [k for k in (range(len(costs)) if choices is None else choices) if k >= least]
-    best, rate = ks[0], -1.0
-    for k in ks:
-        r = expected_tokens(k, alpha) / costs[k]
-        if r >= rate:
-            best, rate = k, r
-    return best
+    rates = {k: expected_tokens(k, alpha) / costs[k] for k in ks}
+    best = max(ks, key=lambda k: (rates[k], k))
+    if best == 0:
+        return 0
+    return max(k for k in ks if k > 0 and rates[k] >= (1.0 - margin) * rates[best])
 
 
 class StepCosts:

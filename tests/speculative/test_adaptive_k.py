@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, AdaptiveK,
-                                           RowState,
+from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, LONGER_K_MARGIN,
+                                           MAX_PROBE_INTERVAL, AdaptiveK, RowState,
                                            StepCosts, best_k, expected_tokens,
                                            k_choices)
 
@@ -33,8 +33,15 @@ def test_best_k_is_the_brute_force_argmax():
         alpha = rng.random()
         costs = sorted(rng.uniform(0.5, 3.0) for _ in range(k_max + 1))
         rates = [expected_tokens(k, alpha) / c for k, c in enumerate(costs)]
+        assert rates[best_k(alpha, costs, margin=0.0)] == max(rates)
+        # the default: the longest K within LONGER_K_MARGIN of the best rate
+        # the default: K = 0 when it is the argmax, else the longest K within LONGER_K_MARGIN
         k = best_k(alpha, costs)
-        assert rates[k] == max(rates)
+        if rates[0] == max(rates):
+            assert k == 0
+        else:
+            assert k > 0 and rates[k] >= (1 - LONGER_K_MARGIN) * max(rates)
+            assert all(r < (1 - LONGER_K_MARGIN) * max(rates) for r in rates[k + 1:])
         assert best_k(alpha, costs, least=1) >= 1
 
 
@@ -42,9 +49,13 @@ def test_the_rule_on_its_textbook_cases():
     cheap = [1.0 + 0.25 * k for k in range(6)]  # a draft step = 1/4 verify, verify flat in K
     assert best_k(1.0, cheap) == 5  # a draft equal to the target: K_max
     assert best_k(0.126, cheap) == 0  # the long-prompt draft: plain decoding wins
-    assert best_k(0.8, cheap) == 3  # a good draft need not take K_max
-    assert best_k(0.5, [1.0, 1.25, 1.5]) == 1
-    # a draft step as costly as a verify: speculation never pays
+    assert best_k(0.8, cheap, margin=0.0) == 3  # a good draft need not take K_max ...
+    assert best_k(0.8, cheap) == 5  # ... but K_max's rate is within 3 % of K = 3's
+    assert best_k(0.5, [1.0, 1.25, 1.5], margin=0.0) == 1
+    assert best_k(0.5, [1.0, 1.25, 1.5]) == 2  # 1.167 against 1.2
+    assert best_k(0.5, [1.0, 1.25, 1.6]) == 1  # 1.094: more than 5 % below
+    # a draft step as costly as a verify: speculation never pays (K = 0 is 2.5 % ahead of K = 1:
+    # the margin favours a longer speculation, never speculation over plain decoding)
     assert best_k(0.95, [1.0 + k for k in range(6)]) == 0
 
 

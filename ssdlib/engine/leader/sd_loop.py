@@ -4,19 +4,22 @@ Each round: every row gets its speculation length K_i (adaptive K,
 :mod:`ssdlib.speculative.adaptive_k`); the draft proposes K = max K_i tokens per row, the target
 verifies K+1 positions in one forward, the exact rule accepts a prefix k <= K_i of each row and
 picks t*, both models keep only committed KV. A round with K = 0 is a plain AR step of the target
-(the draft runs nothing, and catches up when a later round drafts).
+(the draft runs nothing, and catches up when a later round drafts); in a batch of greedy rows it is
+AR's own step (one position, the argmax read back), with none of the verify's work.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ssdlib.engine.batching import pack_rows, slots_tensor
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
-from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
+from ssdlib.engine.leader.verify import RoundResult, commit_round, read_round, verify_round
 from ssdlib.engine.runner.model_runner import ModelRunner, captures_steps
+from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.loading.draft import load_draft
 from ssdlib.ops.graph_pool import capture_count
@@ -74,9 +77,12 @@ class SDLoop:
             draft_q = DraftQ.uniform(len(seqs))
         timer.mark("draft")
         self._learn_costs(timer.flush(), self._timed)  # the last round's, read while drafting
-        outcome = verify_round(self.target, seqs, tokens, draft_q, self.device, limits=limits,
-                               draws=self.k + 1)
-        result = read_round(tokens, outcome)
+        if k == 0 and not any(sampled):
+            result = self._target_step(seqs)
+        else:
+            outcome = verify_round(self.target, seqs, tokens, draft_q, self.device,
+                                   limits=limits, draws=self.k + 1)
+            result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(seqs, result)
         if k > 0:
@@ -91,6 +97,14 @@ class SDLoop:
             (k, k > 0 and self.drafter.plain)
         self._timed = tag if timer.timed and not phases else None
         self._learn_costs(phases, tag)
+
+    def _target_step(self, seqs) -> RoundResult:
+        """A round of greedy rows at K = 0: AR's step (the last token's forward, its argmax
+        read back), as the round's result (no drafts, the argmax as t*)."""
+        ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
+        logits = self.target.forward(ids, pos, slots_tensor(seqs))[:, 0]
+        bonus = sample_rows(logits, seqs)
+        return RoundResult([0] * len(seqs), bonus, [[] for _ in seqs], [[t] for t in bonus])
 
     def batch_metrics(self) -> dict:
         """The policy's cost estimates (ms), for the run's metrics."""
