@@ -25,7 +25,11 @@ started at PRIOR_ALPHA with the weight of PRIOR_TRIES tries: alpha = accepted / 
 Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has chosen K = 0 for
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
 still chooses K = 0, the interval doubles (up to MAX_PROBE_INTERVAL); otherwise it restarts at
-FIRST_PROBE_INTERVAL.
+FIRST_PROBE_INTERVAL. A probe is dear where the draft is far behind (its catch-up over every token
+it skipped, then a chain and a wider verify: ~4 ms against a ~1.2 ms AR step for SmolLM2 at a 2k
+context on one H200), so the intervals are also kept long enough that probes cost at most
+PROBE_BUDGET of the decoding time: at least (a probe's measured extra time) / (PROBE_BUDGET x an
+AR round's time) rounds (:meth:`StepCosts.observe_probe`, fed by the loop).
 
 Costs (:class:`StepCosts`): running medians (of the last COST_WINDOW measurements: a round that
 also ran something once, a first call's set-up, a collector's pause, must not decide many rounds
@@ -49,6 +53,7 @@ Everything here is host arithmetic on Python numbers, a few operations per row a
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -64,6 +69,7 @@ DECAY = 0.8  # per observed round: the counts' memory is ~1 / (1 - DECAY) = 5 ro
 FIRST_PROBE_INTERVAL = 8  # rounds at K = 0 before the first probe
 MAX_PROBE_INTERVAL = 128
 LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share of the best
+PROBE_BUDGET = 0.02  # probes' share of the decoding time at most, once a probe has been timed
 COST_WINDOW = 15  # measurements a cost estimate is the median of
 DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
 
@@ -117,6 +123,8 @@ class StepCosts:
         self.rest: list[float | None] = [None] * (k_max + 1)  # seconds of the rest, per K
         self._cache: list[float] | None = None  # the measured table, until the next sample
         self._prior = [1.0 + k * draft_prior for k in range(k_max + 1)]
+        self._probe: deque[float] = deque(maxlen=window)  # a probe round's extra seconds
+        self.probe_extra: float | None = None  # their median (None: no probe timed yet)
 
     def observe_draft(self, seconds: float, steps: int) -> None:
         if steps > 0 and seconds >= 0:
@@ -129,6 +137,19 @@ class StepCosts:
             self._rest[k].append(seconds)
             self.rest[k] = median(self._rest[k])
             self._cache = None
+
+    def observe_probe(self, seconds: float) -> None:
+        """A round in which a row probed took ``seconds`` (every phase, catch-up included)."""
+        if self.rest[0] is not None and seconds > 0:
+            self._probe.append(max(0.0, seconds - self.rest[0]))
+            self.probe_extra = median(self._probe)
+
+    def probe_gap(self, budget: float = PROBE_BUDGET) -> int:
+        """Rounds at K = 0 between probes so that probes take at most ``budget`` of the time
+        (0 until a probe and an AR round are timed)."""
+        if self.probe_extra is None or not self.rest[0]:
+            return 0
+        return math.ceil(self.probe_extra / (budget * self.rest[0]))
 
     @property
     def measured(self) -> bool:
@@ -156,7 +177,8 @@ class StepCosts:
         """The estimates in ms, for the run's metrics: draft step, and the rest per K."""
         return {"draft_step_ms": None if self.draft is None else 1e3 * self.draft,
                 "round_ms_by_k": {str(k): 1e3 * r for k, r in enumerate(self.rest)
-                                  if r is not None}}
+                                  if r is not None},
+                "probe_extra_ms": None if self.probe_extra is None else 1e3 * self.probe_extra}
 
 
 @dataclass
@@ -204,6 +226,7 @@ class AdaptiveK:
         self.schedule = list(schedule)
         self._calls = 0
         self.sweeping = False  # the last choice was a sweep's (its round captures: not timed)
+        self.probed = False  # a row of the last choice probes (the loop times its round)
         self.k_max = k_max
         self.costs = costs if costs is not None else StepCosts(k_max)
         self.enabled = enabled
@@ -237,6 +260,7 @@ class AdaptiveK:
             return [self.k_max] * len(keys)
         forced = self._sweep.next(any(sampled)) if keys else None
         self.sweeping = forced is not None
+        self.probed = False
         if forced is not None:
             return [forced] * len(keys)
         measured, prior = self.costs.table(), self.costs.table(measured=False)
@@ -247,9 +271,9 @@ class AdaptiveK:
             k = best_k(row.alpha, costs, choices=self.choices)
             if k == 0:
                 row.zeros += 1
-                if row.zeros > row.interval:  # a probe: the best K >= 1
+                if row.zeros > max(row.interval, self.costs.probe_gap()):  # a probe
                     k = best_k(row.alpha, costs, least=1, choices=self.choices)
-                    row.probing = True
+                    row.probing = self.probed = True
             if k > 0:
                 row.zeros = 0
             out.append(k)
@@ -269,8 +293,8 @@ class AdaptiveK:
                 row.probing = False
                 costs = self.costs.table(measured=not s)
                 failed = best_k(row.alpha, costs) == 0
-                row.interval = (min(2 * row.interval, MAX_PROBE_INTERVAL) if failed
-                                else FIRST_PROBE_INTERVAL)
+                row.interval = (min(max(2 * row.interval, self.costs.probe_gap()),
+                                    MAX_PROBE_INTERVAL) if failed else FIRST_PROBE_INTERVAL)
 
 
 def k_schedule(k_max: int) -> list[int]:

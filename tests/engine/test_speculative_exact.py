@@ -51,8 +51,10 @@ def test_sd_greedy_equals_ar(tiny_dirs, ar_reference, draft, batch, tp):
                    max_batch=batch, max_len=128) as g:
         outs = g.generate(PROMPTS, GREEDY)
     check_equal(tiny_dirs, ar_reference, outs)
-    rates = [o.metrics["acceptance_rate"] for o in outs]
-    assert all(0 <= r <= 1 for r in rates)
+    # (a sequence that adaptive K never let draft, the bad draft's, has no acceptance rate)
+    rates = [o.metrics.get("acceptance_rate") for o in outs]
+    assert all(r is None or 0 <= r <= 1 for r in rates)
+    assert any(r is not None for r in rates) or draft == "smol_heads_bad_draft"
 
 
 def test_sd_with_draft_on_its_own_rank(tiny_dirs, ar_reference):

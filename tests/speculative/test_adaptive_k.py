@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, LONGER_K_MARGIN,
+from ssdlib.speculative.adaptive_k import (FIRST_PROBE_INTERVAL, LONGER_K_MARGIN, PROBE_BUDGET,
                                            MAX_PROBE_INTERVAL, AdaptiveK, RowState,
                                            StepCosts, best_k, expected_tokens,
                                            k_choices)
@@ -200,3 +200,28 @@ def test_flag_and_config():
     assert EngineConfig().adaptive_k is True
     with pytest.raises(ConfigError, match="adaptive_k"):
         EngineConfig(adaptive_k="yes")
+
+
+def test_probes_are_spaced_so_that_they_cost_at_most_the_probe_budget():
+    costs = StepCosts(3)
+    assert costs.probe_gap() == 0  # nothing timed: the doubling intervals alone
+    costs.observe_probe(0.004)
+    assert costs.probe_extra is None  # no AR round timed yet to compare it with
+    costs.observe_round(0, 0.001)
+    costs.observe_probe(0.005)  # a probe round 4 ms dearer than a 1 ms AR round
+    assert costs.probe_gap() == round(0.004 / (PROBE_BUDGET * 0.001))
+    assert costs.snapshot()["probe_extra_ms"] == pytest.approx(4.0)
+    policy = AdaptiveK(3, costs)
+    policy.admit(0)
+    ks, flags = [], []
+    for _ in range(1000):
+        k = policy.choose([0], [False])[0]
+        flags.append(policy.probed)
+        policy.observe([0], [k], [0], [False])  # the draft never agrees
+        ks.append(k)
+    first_zero = ks.index(0)
+    probes = [i for i in range(first_zero, len(ks)) if ks[i] > 0]
+    assert len(probes) >= 3 and flags == [i in probes for i in range(len(ks))]
+    gap = costs.probe_gap()
+    assert all(b - a > gap for a, b in zip(probes, probes[1:]))
+    assert probes[0] - first_zero >= gap  # gap rounds at K = 0 (the first of them included)

@@ -38,9 +38,9 @@ class SDLoop:
         self.timer = RoundTimer(device)
         self.policy = AdaptiveK(k, StepCosts(k), enabled=adaptive, sweep=sweep,
                                 schedule=schedule or ())
-        # (K, whether its draft time measures k draft steps) of the round whose phases the
-        # timer still holds
-        self._timed: tuple[int, bool] | None = None
+        # (K, whether its draft time measures k draft steps, whether a row probed) of the round
+        # whose phases the timer still holds
+        self._timed: tuple[int, bool, bool] | None = None
 
     def admit(self, seqs) -> None:
         admit_with_first_token(self.target, seqs, self.device)
@@ -51,15 +51,18 @@ class SDLoop:
         # proposal: that may come after rounds at K = 0, with a length no warm-up foresaw
         self.drafter.prefill(seqs)
 
-    def _learn_costs(self, phases: dict, tag: tuple[int, bool] | None) -> None:
+    def _learn_costs(self, phases: dict, tag: tuple[int, bool, bool] | None) -> None:
         """A timed round's phases -> the policy's cost estimates: a draft step (from a round
         whose proposal was its chain alone: no prompt, no catch-up), the rest of the round."""
         if not phases or tag is None:
             return
-        k, plain = tag
+        k, plain, probed = tag
+        costs = self.policy.costs
         if k > 0 and plain:
-            self.policy.costs.observe_draft(phases.get("draft", 0.0), k)
-        self.policy.costs.observe_round(k, phases.get("verify", 0.0) + phases.get("host", 0.0))
+            costs.observe_draft(phases.get("draft", 0.0), k)
+        costs.observe_round(k, phases.get("verify", 0.0) + phases.get("host", 0.0))
+        if probed:
+            costs.observe_probe(sum(phases.get(p, 0.0) for p in ("draft", "verify", "host")))
 
     def step(self, seqs) -> None:
         timer = self.timer
@@ -94,7 +97,7 @@ class SDLoop:
         phases = timer.add_to(seqs, defer=True)  # {} when kept for the next round's flush
         # a round that captured a step (a sweep's, a new shape's) says nothing of the costs
         tag = None if self.policy.sweeping or capture_count() != captured else \
-            (k, k > 0 and self.drafter.plain)
+            (k, k > 0 and self.drafter.plain, self.policy.probed)
         self._timed = tag if timer.timed and not phases else None
         self._learn_costs(phases, tag)
 
