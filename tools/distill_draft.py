@@ -60,8 +60,10 @@ from tools.distill import evaluate, models  # noqa: E402
 from tools.distill.data import (  # noqa: E402
     Batcher,
     Docs,
+    MixedBatcher,
     default_text_roots,
     load_splits,
+    mixed_batcher,
     pack_rows,
     save_splits,
 )
@@ -147,6 +149,13 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
              "included), so its schedule ends on time (tools/distill/budget.py)")
     add("--batch", type=int, default=32)
     add("--seq-len", type=int, default=512)
+    add("--long-seq-len", type=int, default=None, metavar="N",
+        help="also train on rows of N tokens (up to the target's context: a draft that holds "
+             "its acceptance on long prompts): every --long-every-th batch is --long-batch "
+             "such rows, the others --batch rows of --seq-len")
+    add("--long-batch", type=int, default=None,
+        help="rows in a long batch (default: as many tokens as a short batch, at least 1)")
+    add("--long-every", type=int, default=2, help="every N-th batch is a long one")
     add("--loss", choices=tuple(LOSSES), default="kl",
         help="per-token loss: forward KL (default), total variation distance (tvd: 1 - the "
              "sampled acceptance, trained directly) or their sum")
@@ -368,7 +377,7 @@ class Shared:
     held_docs: Docs
     data_s: float
     rows: torch.Tensor
-    batcher: Batcher
+    batcher: Batcher | MixedBatcher
 
 
 @dataclass
@@ -399,7 +408,7 @@ def load_shared(args, say=print) -> Shared:
     ck = load_checkpoint(args.target)
     # RoPE tables long enough for training rows and for sampled data (prompt + answer)
     max_positions = max(ck.config.max_position_embeddings, args.seq_len, 4096,
-                        args.random_len + 8)
+                        args.random_len + 8, args.long_seq_len or 0)
     teacher = models.load_teacher(ck, device, dtype, max_positions)
 
     t0 = time.perf_counter()
@@ -410,9 +419,17 @@ def load_shared(args, say=print) -> Shared:
     say(f"data: {train_docs.n_tokens():,} training tokens in {len(train_docs)} documents "
         f"{train_docs.by_source()}, {len(held_docs)} held out ({data_s:.0f} s)")
     eos = ck.config.eos_token_ids
-    rows = pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None)
+    separator = eos[0] if eos else None
+    rows = pack_rows(train_docs, args.seq_len, args.seed, separator)
+    batcher: Batcher | MixedBatcher = Batcher(rows, args.batch, args.seed)
+    if args.long_seq_len:
+        long_batch = args.long_batch or max(1, args.batch * args.seq_len // args.long_seq_len)
+        batcher = mixed_batcher(train_docs, args.seq_len, args.batch, args.long_seq_len,
+                                long_batch, args.long_every, args.seed, separator)
+        say(f"rows: batches of {args.batch} x {args.seq_len} tokens, and every "
+            f"{args.long_every} batches one of {long_batch} x {args.long_seq_len}")
     return Shared(ck, teacher, device, dtype, dtype_name, max_positions, train_docs, held_docs,
-                  data_s, rows, Batcher(rows, args.batch, args.seed))
+                  data_s, rows, batcher)
 
 
 def build_candidate(args, shared: Shared, say=print) -> Candidate:
@@ -466,14 +483,14 @@ def build_candidate(args, shared: Shared, say=print) -> Candidate:
         min_lr_ratio=args.min_lr_ratio, schedule=args.schedule, weight_decay=args.weight_decay,
         embeddings_first=getattr(args, "embeddings_first", 0),
         grad_clip=args.grad_clip, eval_every=args.eval_every, save_every=args.save_every,
-        eval_batch=args.eval_batch, seq_len=args.seq_len, loss=args.loss,
+        eval_batch=args.eval_batch, seq_len=max(args.seq_len, args.long_seq_len or 0),
+        loss=args.loss,
         amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
     trainer = Trainer(draft, shared.teacher, shared.batcher, shared.held_docs, settings,
                       args.work_dir)
     if args.resume:
         trainer.load()
-        batcher = shared.batcher
-        say(f"resumed at step {trainer.step} (epoch {batcher.epoch}, row {batcher.cursor})")
+        say(f"resumed at step {trainer.step} (batches: {shared.batcher.state()})")
     return Candidate(args, dcfg, n_params, draft, trainer, ck)
 
 

@@ -137,3 +137,36 @@ def test_tvd_loss_raises_the_held_out_acceptance(target, tmp_path):
     assert last["acceptance"] > first["acceptance"] + 0.05, report["history"]
     for v in last["by_source"].values():
         assert 0 <= v["acceptance"] <= 1
+
+
+def test_long_rows_alternate_with_short_ones_and_resume_exactly(trained, target, tmp_path):
+    """--long-seq-len: every --long-every-th batch is long rows (positions past the short rows'
+    length get trained), and a resumed run continues the same cycle."""
+    from tools.distill.data import Batcher, MixedBatcher
+
+    short = Batcher(torch.arange(40).view(10, 4), 2, seed=0)
+    long = Batcher(torch.arange(40).view(5, 8), 1, seed=1)
+    mixed = MixedBatcher([short, long], [0, 0, 1])
+    shapes = [tuple(mixed.next().shape) for _ in range(6)]
+    assert shapes == [(2, 4), (2, 4), (1, 8)] * 2
+    state = mixed.state()
+    after = [mixed.next() for _ in range(4)]
+    again = MixedBatcher([Batcher(torch.arange(40).view(10, 4), 2, seed=0),
+                          Batcher(torch.arange(40).view(5, 8), 1, seed=1)], [0, 0, 1])
+    again.restore(state)
+    assert all(torch.equal(a, b) for a, b in zip(after, [again.next() for _ in range(4)]))
+    with pytest.raises(ValueError):
+        MixedBatcher([short], [0, 1])
+
+    data = os.path.join(str(trained[0]) + ".work", "data.safetensors")
+    common = ["--data-from", data, "--schedule", "constant", "--lr", "1e-2", "--eval-every", "4",
+              "--save-every", "4", "--long-seq-len", "96", "--long-every", "2"]
+    straight = run(target, tmp_path / "a", *common, "--steps", "8")
+    # 4 short batches of 8 x 48 and 4 long ones of 4 x 96 (as many tokens by default)
+    assert straight["tokens_seen"] == 4 * 8 * 48 + 4 * 4 * 96
+    run(target, tmp_path / "b", *common, "--steps", "4")
+    resumed = run(target, tmp_path / "b", "--resume", "--steps", "8")
+    a = load_file(os.path.join(tmp_path / "a", "model.safetensors"))
+    b = load_file(os.path.join(tmp_path / "b", "model.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

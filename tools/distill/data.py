@@ -248,3 +248,40 @@ class Batcher:
     def restore(self, state: dict[str, int]) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._perm = self._permutation()
+
+
+class MixedBatcher:
+    """Batches from several batchers in a fixed cycle, e.g. short rows and long rows in turn
+    (``pattern`` = the batchers' indices in order, repeated): a draft trained for long contexts
+    still spends most of its steps where most prompts are, near the start of a sequence. Its
+    state is each batcher's plus the place in the cycle, so a resumed run continues exactly."""
+
+    def __init__(self, batchers: list[Batcher], pattern: list[int]):
+        if not pattern or any(not 0 <= i < len(batchers) for i in pattern):
+            raise ValueError(f"a pattern of indices into {len(batchers)} batchers, got {pattern}")
+        self.batchers, self.pattern = batchers, pattern
+        self.turn = 0
+
+    def next(self) -> torch.Tensor:
+        batch = self.batchers[self.pattern[self.turn % len(self.pattern)]].next()
+        self.turn += 1
+        return batch
+
+    def state(self) -> dict:
+        return {"turn": self.turn, "parts": [b.state() for b in self.batchers]}
+
+    def restore(self, state: dict) -> None:
+        self.turn = int(state["turn"])
+        for b, part in zip(self.batchers, state["parts"], strict=True):
+            b.restore(part)
+
+
+def mixed_batcher(docs: Docs, seq_len: int, batch: int, long_seq_len: int, long_batch: int,
+                  long_every: int, seed: int, separator: int | None) -> MixedBatcher:
+    """Rows of ``seq_len`` tokens and rows of ``long_seq_len`` (packed from the same documents,
+    each in its own order): every ``long_every``-th batch is ``long_batch`` long rows."""
+    if long_every < 1:
+        raise ValueError(f"long_every must be >= 1, got {long_every}")
+    short = Batcher(pack_rows(docs, seq_len, seed, separator), batch, seed)
+    long = Batcher(pack_rows(docs, long_seq_len, seed + 1, separator), long_batch, seed + 1)
+    return MixedBatcher([short, long], [0] * (long_every - 1) + [1])
