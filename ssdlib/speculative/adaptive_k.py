@@ -42,8 +42,9 @@ K it runs).
 
 Sweep (``sweep=True``, for engines that capture their steps): the loop's first rounds run every
 choice once, K_max down to 0 and 0 again (a second K = 0 round leaves the draft behind by more than a
-round, so the round after it runs the draft's catch-up), for batches of greedy rows and for
-batches with a sampled row apart: the warm-up then meets every step shape the policy can pick.
+round, so the round after it runs the draft's catch-up), for batches of greedy rows, of sampled rows
+and of both apart (each kind samples through steps of its own): the warm-up (the server's mixed
+batch for the third kind) then meets every step shape the policy can pick.
 Those rounds capture their steps, so their times say nothing of the costs: the loops feed
 :class:`StepCosts` neither from a sweep's round (``AdaptiveK.sweeping``) nor from any round in
 which a step was captured.
@@ -196,14 +197,18 @@ class RowState:
         return self.accepted / self.tried if self.tried > 0 else PRIOR_ALPHA
 
 
+# kinds of batch, (any greedy row, any sampled row): each samples through steps of its own
+BATCH_KINDS = ((True, False), (False, True), (True, True))
+
+
 @dataclass
 class _Sweep:
-    """The K values still to run once each, per kind of batch (greedy, with a sampled row)."""
+    """The K values still to run once each, per kind of batch (:data:`BATCH_KINDS`)."""
 
-    todo: dict[bool, list[int]] = field(default_factory=dict)
+    todo: dict[tuple[bool, bool], list[int]] = field(default_factory=dict)
 
-    def next(self, sampled: bool) -> int | None:
-        values = self.todo.get(sampled)
+    def next(self, kind: tuple[bool, bool]) -> int | None:
+        values = self.todo.get(kind)
         return values.pop(0) if values else None
 
 
@@ -233,7 +238,8 @@ class AdaptiveK:
         self.rows: dict[int, RowState] = {}
         self.choices = k_choices(k_max)
         order = sorted(self.choices, reverse=True) + [0]
-        self._sweep = _Sweep({False: list(order), True: list(order)} if enabled and sweep else {})
+        self._sweep = _Sweep({kind: list(order) for kind in BATCH_KINDS}
+                             if enabled and sweep else {})
 
     def admit(self, key: int) -> None:
         self.rows[key] = RowState()
@@ -258,7 +264,7 @@ class AdaptiveK:
             return [self.schedule[(key + self._calls) % n] for key in keys]
         if not self.enabled:
             return [self.k_max] * len(keys)
-        forced = self._sweep.next(any(sampled)) if keys else None
+        forced = self._sweep.next((not all(sampled), any(sampled))) if keys else None
         self.sweeping = forced is not None
         self.probed = False
         if forced is not None:

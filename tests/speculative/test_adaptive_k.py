@@ -166,9 +166,11 @@ def test_sweep_runs_every_choice_once_per_kind_then_decides():
         policy.admit(key)
     greedy = [policy.choose([0, 1], [False, False]) for _ in range(4)]
     assert greedy == [[3, 3], [2, 2], [0, 0], [0, 0]]
-    # a batch with a sampled row has its own sweep
+    # batches of sampled rows, and of both kinds, have sweeps of their own
+    assert [policy.choose([0, 1], [True, True])[0] for _ in range(4)] == [3, 2, 0, 0]
     assert [policy.choose([0, 1], [False, True])[0] for _ in range(4)] == [3, 2, 0, 0]
     assert policy.choose([0, 1], [False, False]) == [3, 3]  # swept: the rule again
+    assert policy.choose([0, 1], [True, False]) == [3, 3]
 
 
 def test_schedule_fixes_each_rows_k(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib import env
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
 from ssdlib.ops.slot_attention import triton_available
@@ -28,15 +29,56 @@ def compile_step_model(model, backend: str = "inductor"):
     layers). Every step shape (batch bucket, queries, tree) is compiled static, its own
     specialisation: dynamic sizes would also mix the target's and the draft's widths where both
     run in one process (SD). Embedding, rotary tables, final norm and head stay eager (a
-    handful of kernels). Compiled in the graph pool's warm-up, before capture."""
+    handful of kernels). Compiled in the graph pool's warm-up, before capture.
+
+    ``SSDLIB_COMPILE_DYNAMIC=1`` (an experiment): the batch dimension of every input is marked
+    dynamic, so one compile of a step serves all its batch buckets (fewer compiles at start-up;
+    kernels for a symbolic batch size may run slower)."""
     import torch._dynamo  # ~2-3 s of imports: only where something compiles
 
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), COMPILE_RECOMPILE_LIMIT))
+    if env.flag("SSDLIB_COMPILE_DYNAMIC"):
+        return model.with_layers(_BatchDynamic(torch.compile(layer, backend=backend,
+                                                             dynamic=None))
+                                 for layer in model.model.layers)
     return model.with_layers(torch.compile(layer, backend=backend, dynamic=False)
                              for layer in model.model.layers)
+
+
+class _BatchDynamic(torch.nn.Module):
+    """A compiled decoder layer called with the batch dimension of its hidden states and of
+    every per-row tensor of its attention metadata marked dynamic
+    (``torch._dynamo.mark_dynamic``), every other size static. A batch of one stays its own
+    specialisation (dynamo specialises sizes 0 and 1)."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled = compiled
+
+    def __getattr__(self, name):  # the layer's own attributes (e.g. self_attn)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.compiled, name)
+
+    def forward(self, x, k_cache, v_cache, meta, *args, **kwargs):
+        b = x.shape[0]
+        if b > 1:
+            for t in _row_tensors(meta, b):
+                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(x, 0)
+        return self.compiled(x, k_cache, v_cache, meta, *args, **kwargs)
+
+
+def _row_tensors(meta, b: int):
+    """The tensors (also inside tuples) among ``meta``'s attributes whose first size is ``b``."""
+    for value in vars(meta).values():
+        for t in (value if isinstance(value, tuple) else (value,)):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b:
+                yield t
 
 
 # compile="auto" compiles a known workload from this many expected sequential decode steps

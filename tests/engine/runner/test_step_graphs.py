@@ -748,3 +748,45 @@ def test_catch_up_of_one_token_takes_the_two_token_step(tiny_dirs, pool_kind):
     assert got.tolist() == want.tolist()
     widths = {k[2] for k in stepped.graphs.pool.keys() if k[0] == "pchain"}
     assert widths == ({CATCH_UP_QUERIES} if pool_kind == "all" else {1})
+
+
+def test_compile_dynamic_batch_compiles_once_for_every_batch_above_one(tiny_dirs, monkeypatch):
+    """SSDLIB_COMPILE_DYNAMIC=1: one compile serves batches 2, 3, 4 and 5 (static: one each),
+    a batch of one its own, and the logits equal the plain model's."""
+    import torch._dynamo
+
+    from ssdlib.engine.runner.compiled import compile_step_model
+    from ssdlib.layers.attention import AttentionMetadata
+
+    ck = load_checkpoint(tiny_dirs["smol_heads"])
+    runner = ModelRunner(ck, None, "cpu", torch.float32, n_slots=6, max_len=64)
+    model, cache = runner.model, runner.cache
+    g = torch.Generator().manual_seed(6)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+
+    def compiles(dynamic: bool) -> int:
+        graphs = []
+
+        def counting(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        monkeypatch.setenv("SSDLIB_COMPILE_DYNAMIC", "1" if dynamic else "0")
+        torch._dynamo.reset()
+        step = compile_step_model(model, backend=counting)
+        assert step.kv_heads_local == model.kv_heads_local  # the layers' attributes reach through
+        for b in (1, 2, 3, 4, 5):
+            ids = torch.randint(0, ck.config.vocab_size, (b, 1), generator=g)
+            pos = torch.tensor([[9 + i] for i in range(b)])
+
+            def meta():
+                return AttentionMetadata(pos, torch.arange(b), cache.max_len, kv_limit=pos + 1,
+                                         use_kernel=True, kernel_backend="torch")
+            with torch.inference_mode():
+                want, got = model(ids, cache, meta()), step(ids, cache, meta())
+            assert (want - got).abs().max().item() <= 1e-5
+        torch._dynamo.reset()
+        return len(graphs)
+
+    assert compiles(dynamic=False) == 5
+    assert compiles(dynamic=True) == 2
