@@ -12,6 +12,7 @@ import torch
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError
+from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.loading.registry import default_draft
 from ssdlib.speculative.fanout import parse_fanout
 
@@ -115,7 +116,26 @@ class EngineConfig:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         self._check_fan_out()
         self._check_position_slack()
+        self._check_feature_draft()
         return self
+
+    @property
+    def feature_draft(self) -> bool:
+        """Whether the draft is a feature draft (it reads the target's features: the target
+        then keeps them, ``ssdlib.engine.feature_drafter``)."""
+        return self.mode == "sd" and is_feature_draft(self.draft)
+
+    def _check_feature_draft(self) -> None:
+        """A feature draft runs in sd mode, beside the target on its rank (ssd's speculator and a
+        separate draft rank do not have the target's features)."""
+        if self.mode == "ar" or not is_feature_draft(self.draft):
+            return
+        if self.mode == "ssd":
+            raise ConfigError(f"--draft {self.draft} is a feature draft: it runs with --mode sd "
+                              "(SSD with a feature draft is not supported yet)")
+        if self.draft_placement == "separate":
+            raise ConfigError(f"--draft {self.draft} is a feature draft: it runs beside the "
+                              "target (--draft-placement leader)")
 
     def _check_fan_out(self) -> None:
         """--fan-out is checked in every mode (a typo must not pass silently where it is unused)."""

@@ -76,7 +76,8 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
         destroy_world()
         return None
     runner = ModelRunner(target_ck, world.tp_group, world.device, dtype, cfg.max_batch, cfg.max_len,
-                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile,
+                         features=cfg.feature_draft)
     channel = TPChannel(world.tp_group, world.device) if cfg.tp > 1 else None
     if not world.is_leader:
         channel.serve(runner)

@@ -85,6 +85,53 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def run_layers(layers, rotary: RotaryEmbedding, x: torch.Tensor, kv_cache,
+               meta: AttentionMetadata) -> torch.Tensor:
+    """Decoder ``layers`` over x [b, s, H] at ``meta.positions`` (with ``kv_cache``, or cache-free
+    when it is None) -> the last layer's output [b, s, H], before any final norm. RoPE and the
+    attention mask are computed once per forward, for all layers."""
+    cos, sin = rotary.cos_sin(meta.positions)
+    meta.rope = (cos.to(x.dtype), sin.to(x.dtype))
+    meta.prepare()
+    for i, layer in enumerate(layers):
+        if kv_cache is None:
+            x = layer(x, None, None, meta)
+        else:
+            k, v, tree_k, tree_v = kv_cache.layer(i)
+            x = layer(x, k, v, meta, tree_k, tree_v)
+    return x
+
+
+def load_named_weights(model: nn.Module, weights) -> None:
+    """Each module of ``model`` that names its checkpoint tensors reads them (its own shard),
+    after every tensor's shape is checked against the model: a mismatch is a CheckpointError."""
+    loadable = [(name, m) for name, m in model.named_modules()
+                if m is not model and hasattr(m, "checkpoint_tensors")]
+    for name, module in loadable:
+        for tensor, expected in module.checkpoint_tensors(name):
+            found = tuple(weights.shape(tensor))
+            if found != expected:
+                raise CheckpointError(f"tensor {tensor}: shape {found} does not match the "
+                                      f"config (expected {expected})")
+    for name, module in loadable:
+        module.load(weights, name)
+
+
+def hf_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters under Hugging Face names (merged projections split), for export.
+    Only meaningful for an unsharded (tp = 1) model."""
+    merged = {name: m for name, m in model.named_modules()
+              if isinstance(m, MergedColumnParallelLinear)}
+    out = {}
+    for name, p in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if owner in merged:
+            out.update(merged[owner].hf_tensors(owner))
+        else:
+            out[name] = p
+    return out
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_group, max_positions: int):
         super().__init__()
@@ -96,17 +143,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, kv_cache, meta):
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions)  # once per forward, shared by all layers
-        meta.rope = (cos.to(x.dtype), sin.to(x.dtype))
-        meta.prepare()  # the attention mask, once per forward
-        for i, layer in enumerate(self.layers):
-            if kv_cache is None:
-                x = layer(x, None, None, meta)
-            else:
-                k, v, tree_k, tree_v = kv_cache.layer(i)
-                x = layer(x, k, v, meta, tree_k, tree_v)
+        x = self.features(input_ids, kv_cache, meta)
+        if kv_cache is not None and kv_cache.features is not None:
+            # the features of the fed positions, kept per slot like the KV (a feature draft
+            # reads them: ``ssdlib.engine.feature_drafter``)
+            kv_cache.features[meta.slots.view(-1, 1), meta.positions] = x
         return self.norm(x)
+
+    def features(self, input_ids, kv_cache, meta) -> torch.Tensor:
+        """The last decoder layer's output [b, s, H], before the final norm (what a feature
+        draft reads: ``ssdlib.models.feature_draft``)."""
+        return run_layers(self.layers, self.rotary, self.embed_tokens(input_ids), kv_cache, meta)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,35 +191,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward (training, scoring): input_ids [b, s] -> logits [b, s, V]."""
+        return self.forward_full_features(input_ids)[0]
+
+    def forward_full_features(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache-free causal forward with the features: input_ids [b, s] -> (logits [b, s, V],
+        features [b, s, H]), features = the last decoder layer's output before the final norm
+        (logits = lm_head(norm(features)))."""
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        meta = AttentionMetadata(positions, None, s)
-        return self.lm_head(self.model(input_ids, None, meta))
+        features = self.model.features(input_ids, None, AttentionMetadata(positions, None, s))
+        return self.lm_head(self.model.norm(features)), features
 
     def load_weights(self, weights) -> None:
         """Each parallel layer reads its own shard of its HF-named tensor(s), after checking
         every tensor's shape against the config."""
-        loadable = [(name, m) for name, m in self.named_modules()
-                    if m is not self and hasattr(m, "checkpoint_tensors")]
-        for name, module in loadable:
-            for tensor, expected in module.checkpoint_tensors(name):
-                found = tuple(weights.shape(tensor))
-                if found != expected:
-                    raise CheckpointError(f"tensor {tensor}: shape {found} does not match the "
-                                          f"config (expected {expected})")
-        for name, module in loadable:
-            module.load(weights, name)
+        load_named_weights(self, weights)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under Hugging Face names (merged projections split), for export.
         Only meaningful for an unsharded (tp = 1) model."""
-        merged = {name: m for name, m in self.named_modules()
-                  if isinstance(m, MergedColumnParallelLinear)}
-        out = {}
-        for name, p in self.named_parameters():
-            owner = name.rsplit(".", 1)[0]
-            if owner in merged:
-                out.update(merged[owner].hf_tensors(owner))
-            else:
-                out[name] = p
-        return out
+        return hf_named_tensors(self)

@@ -14,6 +14,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor
 from ssdlib.engine.drafter import Drafter
+from ssdlib.engine.feature_drafter import FeatureDrafter
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
@@ -22,6 +23,7 @@ from ssdlib.engine.runner.model_runner import ModelRunner, captures_steps
 from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.loading.draft import load_draft
+from ssdlib.loading.feature_draft import is_feature_draft, load_feature_draft
 from ssdlib.ops.graph_pool import capture_count
 from ssdlib.speculative.acceptance import DraftQ
 from ssdlib.speculative.adaptive_k import AdaptiveK, StepCosts, k_schedule
@@ -118,6 +120,18 @@ def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
         # the draft on its own rank (a Speculator without a cache), speculations over the SSD link
         return build_link_verifier(cfg, world, target, target_ck)
+    if is_feature_draft(cfg.draft):
+        # reads the target's features (its runner keeps them: runtime.build_rank); shares the
+        # target's embedding and head where the target is unsharded
+        model = target.runner.model if cfg.tp == 1 else None
+        draft = load_feature_draft(cfg.draft, target_ck, model, world.device, cfg.torch_dtype,
+                                   max_positions=target.runner.cache.max_len)
+        drafter = FeatureDrafter(draft, target.runner.cache.features, cfg.max_batch + 1,
+                                 target.runner.cache.max_len, target_ck.config.vocab_size,
+                                 draws=cfg.k)
+        loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
+                      sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
+        return loop, lambda: None
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)

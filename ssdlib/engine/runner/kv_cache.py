@@ -14,7 +14,7 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, n_slots: int, kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 tree_len: int = 0):
+                 tree_len: int = 0, features_dim: int = 0):
         shape = (num_layers, n_slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -22,6 +22,10 @@ class KVCache:
         tree_shape = (num_layers, n_slots, kv_heads, tree_len, head_dim)
         self.tree_k = torch.zeros(tree_shape, dtype=dtype, device=device) if tree_len else None
         self.tree_v = torch.zeros(tree_shape, dtype=dtype, device=device) if tree_len else None
+        # with ``features_dim``: the model's last decoder layer's output (before the final norm)
+        # at every fed position, per slot [n_slots, max_len, features_dim] (a feature draft's input)
+        self.features = (torch.zeros((n_slots, max_len, features_dim), dtype=dtype, device=device)
+                         if features_dim else None)
         self.n_slots = n_slots
         self.max_len = max_len
 

@@ -92,7 +92,7 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
                  dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
                  cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES,
-                 compile: bool | None = None):
+                 compile: bool | None = None, features: bool = False):
         config = checkpoint.config
         self.config = config
         self.device = torch.device(device)
@@ -105,8 +105,10 @@ class ModelRunner:
         model.load_weights(checkpoint.weights)
         self.model = model.eval().requires_grad_(False)
         # one extra slot: the scratch slot that padded (ghost) rows of a captured step write to
+        # features: every forward also keeps its positions' features (a feature draft's input)
         self.cache = KVCache(config.num_hidden_layers, n_slots + 1, model.kv_heads_local, alloc,
-                             config.head_dim, dtype, device, tree_len)
+                             config.head_dim, dtype, device, tree_len,
+                             features_dim=config.hidden_size if features else 0)
         self.scratch_slot = n_slots
         self.use_kernel = use_slot_kernel(self.device)
         # the model as the captured steps run it: torch.compile'd (fusing the small kernels

@@ -1,0 +1,150 @@
+"""A feature draft (EAGLE-style, :mod:`ssdlib.models.feature_draft`) proposing K tokens a row in
+SD, beside the target whose features it reads.
+
+Where the features come from: the target's runner keeps a per-slot feature buffer
+(``KVCache.features`` [slots, max_len, H]) that every target forward writes, like its KV: the
+last decoder layer's output before the final norm at each fed position. A verify of K + 1
+positions therefore leaves f_t for the last committed token and the K drafts; after the
+acceptance the buffer holds the true f_t of every committed position but the last (whose token,
+the bonus, the target has not fed yet). Nothing is read back to the host and no target forward is
+added.
+
+The draft's KV position t holds the pair (f_t, x_{t+1}). ``valid[slot]`` counts the leading
+positions fed with the target's own features; a proposal feeds positions valid .. L-2 (L
+committed tokens; at least the last one again, whose output starts the chain), then drafts: token
+d_1 from h_{L-2}, and each later d_{j+1} from the pair (h, d_j) with the draft's own h standing in
+for the feature the target has not computed. Those chain positions hold draft features, so
+``valid`` stays at L - 1 and the next proposal feeds them again with the target's. A round that
+drafts nothing (adaptive K = 0) leaves the draft behind; the next proposal's first forward covers
+the gap.
+
+This proposer runs its forwards eagerly (no captured steps): exact on every device, not yet at
+the speed of the captured standalone draft on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.engine.batching import pack_rows, slots_tensor
+from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.sampled_chain import fit_vocab
+from ssdlib.engine.sampler import draw_tokens
+from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.sampling import SamplingTensors, target_distributions
+from ssdlib.speculative.rng import RowStreams
+
+
+class FeatureDrafter:
+    """The SD loop's proposer (the interface of :class:`~ssdlib.engine.drafter.Drafter`:
+    ``reset``, ``prefill``, ``propose``, ``skip``, ``after_commit``, ``plain``) for a feature
+    draft. ``features``: the target runner's feature buffer [slots, max_len, H]."""
+
+    def __init__(self, draft, features: torch.Tensor, n_slots: int, max_len: int,
+                 vocab_size: int, draws: int = 0):
+        self.draft = draft
+        self.features = features
+        self.device = features.device
+        cfg = draft.config
+        self.cache = KVCache(cfg.num_hidden_layers, n_slots, draft.kv_heads_local, max_len,
+                             cfg.head_dim, features.dtype, self.device)
+        self.max_len = max_len
+        self.vocab_size = vocab_size
+        self.draws = draws  # draws a sampled row's stream gives up each proposal (K_max)
+        self.valid: dict[int, int] = {}
+        self.plain = True  # every proposal's time is its own chain's (no separate catch-up)
+
+    def reset(self, slot: int) -> None:
+        self.valid[slot] = 0
+
+    def skip(self, seqs) -> None:
+        """A round drafts nothing for ``seqs``: their streams still give up a proposal's draws
+        (the next proposal's first forward catches the draft up)."""
+        for s in seqs:
+            s.stream.reserve(self.draws)
+
+    def after_commit(self, seqs, accepted: list[int], k: int) -> None:
+        """Nothing to move: ``valid`` never counts the chain's positions (module doc)."""
+
+    @torch.inference_mode()
+    def prefill(self, seqs) -> None:
+        """Feed every committed position whose feature the target has computed (the prompt's,
+        at admission)."""
+        self._feed(seqs)
+
+    def _feed(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed positions valid .. L-2 of every row (at least L-2) with the target's features ->
+        (logits [b, V], hidden [b, H]) at each row's position L-2."""
+        starts, rows = [], []
+        for s in seqs:
+            last = len(s.tokens) - 2
+            if last < 0:
+                raise ValueError("a feature draft needs two committed tokens (a prompt token and "
+                                 "the target's first)")
+            start = min(self.valid.get(s.slot, 0), last)
+            starts.append(start)
+            rows.append(s.tokens[start + 1:last + 2])  # x_{t+1} for t = start .. last
+        ids, positions = pack_rows(rows, starts)
+        positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
+        slots = slots_tensor(seqs)
+        dev = self.device
+        positions_d, slots_d = positions.to(dev), slots.to(dev)
+        feats = self.features[slots_d.view(-1, 1), positions_d]  # [b, s, H]
+        meta = AttentionMetadata(positions_d, slots_d, int(positions.max()) + 1,
+                                 kv_limit=positions_d + 1)
+        index = torch.tensor([[len(r) - 1] for r in rows], dtype=torch.int64, device=dev)
+        logits, hidden = self.draft(ids.to(dev), feats, self.cache, meta, index)
+        for s in seqs:
+            self.valid[s.slot] = len(s.tokens) - 1
+        return logits[:, 0], hidden[:, 0]
+
+    def _step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+              slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain step: the pair (hidden, tok) at ``pos`` [b] -> (logits [b, V], hidden
+        [b, H])."""
+        p = pos.view(-1, 1)
+        meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1)
+        logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
+        return logits[:, 0], hidden[:, 0]
+
+    @torch.inference_mode()
+    def propose(self, seqs, k: int, want_q: bool = True):
+        """Draft k tokens per row -> tokens [b, k] (device) and q [b, k, V] float32 (one-hot
+        on greedy rows), or None for q when every row is greedy and ``want_q`` is False."""
+        if k < 1:
+            raise ValueError(f"a proposal drafts at least one token, got k={k}")
+        greedy = all(s.params.greedy for s in seqs)
+        params = streams = None
+        if not greedy:
+            host = [s.params for s in seqs]
+            params = SamplingTensors.from_table(SamplingTensors.host_table(host).to(self.device),
+                                                SamplingTensors.host_facts(host))
+            table = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
+            streams = RowStreams(table[:, 0].to(self.device), table[:, 1].to(self.device), k)
+        logits, hidden = self._feed(seqs)
+        slots = slots_tensor(seqs).to(self.device)
+        first = torch.tensor([len(s.tokens) - 1 for s in seqs], dtype=torch.int64,
+                             device=self.device)  # d_1's pair sits at position L - 1
+        kv_len = min(max(len(s.tokens) for s in seqs) + k, self.max_len)
+        u = streams.uniforms(k) if streams is not None else None
+        tokens, qs = [], []
+        for j in range(k):
+            logits = fit_vocab(logits, self.vocab_size)
+            if greedy:
+                tok = logits.argmax(-1)
+                q = None
+            else:
+                q = target_distributions(logits, params)
+                tok = draw_tokens(q, logits, params, u[:, j])
+            tokens.append(tok)
+            qs.append(q)
+            if j < k - 1:
+                logits, hidden = self._step(tok, hidden, first + j, slots, kv_len)
+        tokens = torch.stack(tokens, dim=1)
+        if not greedy:
+            return tokens, torch.stack(qs, dim=1).float()
+        if not want_q:
+            return tokens, None
+        q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+        q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return tokens, q

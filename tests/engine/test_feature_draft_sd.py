@@ -1,0 +1,131 @@
+"""SD with a feature draft (EAGLE-style) in the engine, on tiny models (CPU): the target keeps
+every fed position's features per slot (equal to a reference forward), the drafter proposes what
+a cache-free rollout of the draft proposes from those features, greedy SD equals AR, sampled SD
+keeps the target's distribution, and a feature draft is refused where it cannot run."""
+
+import pytest
+import torch
+
+from ssdlib import Generator, SamplingParams
+from ssdlib.errors import ConfigError
+from ssdlib.loading import load_checkpoint
+from ssdlib.loading.feature_draft import save_feature_draft
+from ssdlib.models.feature_draft import FeatureDraft
+from ssdlib.models.llama import LlamaForCausalLM
+from ssdlib.speculative.rng import RowStream
+from tests.engine.test_speculative_exact import (GREEDY, PROMPTS, check_equal, exact_joint,
+                                                 sample_pairs)
+from tests.speculative.spec_stats import chi2_test
+from tools.distill.feature_train import init_feature_draft
+
+
+def _target(path):
+    ck = load_checkpoint(path)
+    model = LlamaForCausalLM(ck.config, None, 160)
+    model.load_weights(ck.weights)
+    return ck, model.eval().requires_grad_(False)
+
+
+def _feature_draft(target_dir, out, seed=0, layers=1):
+    _, model = _target(target_dir)
+    draft = FeatureDraft.for_target(model, layers)
+    init_feature_draft(draft, model, seed)
+    save_feature_draft(draft, str(out), torch.float32)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def feature_draft(tiny_dirs, tmp_path_factory):
+    return _feature_draft(tiny_dirs["smol_heads"], tmp_path_factory.mktemp("fd") / "draft")
+
+
+@pytest.fixture(scope="module")
+def ar_reference(tiny_dirs):
+    with Generator(target=tiny_dirs["smol_heads"], max_batch=4, max_len=128) as g:
+        return [o.token_ids for o in g.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("batch,adaptive", [(1, False), (4, False), (3, True)])
+def test_sd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_draft, batch,
+                                           adaptive):
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="sd", k=4,
+                   max_batch=batch, max_len=128, adaptive_k=adaptive) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert run["tokens_per_round"] >= 1.0
+
+
+def test_the_targets_features_and_the_drafts_proposal_match_references(tiny_dirs,
+                                                                        feature_draft):
+    """After a generation the target's feature buffer holds, for every committed position but
+    the last, the reference forward's features; a proposal from there equals a cache-free
+    rollout of the draft over those features (its own h standing in past them)."""
+    from ssdlib.engine.batching import prefill
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.engine.runner.model_runner import ModelRunner
+    from ssdlib.loading.feature_draft import load_feature_draft
+
+    target_dir = tiny_dirs["smol_heads"]
+    ck, model = _target(target_dir)
+    with Generator(target=target_dir, draft=feature_draft, mode="sd", k=3, max_batch=2,
+                   max_len=128, adaptive_k=False) as gen:
+        outs = gen.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, ignore_eos=True))
+
+    runner = ModelRunner(ck, None, "cpu", torch.float32, 2, 128, features=True)
+    draft = load_feature_draft(feature_draft, ck, runner.model)
+    drafter = FeatureDrafter(draft, runner.cache.features, 3, runner.cache.max_len,
+                             ck.config.vocab_size, draws=3)
+
+    class Seq:  # what the drafter reads of a sequence: sampled at T = 1 (q is the softmax)
+        def __init__(self, slot, tokens):
+            self.slot, self.tokens = slot, tokens
+            self.params = SamplingParams(temperature=1.0, seed=slot)
+            self.stream = RowStream.from_seed(slot)
+
+    seqs = [Seq(i, PROMPTS[i] + outs[i].token_ids) for i in range(2)]
+    for s in seqs:
+        drafter.reset(s.slot)
+    prefill(runner, seqs)  # the target over every committed token: its features per position
+    for s in seqs:
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            want = model.forward_full_features(ids)[1][0]
+        got = runner.cache.features[s.slot, :len(s.tokens)]
+        assert torch.allclose(got, want, atol=1e-5)
+    tokens, q = drafter.propose(seqs, 3)
+    assert q.shape == (2, 3, ck.config.vocab_size)
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            feats = model.forward_full_features(ids)[1][:, :-1]  # f_0 .. f_{L-2}
+            nxt = ids[:, 1:]
+            for j in range(3):  # the reference rollout, along the drafter's own tokens
+                logits, hidden = draft.forward_full(feats, nxt)
+                want = torch.softmax(logits[0, -1].float(), -1)
+                assert torch.allclose(q[i, j], want, atol=1e-5), (i, j)
+                tok = tokens[i, j].view(1, 1)
+                feats = torch.cat([feats, hidden[:, -1:]], dim=1)
+                nxt = torch.cat([nxt, tok], dim=1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_sd_sampling_with_a_feature_draft_keeps_the_targets_distribution(tmp_path, temperature,
+                                                                          top_p):
+    from tests.tiny import make_tiny_llama
+
+    t = make_tiny_llama(str(tmp_path / "t"), "gqa", scale=12.0, vocab_size=8)
+    d = _feature_draft(t, tmp_path / "d", seed=1)
+    with Generator(target=t, draft=d, mode="sd", k=3, max_batch=1000, max_len=32,
+                   adaptive_k=False) as g:  # it drafts every round, and is often rejected
+        counts = sample_pairs(g, temperature, top_p)
+        assert g.last_run_metrics["acceptance_rate"] < 0.98
+    assert chi2_test(counts, exact_joint(t, temperature, top_p)) > 1e-3
+
+
+def test_a_feature_draft_is_refused_where_it_cannot_run(tiny_dirs, feature_draft):
+    with pytest.raises(ConfigError, match="feature draft.*--mode sd"):
+        Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=3)
+    with pytest.raises(ConfigError, match="feature draft.*leader"):
+        Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="sd", k=3,
+                  draft_placement="separate")

@@ -1,0 +1,141 @@
+"""Feature draft training (tools/distill/feature_train.py, tools/distill_feature_draft.py) on a
+tiny random target (CPU): the losses are aligned (zero for an exact draft, at every unroll
+step), unroll step j reads step j-1's outputs one position on, training lowers the held-out KL,
+self-conditioned training narrows the gap between the target's features and the draft's own,
+and the CLI writes a draft that loads and evaluates."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ssdlib.loading import load_checkpoint
+from ssdlib.loading.feature_draft import load_feature_draft
+from ssdlib.models.feature_draft import FeatureDraft
+from tests.feature_oracle import V, PreviousTokenTarget, oracle_draft
+from tests.tiny import make_tiny_llama
+from tools.distill.data import Batcher, Docs, load_splits, pack_rows, save_splits
+from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, init_feature_draft,
+                                         unroll, unrolled_losses)
+from tools.distill.models import load_teacher
+from tools.distill_feature_draft import main
+
+SEQ = 48
+
+
+def sample_docs(model, n: int, length: int, seed: int) -> Docs:
+    """``n`` documents: 2 random ids, then ``length`` tokens the target samples (temperature 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (n, 2), generator=g)
+    with torch.no_grad():
+        for _ in range(length):
+            probs = torch.softmax(model.forward_full(ids)[:, -1], dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], dim=1)
+    docs = Docs()
+    for row in ids.tolist():
+        docs.add(row, 2, "random-target-samples")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target, its teacher model, and data.safetensors of target samples."""
+    root = tmp_path_factory.mktemp("feature_train")
+    target = make_tiny_llama(str(root / "target"), "gqa", scale=2.0)
+    teacher = load_teacher(load_checkpoint(target), torch.device("cpu"), torch.float32, 256)
+    data = str(root / "data.safetensors")
+    save_splits(data, sample_docs(teacher, 96, SEQ, seed=0), sample_docs(teacher, 16, SEQ, 1))
+    return target, teacher, data
+
+
+def settings(**kw) -> FeatureTrainSettings:
+    base = dict(steps=60, lr=3e-3, warmup=3, seq_len=SEQ, eval_batch=16, eval_every=0,
+                eval_depth=4)
+    return FeatureTrainSettings(**{**base, **kw})
+
+
+def test_an_exact_draft_has_zero_loss_at_every_unroll_step():
+    """Alignment of the training targets: the oracle's logits at t are the target's at t + 1 and
+    its hidden h_t is f_{t+1}, and its own features are exact, so every step's loss vanishes."""
+    target = PreviousTokenTarget()
+    ids = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(0))
+    t_logits, t_features = target.forward_full_features(ids)
+    for draft, zero in ((oracle_draft(target), True), (oracle_draft(target, False), False)):
+        with torch.no_grad():
+            losses = unrolled_losses(draft, ids, t_logits, t_features, settings(ttt_steps=3))
+        assert len(losses) == 3
+        assert all((float(loss) < 1e-6) == zero for loss in losses), losses
+
+
+def test_unroll_step_j_reads_step_j_minus_1_one_position_on(setup):
+    _, teacher, _ = setup
+    draft = FeatureDraft.for_target(teacher, layers=1)
+    init_feature_draft(draft, teacher, seed=0)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 12),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        features = teacher.forward_full_features(ids)[1][:, :-1]
+        steps = list(unroll(draft, features, ids[:, 1:], 3))
+        expected = draft.forward_full(features, ids[:, 1:])
+        for logits, hidden in steps:
+            assert torch.equal(logits, expected[0]) and torch.equal(hidden, expected[1])
+            own = torch.cat([features[:, :1], hidden[:, :-1]], dim=1)
+            expected = draft.forward_full(own, ids[:, 1:])
+
+
+def train(setup, ttt_steps: int, steps: int = 60) -> list[dict]:
+    _, teacher, data = setup
+    train_docs, held_out = load_splits(data)
+    batcher = Batcher(pack_rows(train_docs, SEQ, 0, None), 8, 0)
+    draft = FeatureDraft.for_target(teacher, layers=1)
+    init_feature_draft(draft, teacher, seed=0)
+    trainer = FeatureTrainer(draft, teacher, batcher, held_out,
+                             settings(steps=steps, ttt_steps=ttt_steps))
+    return trainer.run()
+
+
+def test_self_conditioned_training_narrows_the_gap(setup):
+    """Same data, seed and steps: trained with 3 unroll steps, the draft's held-out KL on its own
+    features (depth 3) is lower, and much closer to its KL on the target's features (depth 0),
+    than trained on the target's features only."""
+    plain, ttt = train(setup, ttt_steps=1)[-1], train(setup, ttt_steps=3)[-1]
+    gap_plain = plain["kl"][3] - plain["kl"][0]
+    gap_ttt = ttt["kl"][3] - ttt["kl"][0]
+    assert gap_plain > 0.1, plain
+    assert gap_ttt < 0.5 * gap_plain, (plain, ttt)
+    assert ttt["kl"][3] < plain["kl"][3], (plain, ttt)
+
+
+def test_cli_trains_writes_and_evaluates(setup, tmp_path, capsys):
+    from tools.distill import feature_eval
+
+    target, _, data = setup
+    out = tmp_path / "draft"
+    report = main(["--target", target, "--out", str(out), "--data-from", data, "--device", "cpu",
+                   "--steps", "30", "--batch", "8", "--seq-len", str(SEQ), "--eval-every", "15",
+                   "--ttt-steps", "2", "--lr", "3e-3", "--init-layer-from-target", "1"])
+    history = report["history"]
+    assert [h["step"] for h in history] == [0, 15, 30]
+    assert history[-1]["kl"][0] < 0.7 * history[0]["kl"][0], history
+    tensors = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.float16 for t in tensors.values())
+    assert not any("embed" in n or "lm_head" in n for n in tensors)
+    with open(out / "feature_distill.json") as f:
+        assert json.load(f)["history"][-1]["step"] == 30
+    load_feature_draft(str(out), load_checkpoint(target))
+
+    rows = feature_eval.main(["--draft", str(out), "--target", target, "--data-from", data,
+                              "--k", "3", "--positions", "12"])
+    assert [r["positions"] for r in rows] == [12, 12]
+    assert all(0.0 <= r["a_p"] <= 1.0 and r["tried"] >= 12 for r in rows)
+    assert "| self-conditioned | 4 | 12 |" in capsys.readouterr().out
+
+
+def test_size_limit_is_checked_before_training(setup, tmp_path):
+    target, _, data = setup
+    with pytest.raises(SystemExit, match="more than the limit of 0.01 MB"):
+        main(["--target", target, "--out", str(tmp_path / "x"), "--data-from", data,
+              "--device", "cpu", "--seq-len", str(SEQ), "--batch", "8", "--max-mb", "0.01"])
+    assert not os.path.exists(tmp_path / "x")

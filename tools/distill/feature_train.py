@@ -1,0 +1,195 @@
+"""Training a feature draft (``ssdlib.models.feature_draft``) on its target: distillation with
+self-conditioning (training-time test).
+
+Per batch of token rows ids [b, s] the target computes once, without gradients, its logits T and
+features F at every position. The draft's inputs are positions t = 0..s-2: the token
+x_{t+1} = ids[:, t+1] and a feature. Its logits at t are compared with T at t+1 (the target's
+distribution of x_{t+2}), its hidden output h_t with F at t+1 (the feature it estimates). Every
+position of a packed row counts; the row's last token has no successor and is no input.
+
+Unrolling (``ttt_steps`` steps): step 0 reads the target's features F_t; step j >= 1 reads, at
+every position t >= 1, the draft's own hidden output of step j-1 at position t-1 (its estimate
+of F_t; position 0 keeps F_0). A position t at step j thus sees a feature predicted through
+min(j, t) levels of the draft's own estimates, as when the draft runs past the positions whose
+target features exist (SD: the tokens it drafts; SSD: also the positions still being verified).
+The token loss (``LOSSES``: forward KL or TVD per position) and a feature regression term
+(smooth L1 between h_t and F_{t+1}, weighted) are taken at every step and averaged over steps;
+gradients flow through the unrolling.
+
+One approximation: at step j all positions read depth-j features, also those a query attends to
+as keys and values; at inference the earlier positions of that context have shallower (or the
+target's) features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ssdlib.models.feature_draft import FeatureDraft
+from tools.distill.data import Batcher, Docs
+from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
+                                 kl_per_position, lr_at)
+
+
+@dataclass
+class FeatureTrainSettings(TrainSettings):
+    ttt_steps: int = 3  # unroll steps per training step (1: the target's features only)
+    feature_loss_weight: float = 0.1  # weight of the smooth-L1 feature regression term
+    # unroll steps measured on held-out data, the same whatever ttt_steps, so runs compare
+    eval_depth: int = 4
+
+    def __post_init__(self):
+        if self.ttt_steps < 1 or self.eval_depth < 1:
+            raise ValueError(f"ttt_steps and eval_depth must be at least 1, got "
+                             f"{self.ttt_steps} and {self.eval_depth}")
+        if self.feature_loss_weight < 0:
+            raise ValueError(f"the feature loss weight must be >= 0, got "
+                             f"{self.feature_loss_weight}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}: choose from {', '.join(LOSSES)}")
+
+
+@torch.no_grad()
+def init_feature_draft(draft: FeatureDraft, target, seed: int,
+                       init_layer: int | None = None) -> None:
+    """A fresh draft: N(0, 0.02) matrices, the residual output projections scaled down by
+    sqrt(2 * layers), unit layer norms; the final norm := the target's (h_t estimates a target
+    feature, which the target's norm maps to its logits). ``init_layer``: every draft layer :=
+    that layer of the target (``target``: the teacher, a LlamaForCausalLM)."""
+    n = len(target.model.layers)
+    if init_layer is not None and not 0 <= init_layer < n:
+        raise ValueError(f"--init-layer-from-target {init_layer}: the target has layers "
+                         f"0..{n - 1}")
+    g = torch.Generator().manual_seed(seed)
+    for p in draft.parameters():  # norms are 1-D
+        p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
+    out_scale = 1.0 / math.sqrt(2 * len(draft.layers))
+    for layer in draft.layers:  # as GPT-2: the residual stream grows with depth
+        layer.self_attn.o_proj.weight.mul_(out_scale)
+        layer.mlp.down_proj.weight.mul_(out_scale)
+    draft.norm.load_state_dict(target.model.norm.state_dict())
+    if init_layer is not None:
+        for layer in draft.layers:
+            layer.load_state_dict(target.model.layers[init_layer].state_dict())
+
+
+def shifted(ids: torch.Tensor, logits: torch.Tensor, features: torch.Tensor):
+    """The draft's view of a batch the target ran over (ids [b, s], its logits and features):
+    (next_ids [b, s-1], features [b, s-1, H], target logits [b, s-1, V], target features
+    [b, s-1, H]) of draft positions t = 0..s-2: x_{t+1}, F_t, T_{t+1}, F_{t+1}."""
+    return ids[:, 1:], features[:, :-1], logits[:, 1:], features[:, 1:]
+
+
+def unroll(draft: FeatureDraft, features: torch.Tensor, next_ids: torch.Tensor,
+           steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, hidden) of each unroll step: step 0 on ``features``, step j on the hidden
+    output of step j-1 shifted one position on (position 0 keeps its feature)."""
+    feats = features
+    for _ in range(steps):
+        logits, hidden = draft.forward_full(feats, next_ids)
+        yield logits, hidden
+        feats = torch.cat([features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
+
+
+def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tensor,
+                    t_features: torch.Tensor, s: FeatureTrainSettings) -> list[torch.Tensor]:
+    """The loss of each of the ``s.ttt_steps`` unroll steps on ``ids`` [b, s], given the
+    target's logits and features for them."""
+    next_ids, feats, target_logits, target_feats = shifted(ids, t_logits, t_features)
+    losses = []
+    for logits, hidden in unroll(draft, feats, next_ids, s.ttt_steps):
+        loss = LOSSES[s.loss](logits, target_logits).mean()
+        if s.feature_loss_weight:
+            regression = F.smooth_l1_loss(hidden.float(), target_feats.float())
+            loss = loss + s.feature_loss_weight * regression
+        losses.append(loss)
+    return losses
+
+
+@torch.no_grad()
+def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
+                      s: FeatureTrainSettings) -> dict:
+    """Held-out KL(target || draft) and greedy agreement at each unroll depth 0..eval_depth-1
+    (depth 0: the target's features; depth d: features through d levels of the draft's own),
+    over the positions that predict the target's own output."""
+    device = next(draft.parameters()).device
+    kl = torch.zeros(s.eval_depth, dtype=torch.float64)
+    agree = torch.zeros(s.eval_depth, dtype=torch.float64)
+    n = 0
+    for ids, mask, _ in eval_batches(held_out, s.seq_len, s.eval_batch):
+        ids, mask = ids.to(device), mask.to(device)
+        next_ids, feats, t_logits, _ = shifted(ids, *teacher.forward_full_features(ids))
+        scored = mask[:, 1:]  # draft position t is scored where the target's t + 1 is
+        with _autocast(device, s.amp_dtype):
+            for depth, (logits, _) in enumerate(unroll(draft, feats, next_ids, s.eval_depth)):
+                kl[depth] += float(kl_per_position(logits, t_logits)[scored].sum())
+                agree[depth] += float((logits.argmax(-1) == t_logits.argmax(-1))[scored].sum())
+        n += int(scored.sum())
+    n_safe = max(n, 1)
+    return {"kl": (kl / n_safe).tolist(), "agreement": (agree / n_safe).tolist(), "positions": n}
+
+
+class FeatureTrainer:
+    """A feature draft's optimisation against its target (the teacher) on ``batcher``'s rows,
+    evaluated on ``held_out`` documents."""
+
+    def __init__(self, draft: FeatureDraft, teacher, batcher: Batcher, held_out: Docs,
+                 s: FeatureTrainSettings):
+        self.draft, self.teacher, self.batcher, self.held_out, self.s = (
+            draft, teacher, batcher, held_out, s)
+        self.device = next(draft.parameters()).device
+        params = list(draft.parameters())  # the target's embedding and head are not among them
+        self.opt = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() > 1], "weight_decay": s.weight_decay},
+             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+            lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.step = 0
+        self.history: list[dict] = []
+
+    def train_on(self, ids: torch.Tensor) -> torch.Tensor:
+        """One optimiser step on ``ids`` [b, seq_len]; returns the loss (not read)."""
+        s = self.s
+        with torch.no_grad():
+            t_logits, t_features = self.teacher.forward_full_features(ids)
+        with _autocast(self.device, s.amp_dtype):
+            loss = torch.stack(unrolled_losses(self.draft, ids, t_logits, t_features, s)).mean()
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, s)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if s.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), s.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return loss.detach()
+
+    def run_eval(self) -> dict:
+        result = {"step": self.step,
+                  **evaluate_unrolled(self.draft, self.teacher, self.held_out, self.s)}
+        self.history.append(result)
+        return result
+
+    def run(self, on_step: Callable[[int, torch.Tensor], None] | None = None,
+            on_eval: Callable[[dict], None] | None = None) -> list[dict]:
+        """Evaluate, train to ``steps`` (evaluating every ``eval_every`` steps and at the end);
+        returns the evaluations."""
+        s = self.s
+        if not self.history or self.history[-1]["step"] != self.step:
+            self._evaluate(on_eval)
+        while self.step < s.steps:
+            loss = self.train_on(self.batcher.next().to(self.device))
+            if on_step:
+                on_step(self.step, loss)
+            if (s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps:
+                self._evaluate(on_eval)
+        return self.history
+
+    def _evaluate(self, on_eval: Callable[[dict], None] | None) -> None:
+        result = self.run_eval()
+        if on_eval:
+            on_eval(result)

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+r"""Train a feature draft (EAGLE-style, ``ssdlib.models.feature_draft``) for a target ssdlib
+loads.
+
+The draft reads the target's features (its last decoder layer's output before the final norm)
+and its own predicted ones, and is trained by distillation with self-conditioning: ``--ttt-steps``
+unroll steps, each on the draft's own features of the step before (tools/distill/feature_train.py
+says exactly how). The data is a data.safetensors made by ``tools/distill_data.py gen``; its
+held-out split measures KL and greedy agreement at each unroll depth. Output: a feature draft
+directory (``ssdlib.loading.feature_draft``): config.json, model.safetensors (fc, layers, norm),
+the target's tokenizer named in tokenizer_source.json (a named target) or copied, and
+feature_distill.json (the run's settings and evaluations).
+
+    python tools/distill_data.py gen --target smollm2-135m --out data.safetensors
+    python tools/distill_feature_draft.py --target smollm2-135m --out runs/feature \
+        --data-from data.safetensors --layers 1 --init-layer-from-target 29 --max-mb 16
+    python -m tools.distill.feature_eval --draft runs/feature --target smollm2-135m \
+        --data-from data.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from ssdlib.errors import CheckpointError  # noqa: E402
+from ssdlib.loading import load_checkpoint, registry  # noqa: E402
+from ssdlib.loading.feature_draft import (check_max_mb, save_feature_draft,  # noqa: E402
+                                          tokenizer_source)
+from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
+from tools.distill import models  # noqa: E402
+from tools.distill.data import Batcher, load_splits, pack_rows  # noqa: E402
+from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
+                                         init_feature_draft)
+from tools.distill.train import LOSSES  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="target checkpoint (name, HF dir "
+                   "or .gguf)")
+    p.add_argument("--out", required=True, help="output feature draft directory")
+    p.add_argument("--data-from", required=True,
+                   help="data.safetensors of tools/distill_data.py gen (train and held-out)")
+    p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
+    p.add_argument("--init-layer-from-target", type=int, default=None, metavar="I",
+                   help="start every draft layer as target layer I (default: random)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="unroll steps per training step (1: the target's features only)")
+    p.add_argument("--feature-loss-weight", type=float, default=0.1,
+                   help="weight of the smooth-L1 regression of the next feature")
+    p.add_argument("--loss", choices=tuple(LOSSES), default="kl")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=None, help="default steps/20, at most 100")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-batch", type=int, default=16)
+    p.add_argument("--eval-depth", type=int, default=4,
+                   help="unroll depths measured on held-out data")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="target weights and draft autocast (auto: bfloat16 on GPU, else float32)")
+    p.add_argument("--storage-dtype", default="float16", choices=tuple(models.STORAGE_DTYPES))
+    p.add_argument("--max-mb", type=float, default=None,
+                   help="refuse a draft whose model.safetensors exceeds this (MB)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def fmt_eval(r: dict) -> str:
+    depths = " ".join(f"{kl:.4f}/{ag:.3f}" for kl, ag in zip(r["kl"], r["agreement"]))
+    return f"step {r['step']:>6}  KL/agreement by unroll depth: {depths}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.layers < 1:
+        raise SystemExit(f"--layers must be at least 1, got {args.layers}")
+    device = torch.device(args.device if args.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype if args.dtype != "auto"
+                   else ("bfloat16" if device.type == "cuda" else "float32")]
+    storage = models.STORAGE_DTYPES[args.storage_dtype]
+    torch.manual_seed(args.seed)
+    try:
+        ck = load_checkpoint(args.target)
+        train_docs, held_out = load_splits(args.data_from)
+    except (CheckpointError, OSError) as e:
+        raise SystemExit(str(e)) from None
+    if len(held_out) == 0:
+        raise SystemExit(f"{args.data_from}: no held-out documents")
+    max_positions = max(ck.config.max_position_embeddings, args.seq_len)
+    teacher = models.load_teacher(ck, device, dtype, max_positions)
+    eos = ck.config.eos_token_ids
+    try:
+        batcher = Batcher(pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None),
+                          args.batch, args.seed)
+        with torch.device(device):
+            draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
+        init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target)
+        mb = check_max_mb(draft, storage, args.max_mb)
+        settings = FeatureTrainSettings(
+            steps=args.steps, lr=args.lr,
+            warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
+            eval_every=args.eval_every, eval_batch=args.eval_batch, seq_len=args.seq_len,
+            loss=args.loss, ttt_steps=args.ttt_steps,
+            feature_loss_weight=args.feature_loss_weight, eval_depth=args.eval_depth,
+            amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
+    except (ValueError, CheckpointError) as e:
+        raise SystemExit(str(e)) from None
+    print(f"feature draft: {args.layers} layer(s) of width {draft.config.hidden_size}, "
+          f"{mb:.2f} MB as {args.storage_dtype}; {batcher.rows.shape[0]} training rows of "
+          f"{args.seq_len} tokens, {args.ttt_steps} unroll step(s) a step")
+
+    def on_step(step: int, loss: torch.Tensor) -> None:
+        if step % 10 == 0 or step == args.steps:  # reading the loss waits for the device
+            print(f"step {step:>6}  loss {float(loss):.4f}")
+
+    t0 = time.perf_counter()
+    trainer = FeatureTrainer(draft, teacher, batcher, held_out, settings)
+    history = trainer.run(on_step, lambda r: print("eval " + fmt_eval(r)))
+    train_s = time.perf_counter() - t0
+    ref = tokenizer_source(args.target, ck) if args.target in registry.names() else None
+    try:
+        size = save_feature_draft(draft, args.out, storage, ref, args.max_mb)
+    except CheckpointError as e:
+        raise SystemExit(str(e)) from None
+    if ref is None:
+        models.copy_tokenizer(ck, args.out)
+    report = {"command": " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+              "args": vars(args), "safetensors_bytes": size, "train_seconds": round(train_s, 1),
+              "history": history}
+    with open(os.path.join(args.out, "feature_distill.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    last = history[-1]
+    print(f"done: step {trainer.step}, held-out KL {last['kl'][0]:.4f} with the target's "
+          f"features, {last['kl'][-1]:.4f} at unroll depth {len(last['kl']) - 1}; wrote "
+          f"{args.out} ({size / 1e6:.2f} MB model.safetensors)")
+    return report
+
+
+if __name__ == "__main__":
+    main()
