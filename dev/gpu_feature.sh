@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A feature draft (EAGLE-style) for SmolLM2-135M on one GPU, in one call of <= 10 minutes:
+# train it (tools/distill_feature_draft.py) on data made earlier by tools/distill_data.py gen
+# (DATA: a data.safetensors or .gz), measure its acceptance offline (with the target's features and
+# self-conditioned), in the engine (tools.distill.evaluate: held-out chat set and HumanEval, K = 5)
+# and SD against the default draft (tools/bench.py, one invocation, b = 1).
+#
+#   TARGET=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf DATA=.stage/data.safetensors.gz \
+#       HUMANEVAL=.stage/HumanEval.jsonl.gz bash dev/gpu_feature.sh
+# Output: $OUT/feature.log, $OUT/feature_draft.tar (the trained draft), JSON of the bench.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+TARGET=${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
+DATA=${DATA:?DATA=a data.safetensors (or .gz) of tools/distill_data.py gen}
+HUMANEVAL=${HUMANEVAL:?HUMANEVAL=path of HumanEval.jsonl.gz}
+STEPS=${STEPS:-2000}
+TRAIN_FLAGS=${TRAIN_FLAGS:-"--layers 1 --init-layer-from-target 29 --ttt-steps 3 --batch 16 --seq-len 512 --lr 1e-3"}
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
+FD=${FD:-/tmp/feature-draft}
+LOG=$OUT/feature.log
+export PYTHONUNBUFFERED=1
+case "$DATA" in *.gz) gunzip -c "$DATA" > /tmp/feature_data.safetensors; DATA=/tmp/feature_data.safetensors ;; esac
+say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
+say "train: $STEPS steps, $TRAIN_FLAGS"
+# shellcheck disable=SC2086
+timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py --target "$TARGET" --out "$FD" \
+    --data-from "$DATA" --steps "$STEPS" --device cuda --max-mb 16 --eval-every 500 $TRAIN_FLAGS \
+    2>&1 | tr '\r' '\n' | grep -v '%|' | grep -v '^\s*$' | tail -15 | tee -a "$LOG"
+[ -s "$FD/model.safetensors" ] || { say "no draft written"; exit 1; }
+tar -cf "$OUT/feature_draft.tar" -C "$FD" .
+say "offline acceptance (K = 5): the target's features, and self-conditioned"
+timeout 90 python3 -m tools.distill.feature_eval --draft "$FD" --target "$TARGET" --data-from "$DATA" \
+    --k 5 --positions 256 --device cuda 2>&1 | tail -8 | tee -a "$LOG"
+say "engine acceptance (K = 5, 128 tokens; held-out chat set and 24 HumanEval prompts)"
+timeout 120 python3 -m tools.distill.evaluate --draft "$FD" --target "$TARGET" --device cuda \
+    --humaneval "$HUMANEVAL" --n-prompts 24 --k 5 --max-new-tokens 128 2>&1 | grep '^|' | tee -a "$LOG"
+say "SD with the feature draft against the default draft, b = 1 (24 held-out chat prompts)"
+python3 - > /tmp/chat24.jsonl <<'EOF2'
+import json
+for line in open("tools/distill/heldout_chat.jsonl"):
+    if line.strip():
+        print(json.dumps({"messages": json.loads(line)["messages"]}))
+EOF2
+timeout 150 python3 tools/bench.py --device cuda --prompts-file /tmp/chat24.jsonl --chat \
+    --modes "ar,sd,sd:draft=$FD" --max-new-tokens 256 --k 3 --n-prompts 24 \
+    --json "$OUT/bench_feature.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -16 | tee -a "$LOG"
