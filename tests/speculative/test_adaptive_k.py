@@ -227,3 +227,29 @@ def test_probes_are_spaced_so_that_they_cost_at_most_the_probe_budget():
     gap = costs.probe_gap()
     assert all(b - a > gap for a, b in zip(probes, probes[1:]))
     assert probes[0] - first_zero >= gap  # gap rounds at K = 0 (the first of them included)
+
+
+def test_a_new_greedy_row_starts_from_what_its_context_length_has_shown():
+    """Rows at long contexts whose draft fails teach the next long greedy row to start low (no
+    rounds spent relearning it); a short row, and a sampled row, start at the prior."""
+    from ssdlib.speculative.adaptive_k import CONTEXT_BUCKETS, PRIOR_ALPHA
+
+    long_ctx, short_ctx = CONTEXT_BUCKETS[0] + 500, 100
+    policy = AdaptiveK(3)
+    for key in range(3):  # three long greedy rows whose drafts are never accepted
+        policy.admit(key, long_ctx, greedy=True)
+        for _ in range(6):
+            k = policy.choose([key], [False])[0]
+            policy.observe([key], [k], [0], [False])
+        policy.release(key)
+    policy.admit(10, long_ctx, greedy=True)
+    assert policy.alpha(10) < 0.2
+    policy.admit(11, short_ctx, greedy=True)
+    policy.admit(12, long_ctx, greedy=False)
+    policy.admit(13, long_ctx)  # no sampling given: the prior
+    for key in (11, 12, 13):
+        assert policy.alpha(key) == pytest.approx(PRIOR_ALPHA)
+    # a fresh policy has no history: the prior
+    fresh = AdaptiveK(3)
+    fresh.admit(0, long_ctx, greedy=True)
+    assert fresh.alpha(0) == pytest.approx(PRIOR_ALPHA)
