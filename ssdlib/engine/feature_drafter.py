@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.batching import pack_rows, slots_tensor
+from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.sampler import draw_tokens
@@ -88,12 +88,13 @@ class FeatureDrafter:
         positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
         slots = slots_tensor(seqs)
         dev = self.device
-        positions_d, slots_d = positions.to(dev), slots.to(dev)
+        positions_d = positions.to(dev, non_blocking=True)
+        slots_d = slots.to(dev, non_blocking=True)
         feats = self.features[slots_d.view(-1, 1), positions_d]  # [b, s, H]
         meta = AttentionMetadata(positions_d, slots_d, int(positions.max()) + 1,
                                  kv_limit=positions_d + 1)
-        index = torch.tensor([[len(r) - 1] for r in rows], dtype=torch.int64, device=dev)
-        logits, hidden = self.draft(ids.to(dev), feats, self.cache, meta, index)
+        index = to_device([[len(r) - 1] for r in rows], dev)
+        logits, hidden = self.draft(ids.to(dev, non_blocking=True), feats, self.cache, meta, index)
         for s in seqs:
             self.valid[s.slot] = len(s.tokens) - 1
         return logits[:, 0], hidden[:, 0]
@@ -117,14 +118,15 @@ class FeatureDrafter:
         params = streams = None
         if not greedy:
             host = [s.params for s in seqs]
-            params = SamplingTensors.from_table(SamplingTensors.host_table(host).to(self.device),
-                                                SamplingTensors.host_facts(host))
-            table = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
-            streams = RowStreams(table[:, 0].to(self.device), table[:, 1].to(self.device), k)
+            table = SamplingTensors.host_table(host).to(self.device, non_blocking=True)
+            params = SamplingTensors.from_table(table, SamplingTensors.host_facts(host))
+            keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
+            keys = keys.to(self.device, non_blocking=True)
+            streams = RowStreams(keys[:, 0], keys[:, 1], k)
         logits, hidden = self._feed(seqs)
-        slots = slots_tensor(seqs).to(self.device)
-        first = torch.tensor([len(s.tokens) - 1 for s in seqs], dtype=torch.int64,
-                             device=self.device)  # d_1's pair sits at position L - 1
+        slots = slots_tensor(seqs).to(self.device, non_blocking=True)
+        # d_1's pair sits at position L - 1 (copied without a host sync)
+        first = to_device([len(s.tokens) - 1 for s in seqs], self.device)
         kv_len = min(max(len(s.tokens) for s in seqs) + k, self.max_len)
         u = streams.uniforms(k) if streams is not None else None
         tokens, qs = [], []
