@@ -5,12 +5,12 @@
 # self-conditioned), in the engine (tools.distill.evaluate: held-out chat set and HumanEval, K = 5)
 # and SD against the default draft (tools/bench.py, one invocation, b = 1).
 #
-#   TARGET=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf DATA=.stage/data.safetensors.gz \
-#       HUMANEVAL=.stage/HumanEval.jsonl.gz bash dev/gpu_feature.sh
+#   SSDLIB_MODEL_DIRS=/tmp DATA=.stage/data.safetensors.gz HUMANEVAL=.stage/HumanEval.jsonl.gz \
+#       bash dev/gpu_feature.sh     (smollm2-135m resolving to the GGUF staged in /tmp)
 # Output: $OUT/feature.log, $OUT/feature_draft.tar (the trained draft), JSON of the bench.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-TARGET=${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
+TARGET=${TARGET:-smollm2-135m}
 DATA=${DATA:?DATA=a data.safetensors (or .gz) of tools/distill_data.py gen}
 HUMANEVAL=${HUMANEVAL:?HUMANEVAL=path of HumanEval.jsonl.gz}
 STEPS=${STEPS:-2000}
@@ -24,7 +24,8 @@ say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
 say "train: $STEPS steps, $TRAIN_FLAGS"
 # shellcheck disable=SC2086
 timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py --target "$TARGET" --out "$FD" \
-    --data-from "$DATA" --steps "$STEPS" --device cuda --max-mb 16 --eval-every 500 $TRAIN_FLAGS \
+    --data-from "$DATA" --steps "$STEPS" --device cuda --max-mb 16 --eval-every 500 \
+    --train-budget $((TRAIN_TIMEOUT - 30)) $TRAIN_FLAGS \
     2>&1 | tr '\r' '\n' | grep -v '%|' | grep -v '^\s*$' | tail -15 | tee -a "$LOG"
 [ -s "$FD/model.safetensors" ] || { say "no draft written"; exit 1; }
 tar -cf "$OUT/feature_draft.tar" -C "$FD" .

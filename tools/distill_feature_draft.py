@@ -37,6 +37,7 @@ from ssdlib.loading.feature_draft import (check_max_mb, save_feature_draft,  # n
                                           tokenizer_source)
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
 from tools.distill import models  # noqa: E402
+from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, pack_rows  # noqa: E402
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
                                          init_feature_draft)
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="default steps/20, at most 100")
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--train-budget", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock seconds for the whole run from its start: after timing its "
+                        "first steps the run cuts its step count once to what fits, so its "
+                        "schedule ends (and the draft is written) on time")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=200)
@@ -87,6 +92,11 @@ def fmt_eval(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.train_budget is not None and args.train_budget <= 0:
+        raise SystemExit(f"--train-budget must be positive, got {args.train_budget}")
+    budget = StepBudget(args.train_budget, on_decide=lambda r: print(
+        f"train budget {r['seconds']:.0f} s: {1e3 * r['seconds_per_step']:.1f} ms a step, "
+        f"steps cut from {r['steps_before']} to {r['steps']}")) if args.train_budget else None
     if args.layers < 1:
         raise SystemExit(f"--layers must be at least 1, got {args.layers}")
     device = torch.device(args.device if args.device != "auto"
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     trainer = FeatureTrainer(draft, teacher, batcher, held_out, settings)
-    history = trainer.run(on_step, lambda r: print("eval " + fmt_eval(r)))
+    history = trainer.run(on_step, lambda r: print("eval " + fmt_eval(r)), budget)
     train_s = time.perf_counter() - t0
     ref = tokenizer_source(args.target, ck) if args.target in registry.names() else None
     try:

@@ -139,3 +139,26 @@ def test_size_limit_is_checked_before_training(setup, tmp_path):
         main(["--target", target, "--out", str(tmp_path / "x"), "--data-from", data,
               "--device", "cpu", "--seq-len", str(SEQ), "--batch", "8", "--max-mb", "0.01"])
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_time_budget_cuts_the_steps_and_still_ends_on_an_evaluation(setup):
+    """FeatureTrainer under a StepBudget whose clock says each step takes 1 s: the step count is
+    cut once to what fits, the schedule ends there, and the last evaluation is at that step."""
+    from tools.distill.budget import StepBudget
+
+    target, model, data = setup
+    train_docs, held_out = load_splits(data)
+    draft = FeatureDraft.for_target(model, 1)
+    init_feature_draft(draft, model, 0)
+    batcher = Batcher(pack_rows(train_docs, SEQ, 0, None), 4, 0)
+    trainer = FeatureTrainer(draft, model, batcher, held_out, settings(steps=100, eval_every=0))
+    ticks = {"t": 0.0}
+
+    def clock():  # one second a call: before_step calls it once a step
+        ticks["t"] += 1.0
+        return ticks["t"]
+    budget = StepBudget(30.0, start=0.0, calibrate=5, skip=1, reserve=0.0, clock=clock)
+    history = trainer.run(budget=budget)
+    assert budget.report is not None and budget.report["steps"] < 100
+    assert trainer.step == trainer.s.steps == budget.report["steps"]
+    assert history[-1]["step"] == trainer.step

@@ -24,6 +24,7 @@ target's) features.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -150,6 +151,14 @@ class FeatureTrainer:
             lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
         self.step = 0
         self.history: list[dict] = []
+        # what a time budget (tools/distill/budget.py) reads: evaluations' seconds; the draft is
+        # saved once, after the run (left to the budget's reserve)
+        self.eval_seconds = self.last_eval_seconds = 0.0
+        self.save_seconds = self.last_save_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.s.steps
 
     def train_on(self, ids: torch.Tensor) -> torch.Tensor:
         """One optimiser step on ``ids`` [b, seq_len]; returns the loss (not read)."""
@@ -169,24 +178,34 @@ class FeatureTrainer:
         return loss.detach()
 
     def run_eval(self) -> dict:
+        t0 = time.perf_counter()
         result = {"step": self.step,
                   **evaluate_unrolled(self.draft, self.teacher, self.held_out, self.s)}
         self.history.append(result)
+        self.last_eval_seconds = time.perf_counter() - t0
+        self.eval_seconds += self.last_eval_seconds
         return result
 
     def run(self, on_step: Callable[[int, torch.Tensor], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None) -> list[dict]:
+            on_eval: Callable[[dict], None] | None = None, budget=None) -> list[dict]:
         """Evaluate, train to ``steps`` (evaluating every ``eval_every`` steps and at the end);
-        returns the evaluations."""
+        returns the evaluations. ``budget`` (a ``tools.distill.budget.StepBudget``) may lower
+        ``steps`` once, early, so that the run ends on time (its schedule with it)."""
         s = self.s
         if not self.history or self.history[-1]["step"] != self.step:
             self._evaluate(on_eval)
         while self.step < s.steps:
+            if budget is not None:
+                budget.before_step([self])
+                if self.done:
+                    break
             loss = self.train_on(self.batcher.next().to(self.device))
             if on_step:
                 on_step(self.step, loss)
             if (s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps:
                 self._evaluate(on_eval)
+        if self.history[-1]["step"] != self.step:
+            self._evaluate(on_eval)
         return self.history
 
     def _evaluate(self, on_eval: Callable[[dict], None] | None) -> None:
