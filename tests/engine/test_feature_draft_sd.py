@@ -129,3 +129,26 @@ def test_a_feature_draft_is_refused_where_it_cannot_run(tiny_dirs, feature_draft
     with pytest.raises(ConfigError, match="feature draft.*leader"):
         Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="sd", k=3,
                   draft_placement="separate")
+
+
+def test_features_are_kept_on_the_captured_step_path(tiny_dirs, ar_reference, feature_draft,
+                                                     monkeypatch):
+    """The target's captured-step code path (run eagerly on the CPU, every batch bucket, padded
+    rows into the scratch slot) keeps the features as the eager path does: SD with the feature
+    draft equals AR, and the engine's feature buffer holds the reference forward's features of
+    the committed positions."""
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    target_dir = tiny_dirs["smol_heads"]
+    _, model = _target(target_dir)
+    with Generator(target=target_dir, draft=feature_draft, mode="sd", k=3, max_batch=4,
+                   max_len=128, adaptive_k=False) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        check_equal(tiny_dirs, ar_reference, outs)
+        # one prompt alone in slot 0: its committed positions' features, as the reference's
+        out = g.generate([PROMPTS[0]], GREEDY)[0]
+        features = g._runtime.leader.loop.target.runner.cache.features
+    tokens = PROMPTS[0] + out.token_ids
+    with torch.no_grad():
+        want = model.forward_full_features(torch.tensor([tokens]))[1][0]
+    n = len(tokens) - 1  # the last token is committed, not fed yet
+    assert torch.allclose(features[0, :n], want[:n], atol=1e-4)
