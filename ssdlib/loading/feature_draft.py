@@ -101,7 +101,10 @@ def is_feature_draft(spec: str | os.PathLike | None) -> bool:
     if spec is None:
         return False
     spec = os.fspath(spec)
-    path = registry.resolve_named(spec) or spec
+    try:
+        path = registry.resolve_named(spec) or spec
+    except CheckpointError:  # a named checkpoint not found: its load says so
+        return False
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False
