@@ -18,8 +18,12 @@ for the feature the target has not computed. Those chain positions hold draft fe
 drafts nothing (adaptive K = 0) leaves the draft behind; the next proposal's first forward covers
 the gap.
 
-This proposer runs its forwards eagerly (no captured steps): exact on every device, not yet at
-the speed of the captured standalone draft on a GPU.
+Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run eagerly) a greedy
+proposal's chain after its first token (k - 1 steps: the pair (h, d_j) forward, its argmax) is
+one graph replay per batch bucket and k, its inputs (d_1, h, positions, slots) copied into static
+buffers, rows past the batch as ghost rows writing to the scratch slot. The first forward (a
+ragged feed of 1 .. K + 1 positions a row, more after rounds at K = 0) and sampled proposals run
+eagerly. A capture that fails is logged once and the chain runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.sampler import draw_tokens
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.log import get_logger
 from ssdlib.sampling import SamplingTensors, target_distributions
 from ssdlib.speculative.rng import RowStreams
+
+log = get_logger(__name__)
 
 
 class FeatureDrafter:
@@ -41,8 +48,13 @@ class FeatureDrafter:
     draft. ``features``: the target runner's feature buffer [slots, max_len, H]."""
 
     def __init__(self, draft, features: torch.Tensor, n_slots: int, max_len: int,
-                 vocab_size: int, draws: int = 0):
+                 vocab_size: int, draws: int = 0, pool=None, use_kernel: bool = False):
         self.draft = draft
+        # captured greedy chains (module doc): a GraphPool, or None for eager chains
+        self.pool = pool
+        self.use_kernel = use_kernel  # the chain's attention reads the KV cache in place
+        self.scratch_slot = n_slots - 1  # ghost rows of a captured chain write here
+        self._static: dict[tuple, dict[str, torch.Tensor]] = {}
         self.features = features
         self.device = features.device
         cfg = draft.config
@@ -108,6 +120,63 @@ class FeatureDrafter:
         logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
         return logits[:, 0], hidden[:, 0]
 
+    def _chain_body(self, tok, hidden, first, slots, steps: int, kv_len: int) -> torch.Tensor:
+        """``steps`` greedy chain steps from d_1 = ``tok`` [b] and h [b, H] at positions
+        ``first`` [b] -> tokens [b, steps]."""
+        out = []
+        for j in range(steps):
+            p = (first + j).view(-1, 1)
+            meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=self.use_kernel)
+            logits, h = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
+            tok, hidden = fit_vocab(logits[:, 0], self.vocab_size).argmax(-1), h[:, 0]
+            out.append(tok)
+        return torch.stack(out, dim=1)
+
+    def _captured_chain(self, tok, hidden, first, slots, k: int) -> torch.Tensor:
+        """The greedy chain's k - 1 steps after d_1 as one replay (module doc) -> [b, k-1];
+        eagerly where capturing failed."""
+        b = tok.shape[0]
+        bucket = 1 << (b - 1).bit_length()
+        # one key length for every step (the in-place kernel reads each row up to its limit)
+        kv_len = self.max_len
+        key = ("feature_chain", bucket, k, kv_len)
+        if self.pool is not None and not self.pool.has(key):
+            try:
+                self._capture(key, bucket, k, kv_len, hidden)
+            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
+                log.warning("capturing the feature draft's chain failed (%s: %s); it runs "
+                            "eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.pool = None
+        if self.pool is None:
+            return self._chain_body(tok, hidden, first, slots, k - 1, kv_len)
+        st = self._static[key]
+        st["tok"][:b].copy_(tok)
+        st["hidden"][:b].copy_(hidden)
+        st["first"][:b].copy_(first)
+        st["slots"][:b].copy_(slots)
+        if b < bucket:  # ghost rows: the scratch slot, position 0
+            st["tok"][b:].zero_()
+            st["hidden"][b:].zero_()
+            st["first"][b:].zero_()
+            st["slots"][b:].fill_(self.scratch_slot)
+        self.pool.replay(key)
+        return st["out"][:b].clone()
+
+    def _capture(self, key, bucket: int, k: int, kv_len: int, like: torch.Tensor) -> None:
+        dev = self.device
+        st = {"tok": torch.zeros(bucket, dtype=torch.int64, device=dev),
+              "hidden": torch.zeros(bucket, like.shape[-1], dtype=like.dtype, device=dev),
+              "first": torch.zeros(bucket, dtype=torch.int64, device=dev),
+              "slots": torch.full((bucket,), self.scratch_slot, dtype=torch.int64, device=dev),
+              "out": torch.zeros(bucket, k - 1, dtype=torch.int64, device=dev)}
+
+        def run():
+            st["out"].copy_(self._chain_body(st["tok"], st["hidden"], st["first"], st["slots"],
+                                             k - 1, kv_len))
+        self._static[key] = st
+        with torch.inference_mode():
+            self.pool.capture(key, run)
+
     @torch.inference_mode()
     def propose(self, seqs, k: int, want_q: bool = True):
         """Draft k tokens per row -> tokens [b, k] (device) and q [b, k, V] float32 (one-hot
@@ -140,9 +209,12 @@ class FeatureDrafter:
                 tok = draw_tokens(q, logits, params, u[:, j])
             tokens.append(tok)
             qs.append(q)
+            if greedy and j == 0 and k > 1 and self.pool is not None:
+                tokens.append(self._captured_chain(tok, hidden, first, slots, k))
+                break
             if j < k - 1:
                 logits, hidden = self._step(tok, hidden, first + j, slots, kv_len)
-        tokens = torch.stack(tokens, dim=1)
+        tokens = torch.cat([t.view(len(seqs), -1) for t in tokens], dim=1)
         if not greedy:
             return tokens, torch.stack(qs, dim=1).float()
         if not want_q:

@@ -152,3 +152,77 @@ def test_features_are_kept_on_the_captured_step_path(tiny_dirs, ar_reference, fe
         want = model.forward_full_features(torch.tensor([tokens]))[1][0]
     n = len(tokens) - 1  # the last token is committed, not fed yet
     assert torch.allclose(features[0, :n], want[:n], atol=1e-4)
+
+
+def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
+                                                                       feature_draft):
+    """A greedy proposal with the chain in a graph pool (eager replays here, a ghost row in a
+    batch of 3 of bucket 4) equals the eager chain's, and a cache-free rollout's."""
+    from ssdlib.engine.batching import prefill
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.engine.runner.model_runner import ModelRunner
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.ops.graph_pool import EagerPool
+
+    ck, model = _target(tiny_dirs["smol_heads"])
+    runner = ModelRunner(ck, None, "cpu", torch.float32, 4, 128, features=True)
+    draft = load_feature_draft(feature_draft, ck, runner.model)
+
+    class Seq:
+        def __init__(self, slot, tokens):
+            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
+
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    prefill(runner, seqs)
+    proposals = []
+    for pool in (None, EagerPool(warmup=1)):
+        drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                                 ck.config.vocab_size, draws=4, pool=pool)
+        for s in seqs:
+            drafter.reset(s.slot)
+        tokens, q = drafter.propose(seqs, 4, want_q=False)
+        assert q is None and tokens.shape == (3, 4)
+        if pool is not None:
+            assert len(pool) == 1  # one chain: bucket 4, k 4
+        proposals.append(tokens.tolist())
+    assert proposals[0] == proposals[1]
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            feats = model.forward_full_features(ids)[1][:, :-1]
+            nxt, rollout = ids[:, 1:], []
+            for _ in range(4):
+                logits, hidden = draft.forward_full(feats, nxt)
+                tok = logits[0, -1].argmax().view(1, 1)
+                rollout.append(int(tok))
+                feats, nxt = torch.cat([feats, hidden[:, -1:]], 1), torch.cat([nxt, tok], 1)
+        assert proposals[1][i] == rollout
+
+
+def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
+    """A batch of 4 fills bucket 4; a batch of 3 after it leaves a ghost row, which must write
+    to the scratch slot, not to the slot the 4th row had (that row's draft KV is kept)."""
+    from ssdlib.engine.batching import prefill
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.engine.runner.model_runner import ModelRunner
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.ops.graph_pool import EagerPool
+
+    ck, _ = _target(tiny_dirs["smol_heads"])
+    runner = ModelRunner(ck, None, "cpu", torch.float32, 4, 128, features=True)
+    draft = load_feature_draft(feature_draft, ck, runner.model)
+
+    class Seq:
+        def __init__(self, slot, tokens):
+            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
+
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(4)]
+    prefill(runner, seqs)
+    drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                             ck.config.vocab_size, draws=4, pool=EagerPool(warmup=1))
+    for s in seqs:
+        drafter.reset(s.slot)
+    drafter.propose(seqs, 4, want_q=False)
+    kept = drafter.cache.k[:, 3].clone()
+    drafter.propose(seqs[:3], 4, want_q=False)
+    assert torch.equal(drafter.cache.k[:, 3], kept)

@@ -19,12 +19,13 @@ from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
 from ssdlib.engine.leader.verify import RoundResult, commit_round, read_round, verify_round
-from ssdlib.engine.runner.model_runner import ModelRunner, captures_steps
+from ssdlib.engine.runner.model_runner import (ModelRunner, captures_steps, eager_step_graphs,
+                                               use_slot_kernel)
 from ssdlib.engine.sampler import sample_rows
 from ssdlib.engine.timing import RoundTimer
 from ssdlib.loading.draft import load_draft
 from ssdlib.loading.feature_draft import is_feature_draft, load_feature_draft
-from ssdlib.ops.graph_pool import capture_count
+from ssdlib.ops.graph_pool import EagerPool, capture_count, make_graph_pool
 from ssdlib.speculative.acceptance import DraftQ
 from ssdlib.speculative.adaptive_k import AdaptiveK, StepCosts, k_schedule
 
@@ -126,12 +127,17 @@ def build_sd_loop(cfg, world, target, target_ck):
         model = target.runner.model if cfg.tp == 1 else None
         draft = load_feature_draft(cfg.draft, target_ck, model, world.device, cfg.torch_dtype,
                                    max_positions=target.runner.cache.max_len)
+        pool = None  # the greedy chain's captured steps (CUDA; the eager path's on a CPU)
+        if world.device.type == "cuda":
+            pool = make_graph_pool(world.device, enabled=cfg.cuda_graphs)
+        elif eager_step_graphs():
+            pool = EagerPool(warmup=1)
         drafter = FeatureDrafter(draft, target.runner.cache.features, cfg.max_batch + 1,
                                  target.runner.cache.max_len, target_ck.config.vocab_size,
-                                 draws=cfg.k)
+                                 draws=cfg.k, pool=pool, use_kernel=use_slot_kernel(world.device))
         loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
                       sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
-        return loop, lambda: None
+        return loop, (pool.clear if pool is not None else lambda: None)
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
