@@ -20,7 +20,7 @@ the gap.
 
 Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run eagerly) a greedy
 proposal's chain after its first token (k - 1 steps: the pair (h, d_j) forward, its argmax) is
-one graph replay per batch bucket and k, its inputs (d_1, h, positions, slots) copied into static
+one graph replay per batch bucket and k (every bucket captured at k's first use), its inputs (d_1, h, positions, slots) copied into static
 buffers, rows past the batch as ghost rows writing to the scratch slot. The first forward (a
 ragged feed of 1 .. K + 1 positions a row, more after rounds at K = 0) and sampled proposals run
 eagerly. A capture that fails is logged once and the chain runs eagerly from then on.
@@ -141,8 +141,11 @@ class FeatureDrafter:
         kv_len = self.max_len
         key = ("feature_chain", bucket, k, kv_len)
         if self.pool is not None and not self.pool.has(key):
-            try:
-                self._capture(key, bucket, k, kv_len, hidden)
+            try:  # every bucket of this k at once (a shrinking batch then finds its graph)
+                for size in self._buckets():
+                    if not self.pool.has(("feature_chain", size, k, kv_len)):
+                        self._capture(("feature_chain", size, k, kv_len), size, k, kv_len,
+                                      hidden)
             except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
                 log.warning("capturing the feature draft's chain failed (%s: %s); it runs "
                             "eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -161,6 +164,14 @@ class FeatureDrafter:
             st["slots"][b:].fill_(self.scratch_slot)
         self.pool.replay(key)
         return st["out"][:b].clone()
+
+    def _buckets(self) -> list[int]:
+        """The batch buckets of a chain: powers of two up to the first >= the batch's rows."""
+        rows, size, out = self.scratch_slot, 1, [1]
+        while size < rows:
+            size *= 2
+            out.append(size)
+        return out
 
     def _capture(self, key, bucket: int, k: int, kv_len: int, like: torch.Tensor) -> None:
         dev = self.device
