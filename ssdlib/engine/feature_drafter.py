@@ -19,11 +19,13 @@ drafts nothing (adaptive K = 0) leaves the draft behind; the next proposal's fir
 the gap.
 
 Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run eagerly) a greedy
-proposal's chain after its first token (k - 1 steps: the pair (h, d_j) forward, its argmax) is
-one graph replay per batch bucket and k (every bucket captured at k's first use), its inputs (d_1, h, positions, slots) copied into static
-buffers, rows past the batch as ghost rows writing to the scratch slot. The first forward (a
-ragged feed of 1 .. K + 1 positions a row, more after rounds at K = 0) and sampled proposals run
-eagerly. A capture that fails is logged once and the chain runs eagerly from then on.
+proposal is one graph replay per batch bucket and k (every bucket captured at k's first use):
+the feed of each row's unfed positions padded to K_max + 1 (the usual round; the padding's KV
+lands past the row and is overwritten before it is read), d_1 at each row's last real position,
+then the k - 1 chain steps (the pair (h, d_j) forward, its argmax). Its host inputs go up in one
+copy; rows past the batch are ghost rows writing to the scratch slot. A row further behind
+(after rounds at K = 0) takes the eager feed and then the captured chain; sampled proposals run
+eagerly. A capture that fails is logged once and proposals run eagerly from then on.
 """
 
 from __future__ import annotations
@@ -84,9 +86,9 @@ class FeatureDrafter:
         at admission)."""
         self._feed(seqs)
 
-    def _feed(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed positions valid .. L-2 of every row (at least L-2) with the target's features ->
-        (logits [b, V], hidden [b, H]) at each row's position L-2."""
+    def _rows(self, seqs) -> tuple[list[int], list[list[int]]]:
+        """Each row's first unfed position (at most L-2) and its tokens x_{t+1} for t = that ..
+        L-2."""
         starts, rows = [], []
         for s in seqs:
             last = len(s.tokens) - 2
@@ -95,7 +97,13 @@ class FeatureDrafter:
                                  "the target's first)")
             start = min(self.valid.get(s.slot, 0), last)
             starts.append(start)
-            rows.append(s.tokens[start + 1:last + 2])  # x_{t+1} for t = start .. last
+            rows.append(s.tokens[start + 1:last + 2])
+        return starts, rows
+
+    def _feed(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed positions valid .. L-2 of every row (at least L-2) with the target's features ->
+        (logits [b, V], hidden [b, H]) at each row's position L-2."""
+        starts, rows = self._rows(seqs)
         ids, positions = pack_rows(rows, starts)
         positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
         slots = slots_tensor(seqs)
@@ -110,6 +118,78 @@ class FeatureDrafter:
         for s in seqs:
             self.valid[s.slot] = len(s.tokens) - 1
         return logits[:, 0], hidden[:, 0]
+
+    def _proposal_body(self, ids, positions, slots, index, k: int, kv_len: int) -> torch.Tensor:
+        """A whole greedy proposal on device tensors: the feed of ``ids`` / ``positions``
+        [b, W] (the target's features gathered here), d_1 at ``index`` [b, 1], then the chain
+        -> tokens [b, k]."""
+        feats = self.features[slots.view(-1, 1), positions]
+        meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
+                                 use_kernel=self.use_kernel)
+        logits, hidden = self.draft(ids, feats, self.cache, meta, index)
+        tok = fit_vocab(logits[:, 0], self.vocab_size).argmax(-1)
+        if k == 1:
+            return tok.view(-1, 1)
+        first = positions.gather(1, index)[:, 0] + 1
+        rest = self._chain_body(tok, hidden[:, 0], first, slots, k - 1, kv_len)
+        return torch.cat([tok.view(-1, 1), rest], dim=1)
+
+    def _captured_proposal(self, seqs, k: int) -> torch.Tensor | None:
+        """A greedy proposal as one replay (feed and chain) when every row's unfed tokens fit
+        the feed's width (K_max + 1: the usual round) and its padding stays inside the cache;
+        None otherwise (the caller goes the eager way)."""
+        width = max(self.draws, k) + 1
+        starts, rows = self._rows(seqs)
+        if max(map(len, rows)) > width or max(starts) + width > self.max_len:
+            return None
+        b = len(seqs)
+        bucket = 1 << (b - 1).bit_length()
+        kv_len = self.max_len
+        key = ("feature_proposal", bucket, width, k, kv_len)
+        if self.pool is not None and not self.pool.has(key):
+            try:
+                for size in self._buckets():
+                    name = ("feature_proposal", size, width, k, kv_len)
+                    if not self.pool.has(name):
+                        self._capture_proposal(name, size, width, k, kv_len)
+            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
+                log.warning("capturing the feature draft's proposal failed (%s: %s); it runs "
+                            "eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.pool = None
+        if self.pool is None:
+            return None
+        ids, positions = pack_rows(rows, starts)
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+        positions = torch.as_tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(width)
+        index = torch.tensor([[len(r) - 1] for r in rows], dtype=torch.int64)
+        host = torch.zeros(bucket, 2 * width + 2, dtype=torch.int64)  # one upload
+        host[:, width:2 * width] = torch.arange(width)  # ghost rows: positions 0 .., slot scratch
+        host[:, 2 * width] = self.scratch_slot
+        host[:b, :width], host[:b, width:2 * width] = ids, positions
+        host[:b, 2 * width] = slots_tensor(seqs)
+        host[:b, 2 * width + 1] = index[:, 0]
+        st = self._static[key]
+        st["host"].copy_(host.to(self.device, non_blocking=True))
+        self.pool.replay(key)
+        for s in seqs:
+            self.valid[s.slot] = len(s.tokens) - 1
+        return st["out"][:b].clone()
+
+    def _capture_proposal(self, key, bucket: int, width: int, k: int, kv_len: int) -> None:
+        dev = self.device
+        host = torch.zeros(bucket, 2 * width + 2, dtype=torch.int64, device=dev)
+        host[:, width:2 * width] = torch.arange(width, device=dev)
+        host[:, 2 * width] = self.scratch_slot
+        st = {"host": host, "out": torch.zeros(bucket, k, dtype=torch.int64, device=dev)}
+
+        def run():
+            h = st["host"]
+            st["out"].copy_(self._proposal_body(h[:, :width], h[:, width:2 * width],
+                                                h[:, 2 * width], h[:, 2 * width + 1:], k,
+                                                kv_len))
+        self._static[key] = st
+        with torch.inference_mode():
+            self.pool.capture(key, run)
 
     def _step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
               slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +283,10 @@ class FeatureDrafter:
             keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
             keys = keys.to(self.device, non_blocking=True)
             streams = RowStreams(keys[:, 0], keys[:, 1], k)
+        if greedy and self.pool is not None:
+            tokens = self._captured_proposal(seqs, k)
+            if tokens is not None:
+                return tokens, (self._one_hot(tokens) if want_q else None)
         logits, hidden = self._feed(seqs)
         slots = slots_tensor(seqs).to(self.device, non_blocking=True)
         # d_1's pair sits at position L - 1 (copied without a host sync)
@@ -228,8 +312,10 @@ class FeatureDrafter:
         tokens = torch.cat([t.view(len(seqs), -1) for t in tokens], dim=1)
         if not greedy:
             return tokens, torch.stack(qs, dim=1).float()
-        if not want_q:
-            return tokens, None
+        return tokens, (self._one_hot(tokens) if want_q else None)
+
+    def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
+        """q of greedy drafts: one-hot [b, k, V] float32."""
         q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
         q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
-        return tokens, q
+        return q

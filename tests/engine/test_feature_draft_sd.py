@@ -156,8 +156,10 @@ def test_features_are_kept_on_the_captured_step_path(tiny_dirs, ar_reference, fe
 
 def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
                                                                        feature_draft):
-    """A greedy proposal with the chain in a graph pool (eager replays here, a ghost row in a
-    batch of 3 of bucket 4) equals the eager chain's, and a cache-free rollout's."""
+    """Greedy proposals through a graph pool (eager replays here; 3 rows in bucket 4, a ghost
+    row) equal the eager drafter's and a cache-free rollout's: the first round (each row far
+    behind: the eager feed, then the captured chain) and the next (every row within K_max + 1
+    unfed tokens: feed and chain as one captured proposal)."""
     from ssdlib.engine.batching import prefill
     from ssdlib.engine.feature_drafter import FeatureDrafter
     from ssdlib.engine.runner.model_runner import ModelRunner
@@ -172,31 +174,40 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
         def __init__(self, slot, tokens):
             self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
 
-    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
-    prefill(runner, seqs)
-    proposals = []
-    for pool in (None, EagerPool(warmup=1)):
-        drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
-                                 ck.config.vocab_size, draws=4, pool=pool)
-        for s in seqs:
-            drafter.reset(s.slot)
-        tokens, q = drafter.propose(seqs, 4, want_q=False)
-        assert q is None and tokens.shape == (3, 4)
-        if pool is not None:
-            assert len(pool) == 3  # the chains of k 4 for buckets 1, 2 and 4 (4 rows at most)
-        proposals.append(tokens.tolist())
-    assert proposals[0] == proposals[1]
-    for i, s in enumerate(seqs):
-        ids = torch.tensor([s.tokens])
+    def rollout(tokens, k):
+        ids = torch.tensor([tokens])
         with torch.no_grad():
             feats = model.forward_full_features(ids)[1][:, :-1]
-            nxt, rollout = ids[:, 1:], []
-            for _ in range(4):
+            nxt, out = ids[:, 1:], []
+            for _ in range(k):
                 logits, hidden = draft.forward_full(feats, nxt)
                 tok = logits[0, -1].argmax().view(1, 1)
-                rollout.append(int(tok))
+                out.append(int(tok))
                 feats, nxt = torch.cat([feats, hidden[:, -1:]], 1), torch.cat([nxt, tok], 1)
-        assert proposals[1][i] == rollout
+        return out
+
+    pool = EagerPool(warmup=1)
+    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                               ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    for d in drafters:
+        for s in seqs:
+            d.reset(s.slot)
+    for round_ in range(2):
+        prefill(runner, seqs)  # the target's features of every committed position
+        proposals = []
+        for d in drafters:
+            tokens, q = d.propose(seqs, 4, want_q=False)
+            assert q is None and tokens.shape == (3, 4)
+            proposals.append(tokens.tolist())
+        assert proposals[0] == proposals[1], round_
+        for i, s in enumerate(seqs):
+            assert proposals[1][i] == rollout(s.tokens, 4), (round_, i)
+        kinds = {key[0] for key in pool.keys()}
+        assert kinds == ({"feature_chain"} if round_ == 0 else
+                         {"feature_chain", "feature_proposal"})
+        for i, s in enumerate(seqs):  # the round commits 2 drafts and a bonus token
+            s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
 
 
 def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
