@@ -66,7 +66,7 @@ class FeatureDrafter:
         self.vocab_size = vocab_size
         self.draws = draws  # draws a sampled row's stream gives up each proposal (K_max)
         self.valid: dict[int, int] = {}
-        self.plain = True  # every proposal's time is its own chain's (no separate catch-up)
+        self.plain = True  # the last proposal fed no more than a round's tokens (no catch-up)
 
     def reset(self, slot: int) -> None:
         self.valid[slot] = 0
@@ -275,6 +275,8 @@ class FeatureDrafter:
         if k < 1:
             raise ValueError(f"a proposal drafts at least one token, got k={k}")
         greedy = all(s.params.greedy for s in seqs)
+        # a proposal's time measures k draft steps unless a row was far behind (a catch-up)
+        self.plain = max(map(len, self._rows(seqs)[1])) <= max(self.draws, k) + 1
         params = streams = None
         if not greedy:
             host = [s.params for s in seqs]
