@@ -237,3 +237,49 @@ def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs
     kept = drafter.cache.k[:, 3].clone()
     drafter.propose(seqs[:3], 4, want_q=False)
     assert torch.equal(drafter.cache.k[:, 3], kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_draft):
+    """On CUDA (fp32): greedy proposals replayed from CUDA graphs (the in-place attention
+    kernel where triton is there) equal the eager drafter's, over two rounds; and SD with the
+    feature draft equals AR."""
+    from ssdlib.engine.batching import prefill
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.ops.graph_pool import make_graph_pool
+
+    dev = torch.device("cuda")
+    ck, _ = _target(tiny_dirs["smol_heads"])
+    runner = ModelRunner(ck, None, dev, torch.float32, 4, 128, features=True)
+    draft = load_feature_draft(feature_draft, ck, runner.model, dev, torch.float32)
+
+    class Seq:
+        def __init__(self, slot, tokens):
+            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
+
+    pool = make_graph_pool(dev)
+    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                               ck.config.vocab_size, draws=4, pool=p,
+                               use_kernel=use_slot_kernel(dev) and p is not None)
+                for p in (None, pool)]
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    for d in drafters:
+        for s in seqs:
+            d.reset(s.slot)
+    for _ in range(2):
+        prefill(runner, seqs)
+        proposals = [d.propose(seqs, 4, want_q=False)[0].tolist() for d in drafters]
+        assert proposals[0] == proposals[1]
+        for i, s in enumerate(seqs):
+            s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
+    assert len(pool) > 0
+    pool.clear()
+    runs = []
+    for kw in ({"mode": "ar"}, {"mode": "sd", "draft": feature_draft, "k": 3}):
+        with Generator(target=tiny_dirs["smol_heads"], device="cuda", dtype="float32",
+                       max_batch=4, max_len=128, **kw) as g:
+            runs.append([o.token_ids for o in g.generate(PROMPTS, GREEDY)])
+    assert runs[0] == runs[1]
