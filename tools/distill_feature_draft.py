@@ -38,7 +38,7 @@ from ssdlib.loading.feature_draft import (check_max_mb, save_feature_draft,  # n
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
 from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
-from tools.distill.data import Batcher, load_splits, pack_rows  # noqa: E402
+from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
                                          init_feature_draft)
 from tools.distill.train import LOSSES  # noqa: E402
@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule ends (and the draft is written) on time")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--long-seq-len", type=int, default=None, metavar="N",
+                   help="also train on rows of N tokens (a draft that holds on long prompts): "
+                        "every --long-every-th batch is --long-batch such rows")
+    p.add_argument("--long-batch", type=int, default=None,
+                   help="rows in a long batch (default: as many tokens as a short batch)")
+    p.add_argument("--long-every", type=int, default=2, help="every N-th batch is a long one")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-batch", type=int, default=16)
     p.add_argument("--eval-depth", type=int, default=4,
@@ -112,12 +118,17 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(str(e)) from None
     if len(held_out) == 0:
         raise SystemExit(f"{args.data_from}: no held-out documents")
-    max_positions = max(ck.config.max_position_embeddings, args.seq_len)
+    max_positions = max(ck.config.max_position_embeddings, args.seq_len, args.long_seq_len or 0)
     teacher = models.load_teacher(ck, device, dtype, max_positions)
     eos = ck.config.eos_token_ids
     try:
-        batcher = Batcher(pack_rows(train_docs, args.seq_len, args.seed, eos[0] if eos else None),
-                          args.batch, args.seed)
+        separator = eos[0] if eos else None
+        rows = pack_rows(train_docs, args.seq_len, args.seed, separator)
+        batcher = Batcher(rows, args.batch, args.seed)
+        if args.long_seq_len:
+            long_batch = args.long_batch or max(1, args.batch * args.seq_len // args.long_seq_len)
+            batcher = mixed_batcher(train_docs, args.seq_len, args.batch, args.long_seq_len,
+                                    long_batch, args.long_every, args.seed, separator)
         with torch.device(device):
             draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
         init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target)
@@ -132,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None
     print(f"feature draft: {args.layers} layer(s) of width {draft.config.hidden_size}, "
-          f"{mb:.2f} MB as {args.storage_dtype}; {batcher.rows.shape[0]} training rows of "
-          f"{args.seq_len} tokens, {args.ttt_steps} unroll step(s) a step")
+          f"{mb:.2f} MB as {args.storage_dtype}; {rows.shape[0]} training rows of "
+          f"{args.seq_len} tokens" + (f" and rows of {args.long_seq_len} every {args.long_every} "
+                                      "batches" if args.long_seq_len else "")
+          + f", {args.ttt_steps} unroll step(s) a step")
 
     def on_step(step: int, loss: torch.Tensor) -> None:
         if step % 10 == 0 or step == args.steps:  # reading the loss waits for the device

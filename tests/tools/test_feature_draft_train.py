@@ -162,3 +162,23 @@ def test_a_time_budget_cuts_the_steps_and_still_ends_on_an_evaluation(setup):
     assert budget.report is not None and budget.report["steps"] < 100
     assert trainer.step == trainer.s.steps == budget.report["steps"]
     assert history[-1]["step"] == trainer.step
+
+
+def test_cli_trains_on_long_rows_too(setup, tmp_path, capsys, monkeypatch):
+    """--long-seq-len: short and long rows in turn (positions past --seq-len trained)."""
+    from tools.distill import feature_train
+
+    target, _, data = setup
+    shapes = []
+    train_on = feature_train.FeatureTrainer.train_on
+
+    def recording(self, ids):
+        shapes.append(tuple(ids.shape))
+        return train_on(self, ids)
+    monkeypatch.setattr(feature_train.FeatureTrainer, "train_on", recording)
+    report = main(["--target", target, "--out", str(tmp_path / "d"), "--data-from", data,
+                   "--device", "cpu", "--steps", "4", "--batch", "4", "--seq-len", "24",
+                   "--long-seq-len", str(SEQ * 2), "--long-every", "2", "--eval-every", "0"])
+    assert report["history"][-1]["step"] == 4
+    assert shapes == [(4, 24), (1, 96)] * 2  # a long batch: as many tokens as a short one
+    assert f"rows of {SEQ * 2} every 2 batches" in capsys.readouterr().out
