@@ -17,6 +17,11 @@ STEPS=${STEPS:-2000}
 TRAIN_FLAGS=${TRAIN_FLAGS:-"--layers 1 --init-layer-from-target 29 --ttt-steps 3 --batch 16 --seq-len 512 --lr 1e-3"}
 TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
 FD=${FD:-/tmp/feature-draft}
+DEVICE=${DEVICE:-cuda}  # (cpu: a dry run of the script's commands on a tiny target)
+N_CHAT=${N_CHAT:-24}
+MAX_NEW=${MAX_NEW:-256}
+POSITIONS=${POSITIONS:-256}
+MODES=${MODES:-"ar,sd,sd:draft=$FD"}  # the bench's rows: AR, SD with the default draft, with this one
 LOG=$OUT/feature.log
 export PYTHONUNBUFFERED=1
 case "$DATA" in *.gz) gunzip -c "$DATA" > /tmp/feature_data.safetensors; DATA=/tmp/feature_data.safetensors ;; esac
@@ -24,17 +29,18 @@ say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
 say "train: $STEPS steps, $TRAIN_FLAGS"
 # shellcheck disable=SC2086
 timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py --target "$TARGET" --out "$FD" \
-    --data-from "$DATA" --steps "$STEPS" --device cuda --max-mb 16 --eval-every 500 \
+    --data-from "$DATA" --steps "$STEPS" --device "$DEVICE" --max-mb 16 --eval-every 500 \
     --train-budget $((TRAIN_TIMEOUT - 30)) $TRAIN_FLAGS \
     2>&1 | tr '\r' '\n' | grep -v '%|' | grep -v '^\s*$' | tail -15 | tee -a "$LOG"
 [ -s "$FD/model.safetensors" ] || { say "no draft written"; exit 1; }
 tar -cf "$OUT/feature_draft.tar" -C "$FD" .
 say "offline acceptance (K = 5): the target's features, and self-conditioned"
 timeout 90 python3 -m tools.distill.feature_eval --draft "$FD" --target "$TARGET" --data-from "$DATA" \
-    --k 5 --positions 256 --device cuda 2>&1 | tail -8 | tee -a "$LOG"
+    --k 5 --positions "$POSITIONS" --device "$DEVICE" 2>&1 | tail -8 | tee -a "$LOG"
 say "engine acceptance (K = 5, 128 tokens; held-out chat set and 24 HumanEval prompts)"
-timeout 120 python3 -m tools.distill.evaluate --draft "$FD" --target "$TARGET" --device cuda \
-    --humaneval "$HUMANEVAL" --n-prompts 24 --k 5 --max-new-tokens 128 2>&1 | grep '^|' | tee -a "$LOG"
+timeout 120 python3 -m tools.distill.evaluate --draft "$FD" --target "$TARGET" --device "$DEVICE" \
+    --humaneval "$HUMANEVAL" --n-prompts "$N_CHAT" --k 5 --max-new-tokens 128 2>&1 | grep '^|' \
+    | tee -a "$LOG"
 say "SD with the feature draft against the default draft, b = 1 (24 held-out chat prompts)"
 python3 - > /tmp/chat24.jsonl <<'EOF2'
 import json
@@ -42,6 +48,6 @@ for line in open("tools/distill/heldout_chat.jsonl"):
     if line.strip():
         print(json.dumps({"messages": json.loads(line)["messages"]}))
 EOF2
-timeout 150 python3 tools/bench.py --device cuda --prompts-file /tmp/chat24.jsonl --chat \
-    --modes "ar,sd,sd:draft=$FD" --max-new-tokens 256 --k 3 --n-prompts 24 \
+timeout 150 python3 tools/bench.py --device "$DEVICE" --target "$TARGET" --prompts-file /tmp/chat24.jsonl \
+    --chat --modes "$MODES" --max-new-tokens "$MAX_NEW" --k 3 --n-prompts "$N_CHAT" \
     --json "$OUT/bench_feature.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -16 | tee -a "$LOG"
