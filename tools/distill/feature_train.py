@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ssdlib.models.feature_draft import FeatureDraft
 from tools.distill.data import Batcher, Docs
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
-                                 kl_per_position, lr_at)
+                                 kl_per_position, optimizer_step)
 
 
 @dataclass
@@ -167,13 +167,7 @@ class FeatureTrainer:
             t_logits, t_features = self.teacher.forward_full_features(ids)
         with _autocast(self.device, s.amp_dtype):
             loss = torch.stack(unrolled_losses(self.draft, ids, t_logits, t_features, s)).mean()
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, s)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if s.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), s.grad_clip)
-        self.opt.step()
+        optimizer_step(self.opt, loss, self.draft.parameters(), self.step, s)
         self.step += 1
         return loss.detach()
 

@@ -145,6 +145,19 @@ def evaluate(draft, teacher, held_out: Docs, s: TrainSettings) -> dict:
                           for k, v in sums.items()}}
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, step: int,
+                   s: TrainSettings) -> None:
+    """One optimiser step on ``loss`` at ``step``: the schedule's learning rate, the backward,
+    gradients clipped to ``s.grad_clip`` (when > 0) over ``params``."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, s)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if s.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+    opt.step()
+
+
 class Trainer:
     """Owns the draft's optimisation and its checkpoints in ``state_dir``."""
 
@@ -230,13 +243,7 @@ class Trainer:
         with _autocast(self.device, s.amp_dtype):
             d_logits = self.draft.forward_full(ids)
         loss = LOSSES[s.loss](d_logits, t_logits).mean()
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, s)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if s.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), s.grad_clip)
-        self.opt.step()
+        optimizer_step(self.opt, loss, self.draft.parameters(), self.step, s)
         self.step += 1
         self.tokens_seen += ids.numel()
         return loss.detach()
