@@ -14,11 +14,17 @@ def admit_with_first_token(target, seqs, device) -> None:
         q.commit([t])
 
 
+def next_token_logits(target, seqs):
+    """AR's forward: each row's last committed token at its position -> logits [b, V] of the
+    token after it."""
+    ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
+    return target.forward(ids, pos, slots_tensor(seqs))[:, 0]
+
+
 def ar_step(target, seqs, timer: RoundTimer) -> None:
     """One decode step for every sequence: feed the last committed token, commit the next."""
     timer.start()
-    ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
-    logits = target.forward(ids, pos, slots_tensor(seqs))[:, 0]
+    logits = next_token_logits(target, seqs)
     timer.flush()  # the last round's phases, read while this forward runs
     tokens = sample_rows(logits, seqs)  # the step's read-back
     timer.mark("verify")

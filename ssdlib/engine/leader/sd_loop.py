@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.engine.batching import pack_rows, slots_tensor
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.feature_drafter import FeatureDrafter
-from ssdlib.engine.leader.ar_loop import admit_with_first_token
+from ssdlib.engine.leader.ar_loop import admit_with_first_token, next_token_logits
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
 from ssdlib.engine.leader.verify import RoundResult, commit_round, read_round, verify_round
@@ -107,9 +106,7 @@ class SDLoop:
     def _target_step(self, seqs) -> RoundResult:
         """A round of greedy rows at K = 0: AR's step (the last token's forward, its argmax
         read back), as the round's result (no drafts, the argmax as t*)."""
-        ids, pos = pack_rows([[q.tokens[-1]] for q in seqs], [len(q.tokens) - 1 for q in seqs])
-        logits = self.target.forward(ids, pos, slots_tensor(seqs))[:, 0]
-        bonus = sample_rows(logits, seqs)
+        bonus = sample_rows(next_token_logits(self.target, seqs), seqs)
         return RoundResult([0] * len(seqs), bonus, [[] for _ in seqs], [[t] for t in bonus])
 
     def batch_metrics(self) -> dict:
