@@ -145,20 +145,12 @@ class FeatureDrafter:
         b = len(seqs)
         bucket = 1 << (b - 1).bit_length()
         kv_len = self.max_len
-        key = ("feature_proposal", bucket, width, k, kv_len)
-        if self.pool is not None and not self.pool.has(key):
-            try:
-                for size in self._buckets():
-                    name = ("feature_proposal", size, width, k, kv_len)
-                    if not self.pool.has(name):
-                        self._capture_proposal(name, size, width, k, kv_len)
-            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
-                log.warning("capturing the feature draft's proposal failed (%s: %s); it runs "
-                            "eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.pool = None
-        if self.pool is None:
+        key = self._captured_key(
+            "feature_proposal", bucket, (width, k, kv_len),
+            lambda key, size: self._capture_proposal(key, size, width, k, kv_len))
+        if key is None:
             return None
-        ids, positions = pack_rows(rows, starts)
+        ids, _ = pack_rows(rows, starts)
         ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
         positions = torch.as_tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(width)
         index = torch.tensor([[len(r) - 1] for r in rows], dtype=torch.int64)
@@ -187,16 +179,15 @@ class FeatureDrafter:
             st["out"].copy_(self._proposal_body(h[:, :width], h[:, width:2 * width],
                                                 h[:, 2 * width], h[:, 2 * width + 1:], k,
                                                 kv_len))
-        self._static[key] = st
-        with torch.inference_mode():
-            self.pool.capture(key, run)
+        self._register(key, st, run)
 
     def _step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-              slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+              slots: torch.Tensor, kv_len: int,
+              use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One chain step: the pair (hidden, tok) at ``pos`` [b] -> (logits [b, V], hidden
         [b, H])."""
         p = pos.view(-1, 1)
-        meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1)
+        meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=use_kernel)
         logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
         return logits[:, 0], hidden[:, 0]
 
@@ -205,12 +196,32 @@ class FeatureDrafter:
         ``first`` [b] -> tokens [b, steps]."""
         out = []
         for j in range(steps):
-            p = (first + j).view(-1, 1)
-            meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=self.use_kernel)
-            logits, h = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
-            tok, hidden = fit_vocab(logits[:, 0], self.vocab_size).argmax(-1), h[:, 0]
+            logits, hidden = self._step(tok, hidden, first + j, slots, kv_len, self.use_kernel)
+            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
             out.append(tok)
         return torch.stack(out, dim=1)
+
+    def _captured_key(self, kind: str, bucket: int, rest: tuple, capture) -> tuple | None:
+        """The key of the captured step ``kind`` for ``bucket`` (``rest``: the rest of its
+        key), every bucket of it captured at its first use by ``capture(key, size)`` (a
+        shrinking batch then finds its graph); None without a pool, or once a capture failed
+        (logged once: the drafter runs eagerly from then on)."""
+        if self.pool is not None and not self.pool.has((kind, bucket, *rest)):
+            try:
+                for size in self._buckets():
+                    if not self.pool.has((kind, size, *rest)):
+                        capture((kind, size, *rest), size)
+            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
+                log.warning("capturing the feature draft's %s failed (%s: %s); it runs eagerly",
+                            kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.pool = None
+        return None if self.pool is None else (kind, bucket, *rest)
+
+    def _register(self, key, st: dict[str, torch.Tensor], body) -> None:
+        """Capture ``body`` (it reads and writes the static tensors ``st``) under ``key``."""
+        self._static[key] = st
+        with torch.inference_mode():
+            self.pool.capture(key, body)
 
     def _captured_chain(self, tok, hidden, first, slots, k: int) -> torch.Tensor:
         """The greedy chain's k - 1 steps after d_1 as one replay (module doc) -> [b, k-1];
@@ -219,18 +230,9 @@ class FeatureDrafter:
         bucket = 1 << (b - 1).bit_length()
         # one key length for every step (the in-place kernel reads each row up to its limit)
         kv_len = self.max_len
-        key = ("feature_chain", bucket, k, kv_len)
-        if self.pool is not None and not self.pool.has(key):
-            try:  # every bucket of this k at once (a shrinking batch then finds its graph)
-                for size in self._buckets():
-                    if not self.pool.has(("feature_chain", size, k, kv_len)):
-                        self._capture(("feature_chain", size, k, kv_len), size, k, kv_len,
-                                      hidden)
-            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
-                log.warning("capturing the feature draft's chain failed (%s: %s); it runs "
-                            "eagerly", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.pool = None
-        if self.pool is None:
+        key = self._captured_key("feature_chain", bucket, (k, kv_len),
+                                 lambda key, size: self._capture(key, size, k, kv_len, hidden))
+        if key is None:
             return self._chain_body(tok, hidden, first, slots, k - 1, kv_len)
         st = self._static[key]
         st["tok"][:b].copy_(tok)
@@ -261,12 +263,8 @@ class FeatureDrafter:
               "slots": torch.full((bucket,), self.scratch_slot, dtype=torch.int64, device=dev),
               "out": torch.zeros(bucket, k - 1, dtype=torch.int64, device=dev)}
 
-        def run():
-            st["out"].copy_(self._chain_body(st["tok"], st["hidden"], st["first"], st["slots"],
-                                             k - 1, kv_len))
-        self._static[key] = st
-        with torch.inference_mode():
-            self.pool.capture(key, run)
+        self._register(key, st, lambda: st["out"].copy_(self._chain_body(
+            st["tok"], st["hidden"], st["first"], st["slots"], k - 1, kv_len)))
 
     @torch.inference_mode()
     def propose(self, seqs, k: int, want_q: bool = True):

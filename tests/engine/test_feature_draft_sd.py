@@ -7,11 +7,15 @@ import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
+from ssdlib.engine.batching import prefill
+from ssdlib.engine.feature_drafter import FeatureDrafter
+from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
-from ssdlib.loading.feature_draft import save_feature_draft
+from ssdlib.loading.feature_draft import load_feature_draft, save_feature_draft
 from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.models.llama import LlamaForCausalLM
+from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.speculative.rng import RowStream
 from tests.engine.test_speculative_exact import (GREEDY, PROMPTS, check_equal, exact_joint,
                                                  sample_pairs)
@@ -32,6 +36,24 @@ def _feature_draft(target_dir, out, seed=0, layers=1):
     init_feature_draft(draft, model, seed)
     save_feature_draft(draft, str(out), torch.float32)
     return str(out)
+
+
+class _Seq:
+    """What a drafter reads of a sequence (greedy unless ``params`` say otherwise)."""
+
+    def __init__(self, slot, tokens, params=None):
+        self.slot, self.tokens = slot, tokens
+        self.params = params or SamplingParams()
+        self.stream = RowStream.from_seed(slot)
+
+
+def _runner_and_draft(target_dir, feature_draft, slots, device="cpu"):
+    """The target's checkpoint and model, a target runner keeping features for ``slots``
+    sequences, and the feature draft loaded beside it (fp32)."""
+    ck, model = _target(target_dir)
+    runner = ModelRunner(ck, None, device, torch.float32, slots, 128, features=True)
+    draft = load_feature_draft(feature_draft, ck, runner.model, device, torch.float32)
+    return ck, model, runner, draft
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +83,17 @@ def test_the_targets_features_and_the_drafts_proposal_match_references(tiny_dirs
     """After a generation the target's feature buffer holds, for every committed position but
     the last, the reference forward's features; a proposal from there equals a cache-free
     rollout of the draft over those features (its own h standing in past them)."""
-    from ssdlib.engine.batching import prefill
-    from ssdlib.engine.feature_drafter import FeatureDrafter
-    from ssdlib.engine.runner.model_runner import ModelRunner
-    from ssdlib.loading.feature_draft import load_feature_draft
-
     target_dir = tiny_dirs["smol_heads"]
-    ck, model = _target(target_dir)
     with Generator(target=target_dir, draft=feature_draft, mode="sd", k=3, max_batch=2,
                    max_len=128, adaptive_k=False) as gen:
         outs = gen.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, ignore_eos=True))
 
-    runner = ModelRunner(ck, None, "cpu", torch.float32, 2, 128, features=True)
-    draft = load_feature_draft(feature_draft, ck, runner.model)
+    ck, model, runner, draft = _runner_and_draft(target_dir, feature_draft, 2)
     drafter = FeatureDrafter(draft, runner.cache.features, 3, runner.cache.max_len,
                              ck.config.vocab_size, draws=3)
-
-    class Seq:  # what the drafter reads of a sequence: sampled at T = 1 (q is the softmax)
-        def __init__(self, slot, tokens):
-            self.slot, self.tokens = slot, tokens
-            self.params = SamplingParams(temperature=1.0, seed=slot)
-            self.stream = RowStream.from_seed(slot)
-
-    seqs = [Seq(i, PROMPTS[i] + outs[i].token_ids) for i in range(2)]
+    # sampled at T = 1: q is the draft's softmax
+    seqs = [_Seq(i, PROMPTS[i] + outs[i].token_ids, SamplingParams(temperature=1.0, seed=i))
+            for i in range(2)]
     for s in seqs:
         drafter.reset(s.slot)
     prefill(runner, seqs)  # the target over every committed token: its features per position
@@ -160,19 +170,7 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
     row) equal the eager drafter's and a cache-free rollout's: the first round (each row far
     behind: the eager feed, then the captured chain) and the next (every row within K_max + 1
     unfed tokens: feed and chain as one captured proposal)."""
-    from ssdlib.engine.batching import prefill
-    from ssdlib.engine.feature_drafter import FeatureDrafter
-    from ssdlib.engine.runner.model_runner import ModelRunner
-    from ssdlib.loading.feature_draft import load_feature_draft
-    from ssdlib.ops.graph_pool import EagerPool
-
-    ck, model = _target(tiny_dirs["smol_heads"])
-    runner = ModelRunner(ck, None, "cpu", torch.float32, 4, 128, features=True)
-    draft = load_feature_draft(feature_draft, ck, runner.model)
-
-    class Seq:
-        def __init__(self, slot, tokens):
-            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
+    ck, model, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
 
     def rollout(tokens, k):
         ids = torch.tensor([tokens])
@@ -189,7 +187,7 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
     pool = EagerPool(warmup=1)
     drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                                ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
-    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
@@ -213,21 +211,8 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
 def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
     """A batch of 4 fills bucket 4; a batch of 3 after it leaves a ghost row, which must write
     to the scratch slot, not to the slot the 4th row had (that row's draft KV is kept)."""
-    from ssdlib.engine.batching import prefill
-    from ssdlib.engine.feature_drafter import FeatureDrafter
-    from ssdlib.engine.runner.model_runner import ModelRunner
-    from ssdlib.loading.feature_draft import load_feature_draft
-    from ssdlib.ops.graph_pool import EagerPool
-
-    ck, _ = _target(tiny_dirs["smol_heads"])
-    runner = ModelRunner(ck, None, "cpu", torch.float32, 4, 128, features=True)
-    draft = load_feature_draft(feature_draft, ck, runner.model)
-
-    class Seq:
-        def __init__(self, slot, tokens):
-            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
-
-    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(4)]
+    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(4)]
     prefill(runner, seqs)
     drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                              ck.config.vocab_size, draws=4, pool=EagerPool(warmup=1))
@@ -245,27 +230,14 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
     """On CUDA (fp32): greedy proposals replayed from CUDA graphs (the in-place attention
     kernel where triton is there) equal the eager drafter's, over two rounds; and SD with the
     feature draft equals AR."""
-    from ssdlib.engine.batching import prefill
-    from ssdlib.engine.feature_drafter import FeatureDrafter
-    from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
-    from ssdlib.loading.feature_draft import load_feature_draft
-    from ssdlib.ops.graph_pool import make_graph_pool
-
     dev = torch.device("cuda")
-    ck, _ = _target(tiny_dirs["smol_heads"])
-    runner = ModelRunner(ck, None, dev, torch.float32, 4, 128, features=True)
-    draft = load_feature_draft(feature_draft, ck, runner.model, dev, torch.float32)
-
-    class Seq:
-        def __init__(self, slot, tokens):
-            self.slot, self.tokens, self.params = slot, tokens, SamplingParams()
-
+    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
     pool = make_graph_pool(dev)
     drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                                ck.config.vocab_size, draws=4, pool=p,
                                use_kernel=use_slot_kernel(dev) and p is not None)
                 for p in (None, pool)]
-    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
@@ -283,3 +255,43 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
                        max_batch=4, max_len=128, **kw) as g:
             runs.append([o.token_ids for o in g.generate(PROMPTS, GREEDY)])
     assert runs[0] == runs[1]
+
+
+def test_a_failed_capture_leaves_the_drafter_eager(tiny_dirs, feature_draft):
+    """A pool whose capture fails: one warning, and the proposals are the eager drafter's."""
+    import logging
+
+    from ssdlib.engine import feature_drafter
+
+    class Failing(EagerPool):
+        def _capture(self, key, fn):
+            raise RuntimeError("no graphs here")
+
+    class Records(logging.Handler):  # the module's logger itself (it need not propagate)
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(2)]
+    prefill(runner, seqs)
+    records = Records()
+    feature_drafter.log.addHandler(records)
+    try:
+        proposals = []
+        for pool in (None, Failing()):
+            drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                                     ck.config.vocab_size, draws=4, pool=pool)
+            for s in seqs:
+                drafter.reset(s.slot)
+            proposals.append(drafter.propose(seqs, 4, want_q=False)[0].tolist())
+            assert drafter.pool is None
+    finally:
+        feature_drafter.log.removeHandler(records)
+    assert proposals[0] == proposals[1]
+    assert records.messages == [
+        "capturing the feature draft's feature_chain failed (RuntimeError: no graphs here); "
+        "it runs eagerly"]
