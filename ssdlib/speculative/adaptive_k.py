@@ -15,8 +15,9 @@ ones before it were), a round that proposes K drafts commits in expectation
 
 tokens (the bonus token included) and costs cost(K) = K * c_draft + c_verify(K), where c_verify(0)
 is a plain AR step of the target. The policy takes the K of the best rate E(K, alpha) / cost(K);
-when that K drafts, a longer one whose rate is within LONGER_K_MARGIN of it. A draft that fails ends at K = 0 (plain decoding); one that the target agrees with keeps
-K_max as long as a draft step is cheaper than a verify.
+when that K drafts, a longer one whose rate is within LONGER_K_MARGIN of it. A draft that fails
+ends at K = 0 (plain decoding); one that the target agrees with keeps K_max as long as a draft
+step is cheaper than a verify.
 
 alpha, per sequence: exponentially decayed counts of accepted and tried draft tokens (a token is
 tried when every token before it was accepted, so tokens past a rejection count for nothing),
