@@ -33,7 +33,7 @@ Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
 still chooses K = 0, the interval doubles (up to MAX_PROBE_INTERVAL); otherwise it restarts at
 FIRST_PROBE_INTERVAL. A probe is dear where the draft is far behind (its catch-up over every token
-it skipped, then a chain and a wider verify: ~4 ms against a ~1.2 ms AR step for SmolLM2 at a 2k
+it skipped, then a chain and a wider verify: ~3-4 ms against a ~1.2 ms AR step for SmolLM2 at a 2k
 context on one H200), so the intervals are also kept long enough that probes cost at most
 PROBE_BUDGET of the decoding time: at least (a probe's measured extra time) / (PROBE_BUDGET x an
 AR round's time) rounds (:meth:`StepCosts.observe_probe`, fed by the loop).
