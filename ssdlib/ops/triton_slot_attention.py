@@ -69,7 +69,7 @@ def _split_kernel(
     stride_tkn, stride_tkh, stride_tkl, stride_tkd,
     stride_tvn, stride_tvh, stride_tvl, stride_tvd,
     stride_mb, stride_ms, stride_mt,
-    stride_lb, stride_ls,
+    stride_lb, stride_ls, stride_slot,
     GROUP: tl.constexpr, HD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr,
     WRITE_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -84,7 +84,7 @@ def _split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HD
     offs_n = tl.arange(0, BLOCK_N)
-    slot = tl.load(SLOTS + row).to(tl.int64)
+    slot = tl.load(SLOTS + row * stride_slot).to(tl.int64)  # slots may be a strided view
 
     q = tl.load(Q + row * stride_qb + tok[:, None] * stride_qs + q_head[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
@@ -246,7 +246,7 @@ def triton_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             q, k_cache, v_cache, tree_k, tree_v, tmask, slots, kv_limit, o_part, lse_part, out,
             scale * math.log2(math.e), s, L, T, hkv, hq, n_queries,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_k.stride(), *tree_v.stride(),
-            *(tmask.stride() if has_tree else (0, 0, 0)), *kv_limit.stride(),
+            *(tmask.stride() if has_tree else (0, 0, 0)), *kv_limit.stride(), slots.stride(0),
             GROUP=group, HD=hd, NUM_SPLITS=splits, HAS_TREE=has_tree, WRITE_OUT=n_parts == 1,
             UPCAST=upcast, DOT_PRECISION=precision,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

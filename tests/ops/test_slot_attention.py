@@ -220,12 +220,15 @@ def _interpreter_child() -> None:
     for name, shape, dtype_name, splits, extra in INTERPRETER_CASES:
         dtype = getattr(torch, dtype_name)
         inputs = make_inputs(*shape, dtype=dtype, seed=len(name))
-        if extra == "odd":  # non-contiguous q and cache, int32 limits beyond L and negative, shared slot
+        if extra == "odd":  # non-contiguous q, cache and slots, int32 limits beyond L and negative, shared slot
             inputs["q"] = inputs["q"].transpose(1, 2).contiguous().transpose(1, 2)
             inputs["v_cache"] = inputs["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)
             inputs["kv_limit"] = inputs["kv_limit"].to(torch.int32)
             inputs["kv_limit"][1, :2] = torch.tensor([-5, 1000])
             inputs["slots"][2] = inputs["slots"][0]
+            # slots as a strided view (a column of a packed host arena, as captured steps pass)
+            inputs["slots"] = torch.stack([inputs["slots"], inputs["slots"] * 0 + 10 ** 6], 1)[:, 0]
+            assert inputs["slots"].stride(0) == 2
         want = slot_attention_reference(**inputs)
         got = triton_slot_attention(**inputs, splits=splits)
         via_dispatch = slot_attention(**inputs, backend="triton")
