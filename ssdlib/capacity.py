@@ -88,10 +88,15 @@ def rank_memory(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig | Non
     return out
 
 
-def free_memory(device: str) -> int | None:
-    """Bytes available on ``device`` ("cpu" or "cuda:i"), or None if unknown."""
+def free_memory(device: str, cuda_context: bool = False) -> int | None:
+    """Bytes available on ``device`` ("cpu" or "cuda:i"), or None if unknown.
+
+    ``cuda_context``: this process will use the GPU anyway (the engine runs in it), so ask CUDA
+    directly; otherwise NVML answers without creating a CUDA context (about 1 s to load pynvml)."""
     if device.startswith("cuda"):
         index = torch.device(device).index or 0
+        if cuda_context or torch.cuda.is_initialized():
+            return torch.cuda.mem_get_info(index)[0]
         try:  # through NVML: no CUDA context in this process, which may only spawn the ranks
             used = torch.cuda.device_memory_used(index)
             return torch.cuda.get_device_properties(index).total_memory - used
@@ -115,9 +120,11 @@ def _gb(n: float) -> str:
 
 
 def check_memory(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig | None,
-                 rank: int | None = None, local_rank: int | None = None) -> None:
+                 rank: int | None = None, local_rank: int | None = None,
+                 cuda_context: bool = False) -> None:
     """Raise ConfigError if the weights and KV cache of ``cfg`` cannot fit in the free memory of
     the devices they land on; the message says which --max-batch / --max-len would fit.
+    ``cuda_context``: the engine runs in this process (see :func:`free_memory`).
 
     ``rank`` (and its ``local_rank``): check only that rank's models, on its own device (what a
     torchrun rank does); by default every rank's, as spawned on this host."""
@@ -128,7 +135,7 @@ def check_memory(cfg: EngineConfig, target: ModelConfig, draft: ModelConfig | No
         if rank is None or r.rank == rank:
             by_device.setdefault(r.device, []).append(r)
     for dev, ranks in by_device.items():
-        free = free_memory(dev)
+        free = free_memory(dev, cuda_context)
         if free is None:
             continue
         weights = sum(r.weights for r in ranks)

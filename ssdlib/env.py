@@ -52,6 +52,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_CACHE_DIR", "text", None,
            "where compiled kernels persist; unset: $XDG_CACHE_HOME/ssdlib or ~/.cache/ssdlib "
            "(ssdlib.engine.runner.compile_cache; the --cache-dir flag wins)"),
+    Switch("SSDLIB_BYTECODE_CACHE", "flag", True,
+           "0: never keep Python bytecode in the cache directory (ssdlib.bytecode_cache: only "
+           "where torch's install has none and none would be written beside it)"),
     Switch("SSDLIB_STEP_GRAPHS", "choice", "",
            "'eager' / 'eager-all': CPU runners take the GPU's captured-step code path, run "
            "eagerly (for tests; ssdlib.engine.runner.model_runner)",

@@ -88,9 +88,10 @@ class Generator:
         if under_torchrun():  # each rank checks its own device
             rank = int(os.environ.get("RANK", "0"))
             check_memory(self.cfg, ck.config, draft_config, rank,
-                         int(os.environ.get("LOCAL_RANK", rank)))
-        else:
-            check_memory(self.cfg, ck.config, draft_config)
+                         int(os.environ.get("LOCAL_RANK", rank)), cuda_context=True)
+        else:  # a world of one runs in this process, which will use the GPU anyway
+            check_memory(self.cfg, ck.config, draft_config,
+                         cuda_context=self.cfg.world_size == 1)
         self.max_context = min(self.cfg.max_len, ck.config.max_position_embeddings)
         self.prompts = PromptEncoder(self.tokenizer, ck.config.vocab_size, self.max_context)
         self._log_level = log_level

@@ -99,10 +99,12 @@ class CachedAttention(nn.Module):
             v_cache[rows, :, meta.positions] = v
         if meta.use_kernel:
             n = meta.tree_len  # the mask covers the first tree_len branch keys
-            out = _slot_kernel(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
-                               tree_k[:, :, :n] if tree else None,
-                               tree_v[:, :, :n] if tree else None, meta.tree_mask,
-                               meta.kernel_backend)
+            # the custom op only where torch.compile traces: called eagerly it goes through
+            # torch._dynamo (imported on first use: seconds of start-up) for nothing
+            kernel = _slot_kernel if torch.compiler.is_compiling() else _slot_kernel_eager
+            out = kernel(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
+                         tree_k[:, :, :n] if tree else None, tree_v[:, :, :n] if tree else None,
+                         meta.tree_mask, meta.kernel_backend)
             return out.reshape(b, s, -1)
         if meta.slot_start is not None:  # a view, no copy
             rows = slice(meta.slot_start, meta.slot_start + b)
@@ -139,6 +141,16 @@ def _sdpa_backends(device: torch.device):
     return sdpa_kernel(_SDPA_CUDA) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _slot_kernel_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
+                       tree_k: torch.Tensor | None, tree_v: torch.Tensor | None,
+                       tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """``slot_attention`` with the model runner's backend (chosen once, by use_slot_kernel: no
+    per-layer re-dispatch); :func:`_slot_kernel` is the same under torch.compile."""
+    return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
+                          tree_mask, backend=backend).contiguous()
+
+
 @torch.library.custom_op("ssdlib::slot_attention", mutates_args=())
 def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
@@ -146,9 +158,8 @@ def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
     """``slot_attention`` as an opaque op: torch.compile traces the step around it in one graph
     (fusing the small kernels before and after it) and launches the kernel as it is."""
-    # the model runner chose the backend once (use_slot_kernel): no per-layer re-dispatch
-    return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
-                          tree_mask, backend=backend).contiguous()
+    return _slot_kernel_eager(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
+                              tree_mask, backend)
 
 
 @_slot_kernel.register_fake

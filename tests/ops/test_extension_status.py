@@ -168,3 +168,28 @@ def test_importing_ssdlib_does_not_import_dynamo():
     code = "import sys, ssdlib.generate, ssdlib.generator; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_eager_step_through_the_kernel_path_does_not_import_dynamo():
+    """The attention layer calls its kernel directly outside torch.compile: the custom op's
+    eager call would import torch._dynamo (seconds of a start that compiles nothing)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from ssdlib.layers.attention import AttentionMetadata, CachedAttention
+b, s, hq, hkv, hd, L = 2, 3, 4, 2, 8, 16
+att = CachedAttention(hq, hkv, hd)
+positions = torch.arange(s).repeat(b, 1) + 4
+meta = AttentionMetadata(positions, torch.tensor([0, 1]), L, kv_limit=positions + 1,
+                         use_kernel=True, kernel_backend="torch")
+cache = [torch.zeros(3, hkv, L, hd) for _ in range(2)]
+out = att(torch.randn(b, s, hq, hd), torch.randn(b, s, hkv, hd), torch.randn(b, s, hkv, hd),
+          *cache, meta)
+assert out.shape == (b, s, hq * hd)
+print('torch._dynamo' in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
