@@ -49,7 +49,7 @@ def check_draft_compatible(target: Checkpoint, draft: Checkpoint) -> None:
     """
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is not None and dt is not None:
-        if tt.fingerprint() != dt.fingerprint():
+        if tt is not dt and tt.fingerprint() != dt.fingerprint():  # (one file: one object)
             diff = _first_difference(tt, dt)
             raise CheckpointError(
                 f"draft {draft.source!r} and target {target.source!r} have different tokenizers"

@@ -219,3 +219,16 @@ def test_bench_hf_assisted_peer_uses_the_materialised_draft(shared, tmp_path):
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["hf-assisted"]["tokens"] == 16
     assert rows["hf-assisted"]["greedy_equals_ar"] is True
+
+
+def test_one_gguf_file_gives_one_tokenizer_until_it_changes(tiny_gguf):
+    """Loading a GGUF twice (the target, then the draft naming it) builds its tokenizer once;
+    a rewritten file gets a fresh one."""
+    from ssdlib.loading.gguf_file import load_gguf
+
+    g = tiny_gguf()
+    first, again = load_gguf(g.path).tokenizer, load_gguf(g.path).tokenizer
+    assert first is not None and first is again
+    st = os.stat(g.path)
+    os.utime(g.path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert load_gguf(g.path).tokenizer is not first
