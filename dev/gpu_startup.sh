@@ -13,6 +13,8 @@
 #   call 3: PART=3 ...   carry .snap .stage/smol3.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
 #           (the one-prompt CLI cold and warm, 40 prompts with the batch tool, the server cold and
 #           warm: ready, first request, 40 in a row, SIGTERM with 4 streams; bench SD b = 1)
+#           knobs: PROBE=0 (skip dev/warm_probe.py), SERVE_ENV="VAR=VALUE ..." (the server's
+#           environment), B8_MODES="..." (a bench at b = 8 too)
 # (SD against AR by prompt length: dev/gpu_lengths.sh, once the GGUF is in /tmp)
 # Every measurement starts from an empty cache directory unless it says warm.
 set -uo pipefail
@@ -67,13 +69,23 @@ for i, r in enumerate(rows):
 EOF2
 run batch40_cold /tmp/cache_batch python3 tools/batch_generate.py --input /tmp/prompts40.jsonl --output /tmp/out40.jsonl --mode sd --max-batch 8 --summary-json "$OUT/batch40.json"
 # the server's engine (work unknown: compiles), its first requests, and where its start goes
+# (PROBE=0 skips this pair)
+if [ "${PROBE:-1}" = 1 ]; then
 run probe_cold /tmp/cache_probe python3 dev/warm_probe.py --mode sd --max-batch 8 --runs 3 --json "$OUT/warm_probe_cold.json"
 run probe_warm /tmp/cache_probe python3 dev/warm_probe.py --mode sd --max-batch 8 --runs 2 --profile-start 45
 grep -A60 "Ordered by" /tmp/probe_warm.log | head -62 >> "$LOG"
 python3 -c "import json;r=json.load(open('$OUT/warm_probe_cold.json'));print('probe cold', {k:r[k] for k in ('start_s','load_s','warm_up_s','warm_up_captures')}); [print(' run',x) for x in r['runs']]" | tee -a "$LOG"
+fi
+# SERVE_ENV="NAME=VALUE ...": the server runs with these set (e.g. SSDLIB_COMPILE_DYNAMIC=1)
+echo "== serve with: ${SERVE_ENV:-defaults}" | tee -a "$LOG"
 for w in cold warm; do
-  SSDLIB_CACHE_DIR=/tmp/cache_serve TRITON_CACHE_DIR=/tmp/cache_serve/triton python3 dev/startup_probe.py --json "$OUT/serve_$w.json" --log /tmp/serve_$w.log -- --mode sd --max-batch 8 > /dev/null 2>&1
+  env ${SERVE_ENV:-} SSDLIB_CACHE_DIR=/tmp/cache_serve TRITON_CACHE_DIR=/tmp/cache_serve/triton python3 dev/startup_probe.py --json "$OUT/serve_$w.json" --log /tmp/serve_$w.log -- --mode sd --max-batch 8 > /dev/null 2>&1
   { echo "== serve $w"; python3 -c "import json;r=json.load(open('$OUT/serve_$w.json'));print({k:r.get(k) for k in ('ready_s','first_request','sequential','first_over_p50','first_prompt_again_s','first_over_again')});print({k:v for k,v in r['sigterm'].items() if k!='streams'});print([(s.get('done'),s.get('finish_reason'),s.get('error')) for s in r['sigterm']['streams']])"; grep -E "loaded in|warm-up|captured" /tmp/serve_$w.log; } | tee -a "$LOG"
 done
 echo "== bench b=1 (16 HumanEval chat prompts)" | tee -a "$LOG"
 timeout 240 python3 tools/bench.py --device cuda --humaneval "$STAGE/HumanEval.jsonl.gz" --max-new-tokens 256 --k 3 --n-prompts 16 --modes ar,sd,ssd:placement=stream --json "$OUT/bench_b1.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -30 | tee -a "$LOG"
+# B8_MODES: a bench at b = 8 too (e.g. "ar,ar:env=SSDLIB_COMPILE_DYNAMIC=1,sd,sd:env=SSDLIB_COMPILE_DYNAMIC=1")
+if [ -n "${B8_MODES:-}" ]; then
+  echo "== bench b=8 (16 HumanEval chat prompts): $B8_MODES" | tee -a "$LOG"
+  timeout 240 python3 tools/bench.py --device cuda --humaneval "$STAGE/HumanEval.jsonl.gz" --max-new-tokens 256 --k 3 --n-prompts 16 --batch 8 --modes "$B8_MODES" --json "$OUT/bench_b8.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -20 | tee -a "$LOG"
+fi
