@@ -70,10 +70,10 @@ SWITCHES: tuple[Switch, ...] = (
            "comma-separated K values (0 .. --k): instead of the adaptive choice, the n-th "
            "choice gives the row in slot s the value at (s + n) mod their count, so rows of "
            "one round differ (for tests of the per-row limits; ssdlib.speculative.adaptive_k)"),
-    Switch("SSDLIB_COMPILE_DYNAMIC", "flag", False,
-           "1: the compiled decoder layers take the batch size as a dynamic dimension (one "
-           "compile serves every batch bucket of a step instead of one compile per bucket; "
-           "ssdlib.engine.runner.compiled)", experiment=True),
+    Switch("SSDLIB_COMPILE_DYNAMIC", "flag", True,
+           "0: compile every batch bucket of a step static, its own compile (default: the "
+           "batch dimension is dynamic, one compile serves every bucket above 1; "
+           "ssdlib.engine.runner.compiled)"),
     Switch("SSDLIB_Q_AFTER_BUILD", "flag", False,
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
            "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),

@@ -751,8 +751,8 @@ def test_catch_up_of_one_token_takes_the_two_token_step(tiny_dirs, pool_kind):
 
 
 def test_compile_dynamic_batch_compiles_once_for_every_batch_above_one(tiny_dirs, monkeypatch):
-    """SSDLIB_COMPILE_DYNAMIC=1: one compile serves batches 2, 3, 4 and 5 (static: one each),
-    a batch of one its own, and the logits equal the plain model's."""
+    """By default (SSDLIB_COMPILE_DYNAMIC=1) one compile serves batches 2, 3, 4 and 5 (with 0:
+    one each), a batch of one its own, and the logits equal the plain model's."""
     import torch._dynamo
 
     from ssdlib.engine.runner.compiled import compile_step_model
@@ -771,7 +771,10 @@ def test_compile_dynamic_batch_compiles_once_for_every_batch_above_one(tiny_dirs
         def counting(gm, example_inputs):
             graphs.append(gm)
             return gm.forward
-        monkeypatch.setenv("SSDLIB_COMPILE_DYNAMIC", "1" if dynamic else "0")
+        if dynamic:
+            monkeypatch.delenv("SSDLIB_COMPILE_DYNAMIC", raising=False)  # the default
+        else:
+            monkeypatch.setenv("SSDLIB_COMPILE_DYNAMIC", "0")
         torch._dynamo.reset()
         step = compile_step_model(model, backend=counting)
         assert step.kv_heads_local == model.kv_heads_local  # the layers' attributes reach through
