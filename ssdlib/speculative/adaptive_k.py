@@ -29,6 +29,17 @@ next long prompt too, which then starts where the last one ended instead of spen
 rounds (each a catch-up at the full context) learning it again. Sampled rows keep PRIOR_ALPHA:
 their K schedule, and with it their tokens, must depend on their own tokens only.
 
+Recovery. Acceptance comes in stretches: a hard stretch of text (a new name, a number) can take a
+row whose draft does well to K = 0, and a round at K = 0 observes nothing that would take it
+back. So each row also keeps long-run counts (decayed by LONG_DECAY per observed round), and every
+round it spends at K = 0 moves its estimate toward the long-run one (the gap shrinks by RECOVERY):
+a row whose draft is good in the long run speculates again after a few rounds, while a draft
+that fails throughout (its long run low too) stays at K = 0 and is probed. Without it, on one
+H200 (SmolLM2 and the default draft, 16 HumanEval chat prompts, b = 1) adaptive K ran half its
+rounds at K = 0 and decoded 0.91x the speed of a fixed K = 3 (1116 against 1224 tok/s, one bench
+invocation at 3e7e4c0); tests/speculative/test_adaptive_k.py simulates such text at that
+machine's step costs.
+
 Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has chosen K = 0 for
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
 still chooses K = 0, the interval doubles (up to MAX_PROBE_INTERVAL); otherwise it restarts at
@@ -74,6 +85,8 @@ PRIOR_ALPHA = 0.9  # a fresh sequence's acceptance before it has tried a draft t
 # prior costs)
 PRIOR_TRIES = 2.0  # ... with the weight of this many tried tokens
 DECAY = 0.8  # per observed round: the counts' memory is ~1 / (1 - DECAY) = 5 rounds
+LONG_DECAY = 0.97  # per observed round, the row's long-run counts: a memory of ~33 rounds
+RECOVERY = 0.8  # per round at K = 0: the share of the gap to the long-run alpha that is left
 FIRST_PROBE_INTERVAL = 8  # rounds at K = 0 before the first probe
 MAX_PROBE_INTERVAL = 128
 LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share of the best
@@ -198,6 +211,8 @@ class RowState:
 
     accepted: float = PRIOR_ALPHA * PRIOR_TRIES  # decayed counts
     tried: float = PRIOR_TRIES
+    long_accepted: float = PRIOR_ALPHA * PRIOR_TRIES  # the same, with the long memory
+    long_tried: float = PRIOR_TRIES
     bucket: int | None = None  # its context's CONTEXT_BUCKETS index (greedy rows only)
     zeros: int = 0  # rounds in a row it chose K = 0
     interval: int = FIRST_PROBE_INTERVAL
@@ -206,6 +221,21 @@ class RowState:
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried if self.tried > 0 else PRIOR_ALPHA
+
+    @property
+    def long_alpha(self) -> float:
+        return self.long_accepted / self.long_tried if self.long_tried > 0 else PRIOR_ALPHA
+
+    def start_from(self, alpha: float) -> None:
+        """Both estimates at ``alpha``, with the prior's weight."""
+        self.accepted = self.long_accepted = PRIOR_TRIES * alpha
+        self.tried = self.long_tried = PRIOR_TRIES
+
+    def recover(self) -> None:
+        """A round at K = 0: the short estimate moves toward the long-run one (module doc)."""
+        if self.tried > 0:
+            long = self.long_alpha
+            self.accepted = self.tried * (long + RECOVERY * (self.alpha - long))
 
 
 # kinds of batch, (any greedy row, any sampled row): each samples through steps of its own
@@ -263,7 +293,7 @@ class AdaptiveK:
         row.bucket = sum(context >= edge for edge in CONTEXT_BUCKETS)
         accepted, tried = self._history.get(row.bucket, (0.0, 0.0))
         if tried >= HISTORY_MIN_TRIES:
-            row.accepted, row.tried = PRIOR_TRIES * accepted / tried, PRIOR_TRIES
+            row.start_from(accepted / tried)
 
     def release(self, key: int) -> None:
         self.rows.pop(key, None)
@@ -303,6 +333,8 @@ class AdaptiveK:
                     row.probing = self.probed = True
             if k > 0:
                 row.zeros = 0
+            else:  # a round that learns nothing: toward the long run for the next one
+                row.recover()
             out.append(k)
         return out
 
@@ -317,6 +349,8 @@ class AdaptiveK:
             tries = a + (1 if a < k else 0)
             row.accepted = DECAY * row.accepted + a
             row.tried = DECAY * row.tried + tries
+            row.long_accepted = LONG_DECAY * row.long_accepted + a
+            row.long_tried = LONG_DECAY * row.long_tried + tries
             if row.bucket is not None:
                 acc, tried = self._history.get(row.bucket, (0.0, 0.0))
                 self._history[row.bucket] = (HISTORY_DECAY * acc + a,
