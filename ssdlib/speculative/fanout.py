@@ -180,9 +180,13 @@ class FanoutEstimator:
         sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
         return min(max(-sxy / sxx, self.r_range[0]), self.r_range[1])
 
-    def allocation(self) -> list[int]:
-        """The current Thm 12 fan-out (K+1 integers summing to the budget)."""
-        return geometric_fanout(self.budget, self.K, self.a_p, self.r)
+    def allocation(self, limit: int | None = None) -> list[int]:
+        """The current Thm 12 fan-out: K+1 integers summing to the budget. ``limit``: the
+        verification checks only the first ``limit`` <= K tokens (adaptive K), so its outcomes
+        are k = 0 .. limit, k = limit the all-accepted one; the budget goes to those and the
+        positions after ``limit`` get 0."""
+        k = self.K if limit is None else min(max(int(limit), 0), self.K)
+        return geometric_fanout(self.budget, k, self.a_p, self.r) + [0] * (self.K - k)
 
 
 def _host_list(values) -> list:

@@ -124,3 +124,15 @@ def test_estimator_config_errors():
         FanoutEstimator(10, 5, r_prior=0)
     with pytest.raises(ConfigError):
         FanoutEstimator(10, 5, min_lookups=0)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3, 5, 9])
+def test_the_allocation_follows_the_verified_limit(limit):
+    """Adaptive K verifies only the first ``limit`` tokens: outcomes k <= limit, k = limit the
+    all-accepted one; the whole budget goes to them (Thm 12 with K = limit), none after."""
+    est = FanoutEstimator(23, 5, a_p_prior=0.6, r_prior=1.5)
+    alloc = est.allocation(limit)
+    k = min(limit, 5)
+    assert len(alloc) == 6 and sum(alloc) == 23
+    assert alloc[:k + 1] == geometric_fanout(23, k, 0.6, 1.5) and not any(alloc[k + 1:])
+    assert est.allocation(None) == est.allocation()

@@ -297,8 +297,14 @@ class CacheRole:
         return len(hs), sum(hs)
 
     def build(self, rows: list[SpecRow], sampling: bool) -> int:
-        """Build the cache for ``rows``; returns how many continued a hit's branch KV."""
-        fan = self.fanout()
+        """Build the cache for ``rows``; returns how many continued a hit's branch KV. The
+        estimated fan-out follows the leader's choice of K: outcomes past the longest verified
+        limit of these rows cannot happen, so they get no branch (a fixed --fan-out is kept)."""
+        if self.estimator is not None and rows:
+            fan = self.estimator.allocation(max(self.K if r.limit is None else r.limit
+                                                for r in rows))
+        else:
+            fan = self.fanout()
         self._fanout_used = fan
         return self.builder.build(rows, fan, sampling)
 

@@ -1,0 +1,36 @@
+"""The speculator's estimated fan-out follows the leader's choice of K: a verification of the
+first ``limit`` tokens ends at k <= limit, so the build spends no branch on later positions
+(CPU, the stream placement: the speculator runs in this process)."""
+
+from ssdlib import Generator, SamplingParams
+from ssdlib.engine.speculator.cache_builder import CacheBuilder
+
+
+def _fans(tiny_dirs, monkeypatch, schedule):
+    seen = []
+    real = CacheBuilder.build
+
+    def recording(self, rows, fan, sampling):
+        seen.append((tuple(fan), tuple(r.limit for r in rows)))
+        return real(self, rows, fan, sampling)
+
+    monkeypatch.setattr(CacheBuilder, "build", recording)
+    monkeypatch.setenv("SSDLIB_K_SCHEDULE", schedule)
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                   mode="ssd", k=3, max_batch=1, max_len=96, fallback="jit", device="cpu",
+                   speculator_placement="stream") as g:
+        g.generate([[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return seen
+
+
+def test_each_build_allocates_only_outcomes_the_limit_allows(tiny_dirs, monkeypatch):
+    seen = _fans(tiny_dirs, monkeypatch, "0,1,3,2")
+    assert seen
+    limits_seen = set()
+    for fan, limits in seen:
+        limit = max(3 if x is None else x for x in limits)
+        limits_seen.add(limit)
+        assert len(fan) == 4 and sum(fan) > 0
+        assert not any(fan[limit + 1:]), (fan, limits)  # nothing past the verified limit
+        assert fan[limit] > 0  # its all-accepted outcome is cached
+    assert {0, 3} <= limits_seen
