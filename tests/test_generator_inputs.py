@@ -78,7 +78,7 @@ def test_a_cache_that_cannot_fit_is_refused_with_what_fits(tiny_dirs, monkeypatc
     monkeypatch.setattr(generator, "build_rank", no_ranks)
     monkeypatch.setattr(generator, "RankGroup", no_ranks)
     free = 50 * 10**6
-    monkeypatch.setattr(capacity, "free_memory", lambda device: free)
+    monkeypatch.setattr(capacity, "free_memory", lambda device, cuda_context=False: free)
     target = load_checkpoint(tiny_dirs["smol_heads"]).config
     draft = load_checkpoint(tiny_dirs["smol_heads_draft"]).config
     for mode in ("ar", "sd", "ssd"):

@@ -158,8 +158,8 @@ def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
     """``slot_attention`` as an opaque op: torch.compile traces the step around it in one graph
     (fusing the small kernels before and after it) and launches the kernel as it is."""
-    return _slot_kernel_eager(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
-                              tree_mask, backend)
+    return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
+                          tree_mask, backend=backend).contiguous()
 
 
 @_slot_kernel.register_fake
