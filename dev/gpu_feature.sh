@@ -14,7 +14,7 @@ TARGET=${TARGET:-smollm2-135m}
 DATA=${DATA:?DATA=a data.safetensors (or .gz) of tools/distill_data.py gen}
 HUMANEVAL=${HUMANEVAL:?HUMANEVAL=path of HumanEval.jsonl.gz}
 STEPS=${STEPS:-2000}
-TRAIN_FLAGS=${TRAIN_FLAGS:-"--layers 1 --init-layer-from-target 29 --ttt-steps 3 --batch 16 --seq-len 512 --lr 1e-3"}
+TRAIN_FLAGS=${TRAIN_FLAGS:-"--layers 1 --token-gain auto --init-layer-from-target 29 --ttt-steps 3 --batch 16 --seq-len 512 --lr 2e-3 --warmup 200 --long-seq-len 4096 --long-every 4"}
 TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
 FD=${FD:-/tmp/feature-draft}
 DEVICE=${DEVICE:-cuda}  # (cpu: a dry run of the script's commands on a tiny target)

@@ -40,7 +40,7 @@ from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
-                                         init_feature_draft)
+                                         init_feature_draft, token_gain_for)
 from tools.distill.train import LOSSES  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unroll steps per training step (1: the target's features only)")
     p.add_argument("--feature-loss-weight", type=float, default=0.1,
                    help="weight of the smooth-L1 regression of the next feature")
+    p.add_argument("--token-gain", default="auto", metavar="C",
+                   help="train fc's token columns as C * W' and start them C times larger, so "
+                        "that the token embedding and the (much larger, pre-norm) feature weigh "
+                        "alike (tools/distill/feature_train.py); auto: the median RMS ratio "
+                        "feature / embedding on the first training rows; 1: plain")
     p.add_argument("--loss", choices=tuple(LOSSES), default="kl")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="default steps/20, at most 100")
@@ -105,6 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"steps cut from {r['steps_before']} to {r['steps']}")) if args.train_budget else None
     if args.layers < 1:
         raise SystemExit(f"--layers must be at least 1, got {args.layers}")
+    try:
+        fixed_gain = None if args.token_gain == "auto" else float(args.token_gain)
+    except ValueError:
+        raise SystemExit(f"--token-gain must be a number or auto, got "
+                         f"{args.token_gain!r}") from None
     device = torch.device(args.device if args.device != "auto"
                           else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype if args.dtype != "auto"
@@ -131,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                                     long_batch, args.long_every, args.seed, separator)
         with torch.device(device):
             draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
-        init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target)
+        gain = fixed_gain if fixed_gain is not None else token_gain_for(
+            draft, teacher, rows[:8].to(device))
+        init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target, gain)
         mb = check_max_mb(draft, storage, args.max_mb)
         settings = FeatureTrainSettings(
             steps=args.steps, lr=args.lr,
@@ -139,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_every=args.eval_every, eval_batch=args.eval_batch, seq_len=args.seq_len,
             loss=args.loss, ttt_steps=args.ttt_steps,
             feature_loss_weight=args.feature_loss_weight, eval_depth=args.eval_depth,
+            token_gain=gain,
             amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{mb:.2f} MB as {args.storage_dtype}; {rows.shape[0]} training rows of "
           f"{args.seq_len} tokens" + (f" and rows of {args.long_seq_len} every {args.long_every} "
                                       "batches" if args.long_seq_len else "")
-          + f", {args.ttt_steps} unroll step(s) a step")
+          + f", {args.ttt_steps} unroll step(s) a step, token gain {gain:.3g}")
 
     def on_step(step: int, loss: torch.Tensor) -> None:
         if step % 10 == 0 or step == args.steps:  # reading the loss waits for the device
@@ -164,8 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     if ref is None:
         models.copy_tokenizer(ck, args.out)
     report = {"command": " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-              "args": vars(args), "safetensors_bytes": size, "train_seconds": round(train_s, 1),
-              "history": history}
+              "args": vars(args), "token_gain": gain, "safetensors_bytes": size,
+              "train_seconds": round(train_s, 1), "history": history}
     with open(os.path.join(args.out, "feature_distill.json"), "w") as f:
         json.dump(report, f, indent=2)
     last = history[-1]

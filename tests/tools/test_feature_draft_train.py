@@ -2,23 +2,28 @@
 tiny random target (CPU): the losses are aligned (zero for an exact draft, at every unroll
 step), unroll step j reads step j-1's outputs one position on, training lowers the held-out KL,
 self-conditioned training narrows the gap between the target's features and the draft's own,
-and the CLI writes a draft that loads and evaluates."""
+the token gain lets the draft learn the token next to outsized features, and the CLI writes a
+draft that loads and evaluates."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
+from torch.nn.utils import parametrize
 
+from ssdlib.config import ModelConfig
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.feature_draft import load_feature_draft
 from ssdlib.models.feature_draft import FeatureDraft
-from tests.feature_oracle import V, PreviousTokenTarget, oracle_draft
+from tests.feature_oracle import H, V, PreviousTokenTarget, oracle_draft
 from tests.tiny import make_tiny_llama
 from tools.distill.data import Batcher, Docs, load_splits, pack_rows, save_splits
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, init_feature_draft,
-                                         unroll, unrolled_losses)
+                                         token_gain_for, unroll, unrolled_losses)
 from tools.distill.models import load_teacher
 from tools.distill_feature_draft import main
 
@@ -117,6 +122,7 @@ def test_cli_trains_writes_and_evaluates(setup, tmp_path, capsys):
                    "--steps", "30", "--batch", "8", "--seq-len", str(SEQ), "--eval-every", "15",
                    "--ttt-steps", "2", "--lr", "3e-3", "--init-layer-from-target", "1"])
     history = report["history"]
+    assert report["token_gain"] > 0  # measured (--token-gain auto)
     assert [h["step"] for h in history] == [0, 15, 30]
     assert history[-1]["kl"][0] < 0.7 * history[0]["kl"][0], history
     tensors = load_file(str(out / "model.safetensors"))
@@ -182,3 +188,64 @@ def test_cli_trains_on_long_rows_too(setup, tmp_path, capsys, monkeypatch):
     assert report["history"][-1]["step"] == 4
     assert shapes == [(4, 24), (1, 96)] * 2  # a long batch: as many tokens as a short one
     assert f"rows of {SEQ * 2} every 2 batches" in capsys.readouterr().out
+
+
+class ScaledFeatures(nn.Module):
+    """PreviousTokenTarget with its features times ``scale`` (its logits unchanged: the norm
+    takes the scale out), as outsized against the embeddings as a real target's pre-norm
+    features (SmolLM2-135M: RMS ~32 against ~0.12)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.base, self.scale = PreviousTokenTarget(), scale
+        self.model = SimpleNamespace(layers=[], norm=self.base.norm)  # for init_feature_draft
+
+    def forward_full_features(self, ids):
+        logits, features = self.base.forward_full_features(ids)
+        return logits, features * self.scale
+
+
+def random_docs(n: int, seed: int) -> Docs:
+    g = torch.Generator().manual_seed(seed)
+    docs = Docs()
+    for _ in range(n):
+        docs.add(torch.randint(0, V, (SEQ,), generator=g).tolist(), 1, "random-target-samples")
+    return docs
+
+
+def test_the_token_gain_is_the_feature_to_embedding_ratio():
+    ids = torch.randint(0, V, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    gains = []
+    for scale in (1.0, 80.0):
+        target = ScaledFeatures(scale)
+        gains.append(token_gain_for(oracle_draft(target.base), target, ids))
+    assert 1.0 < gains[0] < 10.0
+    assert gains[1] == pytest.approx(80.0 * gains[0], rel=1e-4)
+
+
+def test_the_token_gain_lets_the_draft_learn_the_token_next_to_outsized_features():
+    """The target's next argmax is an exact linear function of (f_t, x_{t+1}), its features
+    ~270x its embeddings' RMS. Trained plainly, fc's token columns start ~270x weaker than its
+    feature columns and AdamW grows them slowly: the draft still misses many tokens. Through
+    the token gain (the same steps) it is exact, and it leaves as it is stored: a plain fc."""
+    target = ScaledFeatures(80.0)
+    train_docs, held_out = random_docs(128, 1), random_docs(32, 2)
+    gain = token_gain_for(oracle_draft(target.base), target, torch.tensor(train_docs.ids[:8]))
+    assert gain > 200
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                      embedding_from_target=True)
+    agreement = {}
+    for c in (1.0, gain):
+        draft = FeatureDraft(cfg, target.base.embed_tokens, target.base.lm_head, 128)
+        init_feature_draft(draft, target, seed=0, token_gain=c)
+        names, fc_weight = set(draft.stored_tensors()), draft.fc.weight
+        s = settings(steps=300, ttt_steps=1, eval_depth=1, eval_batch=32, warmup=10, token_gain=c,
+                     feature_loss_weight=0.0)
+        trainer = FeatureTrainer(draft, target, Batcher(pack_rows(train_docs, SEQ, 0, None), 16, 0),
+                                 held_out, s)
+        agreement[c] = trainer.run()[-1]["agreement"][0]
+        assert not parametrize.is_parametrized(draft.fc)
+        assert draft.fc.weight is fc_weight and set(draft.stored_tensors()) == names
+    assert agreement[gain] > 0.97, agreement
+    assert agreement[1.0] < 0.9, agreement

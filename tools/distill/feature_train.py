@@ -19,6 +19,16 @@ gradients flow through the unrolling.
 One approximation: at step j all positions read depth-j features, also those a query attends to
 as keys and values; at inference the earlier positions of that context have shallower (or the
 target's) features.
+
+Token gain (``FeatureTrainSettings.token_gain``, c): the features are pre-norm and much larger
+than the token embeddings (SmolLM2-135M: RMS ~32 against ~0.12, c ~ 265), so with fc's columns
+alike the token half of fc([embed(x_{t+1}), f_t]) starts ~c times weaker and AdamW, whose steps
+are alike in absolute size, takes ~c times longer to grow it: the draft learns to use x_{t+1}
+(the very token whose consequence it predicts) slowly. Training therefore holds fc's token
+columns as c * W' and optimises W' (a parametrisation during ``run``, removed after it: the
+stored fc is the plain product, the format and the engine unchanged), and ``init_feature_draft``
+starts them c times larger, so both halves contribute alike from the start and learn alike.
+``token_gain_for`` measures c on a batch.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
 
 from ssdlib.models.feature_draft import FeatureDraft
 from tools.distill.data import Batcher, Docs
@@ -43,11 +55,15 @@ class FeatureTrainSettings(TrainSettings):
     feature_loss_weight: float = 0.1  # weight of the smooth-L1 feature regression term
     # unroll steps measured on held-out data, the same whatever ttt_steps, so runs compare
     eval_depth: int = 4
+    # fc's token columns trained as token_gain * W' (module doc; 1: plain)
+    token_gain: float = 1.0
 
     def __post_init__(self):
         if self.ttt_steps < 1 or self.eval_depth < 1:
             raise ValueError(f"ttt_steps and eval_depth must be at least 1, got "
                              f"{self.ttt_steps} and {self.eval_depth}")
+        if not self.token_gain > 0:
+            raise ValueError(f"the token gain must be positive, got {self.token_gain}")
         if self.feature_loss_weight < 0:
             raise ValueError(f"the feature loss weight must be >= 0, got "
                              f"{self.feature_loss_weight}")
@@ -56,12 +72,40 @@ class FeatureTrainSettings(TrainSettings):
 
 
 @torch.no_grad()
+def token_gain_for(draft: FeatureDraft, teacher, ids: torch.Tensor) -> float:
+    """The token gain c for ``teacher``'s features (module doc): the median over positions t of
+    ``ids`` [b, s] of RMS(f_t) / RMS(embed(x_{t+1})), position 0 (an attention sink's outsized
+    feature) left out."""
+    features = teacher.forward_full_features(ids)[1][:, 1:-1].float()
+    embeds = draft.embed_tokens(ids[:, 2:]).float()
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    return float((rms(features) / rms(embeds).clamp_min(1e-12)).median())
+
+
+class _TokenGain(nn.Module):
+    """fc's weight [H, 2H] as W' with its first H (token) columns times ``gain``."""
+
+    def __init__(self, hidden: int, gain: float):
+        super().__init__()
+        scale = torch.ones(2 * hidden)
+        scale[:hidden] = gain
+        self.register_buffer("scale", scale)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.scale.to(w.dtype)
+
+    def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+        return w / self.scale.to(w.dtype)
+
+
+@torch.no_grad()
 def init_feature_draft(draft: FeatureDraft, target, seed: int,
-                       init_layer: int | None = None) -> None:
+                       init_layer: int | None = None, token_gain: float = 1.0) -> None:
     """A fresh draft: N(0, 0.02) matrices, the residual output projections scaled down by
     sqrt(2 * layers), unit layer norms; the final norm := the target's (h_t estimates a target
     feature, which the target's norm maps to its logits). ``init_layer``: every draft layer :=
-    that layer of the target (``target``: the teacher, a LlamaForCausalLM)."""
+    that layer of the target (``target``: the teacher, a LlamaForCausalLM). ``token_gain``: fc's
+    token columns start that many times larger (module doc)."""
     n = len(target.model.layers)
     if init_layer is not None and not 0 <= init_layer < n:
         raise ValueError(f"--init-layer-from-target {init_layer}: the target has layers "
@@ -73,6 +117,7 @@ def init_feature_draft(draft: FeatureDraft, target, seed: int,
     for layer in draft.layers:  # as GPT-2: the residual stream grows with depth
         layer.self_attn.o_proj.weight.mul_(out_scale)
         layer.mlp.down_proj.weight.mul_(out_scale)
+    draft.fc.weight[:, :draft.config.hidden_size] *= token_gain
     draft.norm.load_state_dict(target.model.norm.state_dict())
     if init_layer is not None:
         for layer in draft.layers:
@@ -144,6 +189,8 @@ class FeatureTrainer:
         self.draft, self.teacher, self.batcher, self.held_out, self.s = (
             draft, teacher, batcher, held_out, s)
         self.device = next(draft.parameters()).device
+        # the parameters are the same objects with the token gain's parametrisation on or off
+        # (it keeps fc's weight tensor as its ``original``), so one optimizer serves both
         params = list(draft.parameters())  # the target's embedding and head are not among them
         self.opt = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() > 1], "weight_decay": s.weight_decay},
@@ -160,8 +207,26 @@ class FeatureTrainer:
     def done(self) -> bool:
         return self.step >= self.s.steps
 
+    @property
+    def gained(self) -> bool:
+        """Whether fc's token columns are now trained through the token gain."""
+        return parametrize.is_parametrized(self.draft.fc, "weight")
+
+    def _gain(self, on: bool) -> None:
+        """Put the token gain's parametrisation on fc (the function unchanged: fc's weight
+        tensor then holds W'), or take it off (the tensor holds the plain weight again)."""
+        if self.s.token_gain == 1.0 or on == self.gained:
+            return
+        if on:
+            parametrize.register_parametrization(
+                self.draft.fc, "weight", _TokenGain(self.draft.config.hidden_size,
+                                                    self.s.token_gain).to(self.device))
+        else:
+            parametrize.remove_parametrizations(self.draft.fc, "weight", leave_parametrized=True)
+
     def train_on(self, ids: torch.Tensor) -> torch.Tensor:
-        """One optimiser step on ``ids`` [b, seq_len]; returns the loss (not read)."""
+        """One optimiser step on ``ids`` [b, seq_len] (through the token gain, which ``run``
+        puts on); returns the loss (not read)."""
         s = self.s
         with torch.no_grad():
             t_logits, t_features = self.teacher.forward_full_features(ids)
@@ -186,20 +251,24 @@ class FeatureTrainer:
         returns the evaluations. ``budget`` (a ``tools.distill.budget.StepBudget``) may lower
         ``steps`` once, early, so that the run ends on time (its schedule with it)."""
         s = self.s
-        if not self.history or self.history[-1]["step"] != self.step:
-            self._evaluate(on_eval)
-        while self.step < s.steps:
-            if budget is not None:
-                budget.before_step([self])
-                if self.done:
-                    break
-            loss = self.train_on(self.batcher.next().to(self.device))
-            if on_step:
-                on_step(self.step, loss)
-            if (s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps:
+        self._gain(True)
+        try:
+            if not self.history or self.history[-1]["step"] != self.step:
                 self._evaluate(on_eval)
-        if self.history[-1]["step"] != self.step:
-            self._evaluate(on_eval)
+            while self.step < s.steps:
+                if budget is not None:
+                    budget.before_step([self])
+                    if self.done:
+                        break
+                loss = self.train_on(self.batcher.next().to(self.device))
+                if on_step:
+                    on_step(self.step, loss)
+                if (s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps:
+                    self._evaluate(on_eval)
+            if self.history[-1]["step"] != self.step:
+                self._evaluate(on_eval)
+        finally:  # the draft leaves as it is stored: a plain fc
+            self._gain(False)
         return self.history
 
     def _evaluate(self, on_eval: Callable[[dict], None] | None) -> None:
