@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from ssdlib.errors import CheckpointError  # noqa: E402
 from ssdlib.loading import load_checkpoint, registry  # noqa: E402
-from ssdlib.loading.feature_draft import (check_max_mb, save_feature_draft,  # noqa: E402
-                                          tokenizer_source)
+from ssdlib.loading.feature_draft import (check_max_mb, load_feature_draft,  # noqa: E402
+                                          save_feature_draft, tokenizer_source)
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
 from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-from", required=True,
                    help="data.safetensors of tools/distill_data.py gen (train and held-out)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="continue training the feature draft in DIR (its layers and weights; a "
+                        "fresh optimizer and schedule): a long training split over several runs")
     p.add_argument("--init-layer-from-target", type=int, default=None, metavar="I",
                    help="start every draft layer as target layer I (default: random)")
     p.add_argument("--ttt-steps", type=int, default=3,
@@ -139,11 +142,19 @@ def main(argv: list[str] | None = None) -> dict:
             long_batch = args.long_batch or max(1, args.batch * args.seq_len // args.long_seq_len)
             batcher = mixed_batcher(train_docs, args.seq_len, args.batch, args.long_seq_len,
                                     long_batch, args.long_every, args.seed, separator)
-        with torch.device(device):
-            draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
+        if args.init_from:
+            if args.init_layer_from_target is not None:
+                raise ValueError("--init-from and --init-layer-from-target exclude each other")
+            draft = load_feature_draft(args.init_from, ck, teacher, device, torch.float32,
+                                       max_positions).requires_grad_(True)  # (loaded frozen)
+            args.layers = len(draft.layers)
+        else:
+            with torch.device(device):
+                draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
         gain = fixed_gain if fixed_gain is not None else token_gain_for(
             draft, teacher, rows[:8].to(device))
-        init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target, gain)
+        if not args.init_from:
+            init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target, gain)
         mb = check_max_mb(draft, storage, args.max_mb)
         settings = FeatureTrainSettings(
             steps=args.steps, lr=args.lr,

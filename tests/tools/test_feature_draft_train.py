@@ -249,3 +249,20 @@ def test_the_token_gain_lets_the_draft_learn_the_token_next_to_outsized_features
         assert draft.fc.weight is fc_weight and set(draft.stored_tensors()) == names
     assert agreement[gain] > 0.97, agreement
     assert agreement[1.0] < 0.9, agreement
+
+
+def test_cli_continues_a_draft_it_wrote(setup, tmp_path):
+    """--init-from: a second run starts from the first one's draft (its first evaluation is the
+    first run's last, up to the fp16 storage) and trains on from there."""
+    target, _, data = setup
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--target", target, "--data-from", data, "--device", "cpu", "--batch", "8",
+              "--seq-len", str(SEQ), "--ttt-steps", "2", "--lr", "3e-3", "--eval-every", "0"]
+    a = main(common + ["--out", str(first), "--steps", "20", "--layers", "2"])["history"]
+    b = main(common + ["--out", str(second), "--steps", "20", "--init-from", str(first)])
+    assert b["history"][0]["kl"][0] == pytest.approx(a[-1]["kl"][0], rel=0.02)
+    assert b["history"][-1]["kl"][0] < b["history"][0]["kl"][0]
+    assert len(load_feature_draft(str(second), load_checkpoint(target)).layers) == 2
+    with pytest.raises(SystemExit, match="exclude each other"):
+        main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--init-from", str(first),
+                       "--init-layer-from-target", "0"])
