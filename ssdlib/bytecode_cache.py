@@ -28,13 +28,10 @@ PREFIX_ENV = "PYTHONPYCACHEPREFIX"
 
 def has_bytecode(source: str) -> bool:
     """Whether the bytecode of ``source`` for this interpreter sits beside it (__pycache__)."""
-    try:
-        folder, name = os.path.split(source)
-        tag = sys.implementation.cache_tag
-        return os.path.exists(os.path.join(folder, "__pycache__",
-                                           f"{os.path.splitext(name)[0]}.{tag}.pyc"))
-    except (TypeError, ValueError):
-        return True  # nothing to go on: leave Python as it is
+    try:  # (called while sys.pycache_prefix is unset: the path beside the source)
+        return os.path.exists(importlib.util.cache_from_source(source))
+    except (NotImplementedError, ValueError):  # no cache tag: leave Python as it is
+        return True
 
 
 def enable(package: str = "torch") -> str | None:

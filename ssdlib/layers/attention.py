@@ -146,20 +146,16 @@ def _slot_kernel_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        tree_k: torch.Tensor | None, tree_v: torch.Tensor | None,
                        tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
     """``slot_attention`` with the model runner's backend (chosen once, by use_slot_kernel: no
-    per-layer re-dispatch); :func:`_slot_kernel` is the same under torch.compile."""
+    per-layer re-dispatch)."""
     return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
                           tree_mask, backend=backend).contiguous()
 
 
-@torch.library.custom_op("ssdlib::slot_attention", mutates_args=())
-def _slot_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
-                 tree_k: torch.Tensor | None, tree_v: torch.Tensor | None,
-                 tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """``slot_attention`` as an opaque op: torch.compile traces the step around it in one graph
-    (fusing the small kernels before and after it) and launches the kernel as it is."""
-    return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
-                          tree_mask, backend=backend).contiguous()
+# the same as an opaque op: torch.compile traces the step around it in one graph (fusing the
+# small kernels before and after it) and launches the kernel as it is (it holds the function
+# itself, not the module's name for it)
+_slot_kernel = torch.library.custom_op("ssdlib::slot_attention", _slot_kernel_eager,
+                                       mutates_args=())
 
 
 @_slot_kernel.register_fake

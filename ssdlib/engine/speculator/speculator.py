@@ -247,8 +247,12 @@ class CacheRole:
         self._fanout_used = self.fanout()
         self._push_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def fanout(self) -> list[int]:
-        return self.fixed_fanout if self.fixed_fanout is not None else self.estimator.allocation()
+    def fanout(self, limit: int | None = None) -> list[int]:
+        """The fan-out in use: a fixed --fan-out as given, else the estimate for a verification
+        of the first ``limit`` tokens (``FanoutEstimator.allocation``; None: all K)."""
+        if self.fixed_fanout is not None:
+            return self.fixed_fanout
+        return self.estimator.allocation(limit)
 
     def invalidate(self, slots: list[int]) -> None:
         self.cache.invalidate(slots)
@@ -300,11 +304,8 @@ class CacheRole:
         """Build the cache for ``rows``; returns how many continued a hit's branch KV. The
         estimated fan-out follows the leader's choice of K: outcomes past the longest verified
         limit of these rows cannot happen, so they get no branch (a fixed --fan-out is kept)."""
-        if self.estimator is not None and rows:
-            fan = self.estimator.allocation(max(self.K if r.limit is None else r.limit
-                                                for r in rows))
-        else:
-            fan = self.fanout()
+        fan = self.fanout(max((self.K if r.limit is None else r.limit for r in rows),
+                              default=None))
         self._fanout_used = fan
         return self.builder.build(rows, fan, sampling)
 

@@ -37,7 +37,7 @@ def test_sampled_builds_over_two_allocations(tiny_dirs, monkeypatch, c, expected
     spec = rounds.spec.cache  # the speculator's CacheRole: its builder and fan-out
     spec.builder.saguaro_c = c  # from here on (the admission's first build used C = 1)
     allocations = itertools.cycle([[2, 2, 2, 2], [3, 2, 1, 2]])  # each round a new one
-    monkeypatch.setattr(spec, "fanout", lambda: next(allocations))
+    monkeypatch.setattr(spec, "fanout", lambda limit=None: next(allocations))
     for _ in range(6):
         rounds.round()
     pool = spec.builder.tree_step.pool
