@@ -18,6 +18,7 @@ from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs, 
 from ssdlib.generator import Generator
 from ssdlib.jsonl import check_writable, read_prompts_file, write_json, write_jsonl_atomic
 from ssdlib.log import setup_logging
+from ssdlib.quick_exit import quick_exit
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -110,4 +111,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit(main())

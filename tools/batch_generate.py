@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ssdlib.cli_args import (add_engine_args, add_sampling_args, engine_kwargs,  # noqa: E402
                              run_reporting, sampling_params)
 from ssdlib.errors import ConfigError  # noqa: E402
+from ssdlib.quick_exit import quick_exit  # noqa: E402
 
 
 def run(args) -> int:
@@ -63,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit(main())

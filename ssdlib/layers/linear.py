@@ -49,10 +49,12 @@ def all_gather_last(x: torch.Tensor, tp_group) -> torch.Tensor:
 def load_padded_block(weights, name: str, dim: int, start: int, stop: int, real: int,
                        shape: tuple[int, ...], dtype, device) -> torch.Tensor:
     """Read rows/cols [start, stop) of ``name`` along ``dim``; indices >= ``real`` are zeros."""
-    out = torch.zeros(shape, dtype=torch.float32)
     real_stop = min(stop, real)
-    if real_stop > start:
-        block = weights.get(name, dim=dim, start=start, stop=real_stop)
+    block = weights.get(name, dim=dim, start=start, stop=real_stop) if real_stop > start else None
+    if block is not None and tuple(block.shape) == tuple(shape):
+        return block.to(device=device, dtype=dtype)  # nothing to pad: no zeroed copy
+    out = torch.zeros(shape, dtype=torch.float32)
+    if block is not None:
         out.narrow(dim, 0, real_stop - start).copy_(block)
     return out.to(device=device, dtype=dtype)
 
