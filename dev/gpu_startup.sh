@@ -14,7 +14,8 @@
 #           (the one-prompt CLI cold and warm, 40 prompts with the batch tool, the server cold and
 #           warm: ready, first request, 40 in a row, SIGTERM with 4 streams; bench SD b = 1)
 #           knobs: PROBE=0 (skip dev/warm_probe.py), SERVE_ENV="VAR=VALUE ..." (the server's
-#           environment), B8_MODES="..." (a bench at b = 8 too)
+#           environment), B8_MODES="..." (a bench at b = 8 too), CLI_ONLY=1 (the CLI pair and
+#           the bench only), B1_MODES="..." (the b = 1 bench's modes)
 # (SD against AR by prompt length: dev/gpu_lengths.sh, once the GGUF is in /tmp)
 # Every measurement starts from an empty cache directory unless it says warm.
 set -uo pipefail
@@ -58,6 +59,7 @@ run() {  # name, cache dir (cold: empty, triton's cache in it too), command...: 
 PROMPT="Write a Python function that checks whether a number is prime."
 run cli_cold /tmp/cache_cli python3 -m ssdlib.generate --mode sd --chat --prompt "$PROMPT" --max-new-tokens 128
 run cli_warm /tmp/cache_cli python3 -m ssdlib.generate --mode sd --chat --prompt "$PROMPT" --max-new-tokens 128
+if [ "${CLI_ONLY:-0}" != 1 ]; then
 # 40 chat prompts: the held-out chat set (24) and 16 HumanEval tasks as chat messages
 python3 - "$STAGE/HumanEval.jsonl.gz" > /tmp/prompts40.jsonl <<'EOF2'
 import gzip, json, sys
@@ -82,8 +84,10 @@ for w in cold warm; do
   env ${SERVE_ENV:-} SSDLIB_CACHE_DIR=/tmp/cache_serve TRITON_CACHE_DIR=/tmp/cache_serve/triton python3 dev/startup_probe.py --json "$OUT/serve_$w.json" --log /tmp/serve_$w.log -- --mode sd --max-batch 8 > /dev/null 2>&1
   { echo "== serve $w"; python3 -c "import json;r=json.load(open('$OUT/serve_$w.json'));print({k:r.get(k) for k in ('ready_s','first_request','sequential','first_over_p50','first_prompt_again_s','first_over_again')});print({k:v for k,v in r['sigterm'].items() if k!='streams'});print([(s.get('done'),s.get('finish_reason'),s.get('error')) for s in r['sigterm']['streams']])"; grep -E "loaded in|warm-up|captured" /tmp/serve_$w.log; } | tee -a "$LOG"
 done
-echo "== bench b=1 (16 HumanEval chat prompts)" | tee -a "$LOG"
-timeout 240 python3 tools/bench.py --device cuda --humaneval "$STAGE/HumanEval.jsonl.gz" --max-new-tokens 256 --k 3 --n-prompts 16 --modes ar,sd,ssd:placement=stream --json "$OUT/bench_b1.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -30 | tee -a "$LOG"
+fi  # CLI_ONLY
+B1_MODES=${B1_MODES:-ar,sd,ssd:placement=stream}
+echo "== bench b=1 (16 HumanEval chat prompts): $B1_MODES" | tee -a "$LOG"
+timeout ${B1_TIMEOUT:-240} python3 tools/bench.py --device cuda --humaneval "$STAGE/HumanEval.jsonl.gz" --max-new-tokens 256 --k 3 --n-prompts 16 --modes "$B1_MODES" --json "$OUT/bench_b1.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -30 | tee -a "$LOG"
 # B8_MODES: a bench at b = 8 too (e.g. "ar,ar:env=SSDLIB_COMPILE_DYNAMIC=1,sd,sd:env=SSDLIB_COMPILE_DYNAMIC=1")
 if [ -n "${B8_MODES:-}" ]; then
   echo "== bench b=8 (16 HumanEval chat prompts): $B8_MODES" | tee -a "$LOG"

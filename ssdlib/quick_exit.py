@@ -16,10 +16,12 @@ import sys
 import threading
 from typing import NoReturn
 
+from ssdlib import env
+
 
 def quick_exit(code: int | None) -> NoReturn:
     code = 0 if code is None else code
-    if os.environ.get("SSDLIB_QUICK_EXIT", "1") == "0" or threading.active_count() > 1:
+    if not env.flag("SSDLIB_QUICK_EXIT") or threading.active_count() > 1:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
