@@ -234,6 +234,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     row = {"mode": spec, "batch": args.batch, "tokens": tokens, "wall_s": wall,
            "tok_s": tokens / wall, "ready_s": ready, "engine_ready_s": engine_ready,
            "token_ids": [o.token_ids for o in outs]}
+    if any("k_runs" in o.metrics for o in outs):  # each output's K, round by round (runs)
+        row["k_runs"] = [o.metrics.get("k_runs", []) for o in outs]
     if options:
         row["options"] = options
     row.update({key: run[key] for key in ROW_KEYS if key in run})

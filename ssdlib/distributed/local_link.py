@@ -65,6 +65,9 @@ def speculator_stream(device: torch.device):
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     total = torch.cuda.get_device_properties(index).multi_processor_count
+    key = (index, min(sms, total))
+    if key in _GREEN:
+        return _GREEN[key]
     try:
         from torch.cuda.green_contexts import GreenContext
         green = GreenContext.create(num_sms=min(sms, total), device_id=index)
@@ -74,7 +77,14 @@ def speculator_stream(device: torch.device):
                     "shares every SM", sms, type(e).__name__, e)
         return plain, None
     log.info("the speculator runs on %d of %d SMs (a green context)", min(sms, total), total)
+    _GREEN[key] = (stream, green)
     return stream, green
+
+
+# green contexts made in this process, by (device, SMs): kept for the process's life, since a
+# tensor last used on a green context's stream records an event there when it is freed, which
+# must not find the context destroyed
+_GREEN: dict[tuple[int, int], tuple] = {}
 
 
 def _priorities() -> tuple[int, int]:

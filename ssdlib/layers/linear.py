@@ -52,7 +52,9 @@ def load_padded_block(weights, name: str, dim: int, start: int, stop: int, real:
     real_stop = min(stop, real)
     block = weights.get(name, dim=dim, start=start, stop=real_stop) if real_stop > start else None
     if block is not None and tuple(block.shape) == tuple(shape):
-        return block.to(device=device, dtype=dtype)  # nothing to pad: no zeroed copy
+        # nothing to pad: one copy, not a zeroed one filled (a copy all the same: a source may
+        # hand out a tensor it keeps, e.g. a target's embedding that a draft shares)
+        return block.to(device=device, dtype=dtype, copy=True)
     out = torch.zeros(shape, dtype=torch.float32)
     if block is not None:
         out.narrow(dim, 0, real_stop - start).copy_(block)

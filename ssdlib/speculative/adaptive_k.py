@@ -192,6 +192,11 @@ class StepCosts:
         known = [(k, r) for k, r in enumerate(self.rest) if r is not None]
         rest = [r if r is not None else min(known, key=lambda kr: abs(kr[0] - k))[1]
                 for k, r in enumerate(self.rest)]
+        # a verify of more positions never costs less than one of fewer: each K's rest is at
+        # most every longer K's (so a K whose few timings ran slow, e.g. beside a first call's
+        # work, is not judged dearer than a longer one, and thereby never run and retimed)
+        for k in range(self.k_max - 1, -1, -1):
+            rest[k] = min(rest[k], rest[k + 1])
         draft = self.draft
         if draft is None:
             draft = self.draft_prior * sum(r for _, r in known) / len(known)

@@ -171,6 +171,12 @@ def test_greedy_equals_ar_with_per_row_limits(tiny_dirs, ar_reference, monkeypat
     for o in outs:
         assert 0 < o.metrics["k0_rounds"] < o.metrics["rounds"] and 0 < o.metrics["mean_k"] < 4
         assert o.metrics["tried"] <= o.metrics["drafted"] <= 4 * o.metrics["rounds"]
+        # the round-by-round K: runs of [K, rounds] adding up to the rounds, K from the schedule
+        runs = o.metrics["k_runs"]
+        assert sum(n for _, n in runs) == o.metrics["rounds"]
+        assert sum(k * n for k, n in runs) == o.metrics["drafted"]
+        assert sum(n for k, n in runs if k == 0) == o.metrics["k0_rounds"]
+        assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))
 
 
 # ---- distribution tests ----------------------------------------------------------------------

@@ -25,14 +25,20 @@ def record_acceptance(seqs, result, limits: list[int], k_max: int,
             pos[j] += int(a)
         m["k_sum"] = m.get("k_sum", 0) + k
         m["k0_rounds"] = m.get("k0_rounds", 0) + (k == 0)
+        runs = m.setdefault("k_runs", [])  # the K of each round, as [K, rounds in a row]
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
         if alphas is not None:
             m["k_alpha"] = alphas[i]
 
 
 def finalize_acceptance_metrics(m: dict) -> None:
     """Derived per-output metrics: acceptance rate a_p, mean accepted length per round, the
-    mean K chosen (``mean_k``; ``k0_rounds`` rounds at K = 0, ``k_alpha`` the last acceptance
-    estimate they were chosen on); SSD's hit rates and idle fractions."""
+    mean K chosen (``mean_k``; ``k0_rounds`` rounds at K = 0, ``k_runs`` the K of every round
+    as runs of [K, rounds], ``k_alpha`` the last acceptance estimate they were chosen on); SSD's
+    hit rates and idle fractions."""
     finalize_ssd_metrics(m)
     if "k_sum" in m and m["rounds"]:
         m["mean_k"] = m.pop("k_sum") / m["rounds"]  # the K chosen, per round

@@ -73,6 +73,9 @@ class SDLoop:
         sampled = [not s.params.greedy for s in seqs]
         limits = self.policy.choose([s.slot for s in seqs], sampled)
         k = max(limits)
+        if k == 0 and not any(sampled):
+            self._ar_round(seqs, limits, captured)
+            return
         if k > 0:
             tokens, q = self.drafter.propose(seqs, k, want_q=any(sampled))
             draft_q = DraftQ.from_probs(q) if any(sampled) else None
@@ -82,16 +85,33 @@ class SDLoop:
             draft_q = DraftQ.uniform(len(seqs))
         timer.mark("draft")
         self._learn_costs(timer.flush(), self._timed)  # the last round's, read while drafting
-        if k == 0 and not any(sampled):
-            result = self._target_step(seqs)
-        else:
-            outcome = verify_round(self.target, seqs, tokens, draft_q, self.device,
-                                   limits=limits, draws=self.k + 1)
-            result = read_round(tokens, outcome)
+        outcome = verify_round(self.target, seqs, tokens, draft_q, self.device,
+                               limits=limits, draws=self.k + 1)
+        result = read_round(tokens, outcome)
         timer.mark("verify")
         commit_round(seqs, result)
         if k > 0:
             self.drafter.after_commit(seqs, result.accepted, k)
+        self._end_round(seqs, limits, result, sampled, captured, k)
+
+    def _ar_round(self, seqs, limits: list[int], captured: int) -> None:
+        """A round of greedy rows at K = 0: AR's step (the last token's forward, its argmax
+        read back) as the round's result (no drafts, the argmax as t*). The forward is launched
+        first; the draft's bookkeeping and the last round's times are read while it runs, as
+        AR's own step does, so that a round at K = 0 costs the host what an AR step does."""
+        logits = next_token_logits(self.target, seqs)
+        self.drafter.skip(seqs)
+        self._learn_costs(self.timer.flush(), self._timed)
+        bonus = sample_rows(logits, seqs)  # the round's read-back
+        self.timer.mark("verify")
+        result = RoundResult([0] * len(seqs), bonus, [[] for _ in seqs], [[t] for t in bonus])
+        commit_round(seqs, result)
+        self._end_round(seqs, limits, result, [False] * len(seqs), captured, 0)
+
+    def _end_round(self, seqs, limits, result: RoundResult, sampled, captured: int,
+                   k: int) -> None:
+        """The policy learns the round's acceptance and, from its times, the costs."""
+        timer = self.timer
         keys = [s.slot for s in seqs]
         self.policy.observe(keys, limits, result.accepted, sampled)
         record_acceptance(seqs, result, limits, self.k, [self.policy.alpha(i) for i in keys])
@@ -102,12 +122,6 @@ class SDLoop:
             (k, k > 0 and self.drafter.plain, self.policy.probed)
         self._timed = tag if timer.timed and not phases else None
         self._learn_costs(phases, tag)
-
-    def _target_step(self, seqs) -> RoundResult:
-        """A round of greedy rows at K = 0: AR's step (the last token's forward, its argmax
-        read back), as the round's result (no drafts, the argmax as t*)."""
-        bonus = sample_rows(next_token_logits(self.target, seqs), seqs)
-        return RoundResult([0] * len(seqs), bonus, [[] for _ in seqs], [[t] for t in bonus])
 
     def batch_metrics(self) -> dict:
         """The policy's cost estimates (ms), for the run's metrics."""
