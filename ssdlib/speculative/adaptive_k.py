@@ -21,13 +21,13 @@ step is cheaper than a verify.
 
 alpha, per sequence: exponentially decayed counts of accepted and tried draft tokens (a token is
 tried when every token before it was accepted, so tokens past a rejection count for nothing),
-started at PRIOR_ALPHA with the weight of PRIOR_TRIES tries: alpha = accepted / tried. A greedy
-sequence starts instead from what the engine has seen of sequences whose context was about as
-long (CONTEXT_BUCKETS; counts decayed by HISTORY_DECAY per observed round, used once they hold
-HISTORY_MIN_TRIES tries): a draft that fails past its training length is known to fail for the
-next long prompt too, which then starts where the last one ended instead of spending its first
-rounds (each a catch-up at the full context) learning it again. Sampled rows keep PRIOR_ALPHA:
-their K schedule, and with it their tokens, must depend on their own tokens only.
+started at PRIOR_ALPHA with the weight of PRIOR_TRIES tries: alpha = accepted / tried. Every
+sequence starts from the prior, whatever sequences before it showed: drafts fare very differently
+from one prompt to the next, and a sequence started from its predecessors' acceptance (tried: the
+acceptance of earlier sequences of about its length) sat at K = 0 for most of its tokens where its
+own draft did well (SD at 0.70x a fixed K on one H200, 500-token prompts). A sequence whose draft
+fails spends its first few rounds learning it; its draft was prefilled at admission, so those
+rounds pay no catch-up.
 
 Recovery. Acceptance comes in stretches: a hard stretch of text (a new name, a number) can take a
 row whose draft does well to K = 0, and a round at K = 0 observes nothing that would take it
@@ -91,9 +91,6 @@ FIRST_PROBE_INTERVAL = 8  # rounds at K = 0 before the first probe
 MAX_PROBE_INTERVAL = 128
 LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share of the best
 PROBE_BUDGET = 0.02  # probes' share of the decoding time at most, once a probe has been timed
-CONTEXT_BUCKETS = (1024, 4096)  # context lengths (tokens) whose acceptances are kept apart
-HISTORY_DECAY = 0.98  # per observed round of a bucket's rows: a memory of ~50 rounds
-HISTORY_MIN_TRIES = 8.0  # tried tokens a bucket needs before a new row starts from it
 COST_WINDOW = 15  # measurements a cost estimate is the median of
 DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
 
@@ -218,7 +215,6 @@ class RowState:
     tried: float = PRIOR_TRIES
     long_accepted: float = PRIOR_ALPHA * PRIOR_TRIES  # the same, with the long memory
     long_tried: float = PRIOR_TRIES
-    bucket: int | None = None  # its context's CONTEXT_BUCKETS index (greedy rows only)
     zeros: int = 0  # rounds in a row it chose K = 0
     interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False  # its current round is a probe
@@ -230,11 +226,6 @@ class RowState:
     @property
     def long_alpha(self) -> float:
         return self.long_accepted / self.long_tried if self.long_tried > 0 else PRIOR_ALPHA
-
-    def start_from(self, alpha: float) -> None:
-        """Both estimates at ``alpha``, with the prior's weight."""
-        self.accepted = self.long_accepted = PRIOR_TRIES * alpha
-        self.tried = self.long_tried = PRIOR_TRIES
 
     def recover(self) -> None:
         """A round at K = 0: the short estimate moves toward the long-run one (module doc)."""
@@ -282,23 +273,14 @@ class AdaptiveK:
         self.costs = costs if costs is not None else StepCosts(k_max)
         self.enabled = enabled
         self.rows: dict[int, RowState] = {}
-        # per context bucket: decayed (accepted, tried) of its greedy rows' rounds
-        self._history: dict[int, tuple[float, float]] = {}
         self.choices = k_choices(k_max)
         order = sorted(self.choices, reverse=True) + [0]
         self._sweep = _Sweep({kind: list(order) for kind in BATCH_KINDS}
                              if enabled and sweep else {})
 
-    def admit(self, key: int, context: int | None = None, greedy: bool = False) -> None:
-        """A sequence takes slot ``key``; ``context``: its length in tokens. A greedy one starts
-        from the acceptance seen at contexts of about that length (module doc)."""
-        row = self.rows[key] = RowState()
-        if not greedy or context is None:
-            return
-        row.bucket = sum(context >= edge for edge in CONTEXT_BUCKETS)
-        accepted, tried = self._history.get(row.bucket, (0.0, 0.0))
-        if tried >= HISTORY_MIN_TRIES:
-            row.start_from(accepted / tried)
+    def admit(self, key: int) -> None:
+        """A sequence takes slot ``key``: it starts from the prior."""
+        self.rows[key] = RowState()
 
     def release(self, key: int) -> None:
         self.rows.pop(key, None)
@@ -356,10 +338,6 @@ class AdaptiveK:
             row.tried = DECAY * row.tried + tries
             row.long_accepted = LONG_DECAY * row.long_accepted + a
             row.long_tried = LONG_DECAY * row.long_tried + tries
-            if row.bucket is not None:
-                acc, tried = self._history.get(row.bucket, (0.0, 0.0))
-                self._history[row.bucket] = (HISTORY_DECAY * acc + a,
-                                             HISTORY_DECAY * tried + tries)
             if row.probing:
                 row.probing = False
                 costs = self.costs.table(measured=not s)

@@ -137,7 +137,7 @@ def test_adaptive_k_falls_to_zero_with_a_random_draft(tiny_dirs, ar_reference, r
     check_equal(tiny_dirs, ar_reference, outs)
     assert all(o.metrics["k0_rounds"] > o.metrics["rounds"] / 2 for o in outs)
     assert run["mean_k"] < 1.5 and run["k0_rounds"] == sum(o.metrics["k0_rounds"] for o in outs)
-    assert all(o.metrics["k_alpha"] < 0.3 for o in outs)
+    assert all(o.metrics["k_alpha"] < 0.5 for o in outs)  # from the prior, 0.9
     assert "round_ms_by_k" in run["k_costs"]
 
 

@@ -243,32 +243,6 @@ def test_probes_are_spaced_so_that_they_cost_at_most_the_probe_budget():
     assert probes[0] - first_zero >= gap  # gap rounds at K = 0 (the first of them included)
 
 
-def test_a_new_greedy_row_starts_from_what_its_context_length_has_shown():
-    """Rows at long contexts whose draft fails teach the next long greedy row to start low (no
-    rounds spent relearning it); a short row, and a sampled row, start at the prior."""
-    from ssdlib.speculative.adaptive_k import CONTEXT_BUCKETS, PRIOR_ALPHA
-
-    long_ctx, short_ctx = CONTEXT_BUCKETS[0] + 500, 100
-    policy = AdaptiveK(3)
-    for key in range(3):  # three long greedy rows whose drafts are never accepted
-        policy.admit(key, long_ctx, greedy=True)
-        for _ in range(6):
-            k = policy.choose([key], [False])[0]
-            policy.observe([key], [k], [0], [False])
-        policy.release(key)
-    policy.admit(10, long_ctx, greedy=True)
-    assert policy.alpha(10) < 0.2
-    policy.admit(11, short_ctx, greedy=True)
-    policy.admit(12, long_ctx, greedy=False)
-    policy.admit(13, long_ctx)  # no sampling given: the prior
-    for key in (11, 12, 13):
-        assert policy.alpha(key) == pytest.approx(PRIOR_ALPHA)
-    # a fresh policy has no history: the prior
-    fresh = AdaptiveK(3)
-    fresh.admit(0, long_ctx, greedy=True)
-    assert fresh.alpha(0) == pytest.approx(PRIOR_ALPHA)
-
-
 def test_a_short_failing_stretch_pauses_speculation_for_a_few_rounds_only():
     """A draft that the target agreed with fails for a few rounds (a hard stretch of text): the
     row drops to K = 0, and its estimate drifts back toward its long-run acceptance, so it
@@ -332,38 +306,22 @@ def test_adaptive_k_keeps_up_with_fixed_k_where_acceptance_comes_in_stretches(st
     assert adaptive >= 0.97 * fixed
 
 
-def test_a_sequence_is_judged_by_its_own_draft_not_the_last_ones():
-    """Sequences of one length whose drafts differ (prompts of ~500 tokens on one H200: a
-    failing one, then one whose draft the target mostly agrees with): the second speculates
-    from its first rounds, whatever the first one showed. (A policy that started each new
-    greedy row from the acceptance of earlier rows of its length kept such a row at K = 0 for
-    most of its 128 tokens: SD at 0.70x a fixed K.)"""
-    draft, rest, probe = 0.27e-3, [1.18e-3, 1.23e-3, 1.23e-3, 1.23e-3], 1.24e-3
+def test_a_sequence_starts_from_the_prior_whatever_came_before():
+    """Drafts fare very differently from one prompt to the next: a new sequence starts from the
+    prior (K_max at one H200's costs), not from what earlier sequences showed. (Started from the
+    acceptance of earlier sequences of its length, a 500-token prompt whose draft did well sat at
+    K = 0 for 42 of its first 44 rounds on one H200: SD at 0.70x a fixed K.)"""
+    from ssdlib.speculative.adaptive_k import PRIOR_ALPHA
+
     policy = AdaptiveK(3)
-    for _ in range(COST_WINDOW):
-        policy.costs.observe_draft(draft, 1)
-        for k in range(4):
-            policy.costs.observe_round(k, rest[k])
-        policy.costs.observe_probe(rest[0] + probe)
-    rng = random.Random(3)
-
-    def sequence(key, alpha, tokens=128):
-        policy.admit(key, 500, greedy=True)
-        t = done = 0
-        while done < tokens:
+    _h200_costs(policy)
+    for key in range(4):  # sequences whose draft never agrees
+        policy.admit(key)
+        for _ in range(20):
             k = policy.choose([key], [False])[0]
-            a = 0
-            while a < k and rng.random() < alpha:
-                a += 1
-            t += k * draft + rest[k] + (probe if policy.probed else 0.0)
-            policy.observe([key], [k], [a], [False])
-            done += a + 1
+            policy.observe([key], [k], [0], [False])
+        assert policy.alpha(key) < 0.5
         policy.release(key)
-        return done / t
-
-    good = []
-    for i in range(6):
-        sequence(2 * i, 0.02)  # the draft fails here
-        good.append(sequence(2 * i + 1, 0.7))
-    e3 = expected_tokens(3, 0.7) / (3 * draft + rest[3])  # a fixed K = 3 on the good ones
-    assert sum(good) / len(good) >= 0.9 * e3
+    policy.admit(9)
+    assert policy.alpha(9) == pytest.approx(PRIOR_ALPHA)
+    assert policy.choose([9], [False]) == [3]

@@ -48,7 +48,7 @@ class SDLoop:
         admit_with_first_token(self.target, seqs, self.device)
         for q in seqs:
             self.drafter.reset(q.slot)
-            self.policy.admit(q.slot, len(q.tokens), q.params.greedy)
+            self.policy.admit(q.slot)
         # the draft's prefill now, with the target's shapes (the prompts'), not at the first
         # proposal: that may come after rounds at K = 0, with a length no warm-up foresaw
         self.drafter.prefill(seqs)

@@ -92,7 +92,7 @@ class LinkVerifier:
         self._leaving = [s for s in self._leaving if s not in taken]
         for q in seqs:
             self.source.admit_row(q)
-            self.policy.admit(q.slot, len(q.tokens), q.params.greedy)
+            self.policy.admit(q.slot)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
