@@ -44,10 +44,15 @@ Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
 still chooses K = 0, the interval doubles (up to MAX_PROBE_INTERVAL); otherwise it restarts at
 FIRST_PROBE_INTERVAL. A probe is dear where the draft is far behind (its catch-up over every token
-it skipped, then a chain and a wider verify: ~3-4 ms against a ~1.2 ms AR step for SmolLM2 at a 2k
-context on one H200), so the intervals are also kept long enough that probes cost at most
-PROBE_BUDGET of the decoding time: at least (a probe's measured extra time) / (PROBE_BUDGET x an
-AR round's time) rounds (:meth:`StepCosts.observe_probe`, fed by the loop).
+it skipped, then a chain and a wider verify: ~1.2 ms more than a ~1.2 ms AR step for SmolLM2 at
+0.5-2k tokens of context on one H200), so once a probe has failed, the intervals are also kept
+long enough that probes cost at most PROBE_BUDGET of the decoding time: at least (a probe's
+measured extra time) / (PROBE_BUDGET x an AR round's time) rounds (:meth:`StepCosts.observe_probe`,
+fed by the loop). The first probe after a drop comes after FIRST_PROBE_INTERVAL rounds whatever the
+budget: a drop often ends a hard stretch of text that the draft does well after (on one H200 a
+500-token prompt's sequence waited 40 rounds for its first probe under the budget, then drafted
+well: SD at 0.89x a fixed K), and one probe a drop is cheap next to a stretch at K = 0 that the
+draft would have sped up by a third.
 
 Costs (:class:`StepCosts`): running medians (of the last COST_WINDOW measurements: a round that
 also ran something once, a first call's set-up, a collector's pause, must not decide many rounds
@@ -217,6 +222,7 @@ class RowState:
     long_tried: float = PRIOR_TRIES
     zeros: int = 0  # rounds in a row it chose K = 0
     interval: int = FIRST_PROBE_INTERVAL
+    failed: bool = False  # its last probe failed: the next waits for the probe budget too
     probing: bool = False  # its current round is a probe
 
     @property
@@ -315,7 +321,8 @@ class AdaptiveK:
             k = best_k(row.alpha, costs, choices=self.choices)
             if k == 0:
                 row.zeros += 1
-                if row.zeros > max(row.interval, self.costs.probe_gap()):  # a probe
+                gap = max(row.interval, self.costs.probe_gap()) if row.failed else row.interval
+                if row.zeros > gap:  # a probe
                     k = best_k(row.alpha, costs, least=1, choices=self.choices)
                     row.probing = self.probed = True
             if k > 0:
@@ -342,6 +349,7 @@ class AdaptiveK:
                 row.probing = False
                 costs = self.costs.table(measured=not s)
                 failed = best_k(row.alpha, costs) == 0
+                row.failed = failed
                 row.interval = (min(max(2 * row.interval, self.costs.probe_gap()),
                                     MAX_PROBE_INTERVAL) if failed else FIRST_PROBE_INTERVAL)
 
