@@ -74,10 +74,6 @@ SWITCHES: tuple[Switch, ...] = (
            "0: compile every batch bucket of a step static, its own compile (default: the "
            "batch dimension is dynamic, one compile serves every bucket above 1; "
            "ssdlib.engine.runner.compiled)"),
-    Switch("SSDLIB_SPECULATOR_SMS", "int", 0,
-           "N > 0: the stream placement's speculator runs in a CUDA green context of N SMs, so "
-           "the verify always has the others (0: it shares every SM; "
-           "ssdlib.distributed.local_link)"),
     Switch("SSDLIB_QUICK_EXIT", "flag", True,
            "0: a one-shot command (ssdlib.generate, the batch tool) exits through the "
            "interpreter's full teardown instead of ending at once (ssdlib.quick_exit)"),

@@ -25,9 +25,10 @@ Streams: device tensors cross with an event: the SPEC's q is recorded on the spe
 stream and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
 speculator's stream and the leader waits for that copy's event. The speculator's stream has the
 lowest priority and the leader's (:func:`leader_stream`) the highest, so the verify keeps the
-GPU when both have work queued; ``SSDLIB_SPECULATOR_SMS=N`` also confines the speculator to a
-CUDA green context of N SMs (:func:`speculator_stream`). On CPU the same code runs with no streams
-(nothing overlaps).
+GPU when both have work queued. (Confining the speculator to a CUDA green context of 32 or 66 of
+the H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with
+the SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing
+overlaps).
 """
 
 from __future__ import annotations
@@ -37,12 +38,8 @@ import time
 
 import torch
 
-from ssdlib import env
 from ssdlib.distributed.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
 from ssdlib.errors import SSDError
-from ssdlib.log import get_logger
-
-log = get_logger(__name__)
 
 
 def leader_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -50,41 +47,6 @@ def leader_stream(device: torch.device) -> torch.cuda.Stream | None:
     if torch.device(device).type != "cuda":
         return None
     return torch.cuda.Stream(device=device, priority=_priorities()[0])
-
-
-def speculator_stream(device: torch.device):
-    """(the speculator's stream, the green context holding it or None). The device's lowest
-    priority; with ``SSDLIB_SPECULATOR_SMS=N`` a stream of a CUDA green context of N SMs, so that
-    the build can never take the SMs the verify's next kernels wait for (the verify's stream still
-    reaches every SM). Where torch or the driver has no green contexts, the plain stream, said
-    once in the log."""
-    plain = torch.cuda.Stream(device=device, priority=_priorities()[1])
-    sms = env.integer("SSDLIB_SPECULATOR_SMS")
-    if sms <= 0:
-        return plain, None
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    total = torch.cuda.get_device_properties(index).multi_processor_count
-    key = (index, min(sms, total))
-    if key in _GREEN:
-        return _GREEN[key]
-    try:
-        from torch.cuda.green_contexts import GreenContext
-        green = GreenContext.create(num_sms=min(sms, total), device_id=index)
-        stream = green.Stream()
-    except Exception as e:  # (a beta API: its absence or refusal leaves the plain stream)
-        log.warning("SSDLIB_SPECULATOR_SMS=%d: no green context (%s: %s); the speculator "
-                    "shares every SM", sms, type(e).__name__, e)
-        return plain, None
-    log.info("the speculator runs on %d of %d SMs (a green context)", min(sms, total), total)
-    _GREEN[key] = (stream, green)
-    return stream, green
-
-
-# green contexts made in this process, by (device, SMs): kept for the process's life, since a
-# tensor last used on a green context's stream records an event there when it is freed, which
-# must not find the context destroyed
-_GREEN: dict[tuple[int, int], tuple] = {}
 
 
 def _priorities() -> tuple[int, int]:
@@ -103,7 +65,8 @@ class LocalLink:
         self.device = torch.device(device)
         self.k, self.vocab_size, self.max_batch, self.branches = k, vocab_size, max_batch, branches
         self.cuda = self.device.type == "cuda"
-        self.stream, self._green = speculator_stream(self.device) if self.cuda else (None, None)
+        self.stream = torch.cuda.Stream(device=self.device, priority=_priorities()[1]) \
+            if self.cuda else None
         self.speculator = None
         self.failed: BaseException | None = None  # the speculator's error, if one was raised
         self._pending: tuple | None = None  # (header, outcome) answered at the next point
