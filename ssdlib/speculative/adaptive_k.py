@@ -222,12 +222,17 @@ class RowState:
     long_tried: float = PRIOR_TRIES
     zeros: int = 0  # rounds in a row it chose K = 0
     interval: int = FIRST_PROBE_INTERVAL
-    failed: bool = False  # its last probe failed: the next waits for the probe budget too
     probing: bool = False  # its current round is a probe
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried if self.tried > 0 else PRIOR_ALPHA
+
+    @property
+    def probe_failed(self) -> bool:
+        """Its last probe failed (a failure doubles the interval, a success resets it): the next
+        probe also waits for the probe budget."""
+        return self.interval > FIRST_PROBE_INTERVAL
 
     @property
     def long_alpha(self) -> float:
@@ -321,7 +326,8 @@ class AdaptiveK:
             k = best_k(row.alpha, costs, choices=self.choices)
             if k == 0:
                 row.zeros += 1
-                gap = max(row.interval, self.costs.probe_gap()) if row.failed else row.interval
+                gap = max(row.interval, self.costs.probe_gap()) if row.probe_failed \
+                    else row.interval
                 if row.zeros > gap:  # a probe
                     k = best_k(row.alpha, costs, least=1, choices=self.choices)
                     row.probing = self.probed = True
@@ -349,7 +355,6 @@ class AdaptiveK:
                 row.probing = False
                 costs = self.costs.table(measured=not s)
                 failed = best_k(row.alpha, costs) == 0
-                row.failed = failed
                 row.interval = (min(max(2 * row.interval, self.costs.probe_gap()),
                                     MAX_PROBE_INTERVAL) if failed else FIRST_PROBE_INTERVAL)
 

@@ -94,4 +94,3 @@ def test_cuda_build_overlaps_the_verify(tmp_path):
         g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=64, ignore_eos=True))
         overlap = g.last_run_metrics["stream_overlap"]
     assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0, overlap
-
