@@ -312,7 +312,7 @@ def test_a_sequence_starts_from_the_prior_whatever_came_before():
     """Drafts fare very differently from one prompt to the next: a new sequence starts from the
     prior (K_max at one H200's costs), not from what earlier sequences showed. (Started from the
     acceptance of earlier sequences of its length, a 500-token prompt whose draft did well sat at
-    K = 0 for 42 of its first 44 rounds on one H200: SD at 0.70x a fixed K.)"""
+    K = 0 for 42 of its first 44 rounds on one H200: SD at 0.85x a fixed K.)"""
     from ssdlib.speculative.adaptive_k import PRIOR_ALPHA
 
     policy = AdaptiveK(3)
