@@ -12,7 +12,9 @@ from typing import Any
 
 from ssdlib.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Mistral is Llama with a sliding attention window (same layers, same tensor names)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 # config.json key of a draft that stores no token embedding and uses its target's (frozen) one,
 # as its LM head too when tied; such a draft loads only beside its target (loading/draft.py).
 EMBEDDING_FROM_TARGET_KEY = "ssdlib_embedding_from_target"
@@ -20,6 +22,10 @@ EMBEDDING_FROM_TARGET_KEY = "ssdlib_embedding_from_target"
 # embedding (this wide) through two learned projections to its own width, one for its input
 # embedding and one for its LM head (loading/draft.py folds them in at load time).
 TARGET_HIDDEN_SIZE_KEY = "ssdlib_target_hidden_size"
+# The smallest sliding window accepted: a branch token of the speculator's tree sees at most the
+# speculation (K <= 32 tokens) and its own branch (<= K + 1) in the tree region, all of which stay
+# inside its window, so tree keys need no window check.
+MIN_SLIDING_WINDOW = 128
 
 
 @dataclass
@@ -45,6 +51,9 @@ class ModelConfig:
     embedding_from_target: bool = False
     # a narrower draft of that kind: its target's hidden size (see TARGET_HIDDEN_SIZE_KEY)
     target_hidden_size: int | None = None
+    # sliding-window attention: a token attends to itself and the sliding_window - 1 tokens
+    # before it (Mistral's convention and config key); None: to every earlier token
+    sliding_window: int | None = None
 
     @property
     def projects_target_embedding(self) -> bool:
@@ -69,6 +78,12 @@ class ModelConfig:
             if rope_type not in ("llama3", "default", None):
                 raise CheckpointError(f"config: unsupported rope_scaling type {rope_type!r} "
                                       "(supported: llama3)")
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool)
+                              or w < MIN_SLIDING_WINDOW):
+            raise CheckpointError(
+                f"config: sliding_window must be an integer >= {MIN_SLIDING_WINDOW} (or null), "
+                f"got {w!r}")
         if self.attention_bias or self.mlp_bias:
             raise CheckpointError("config: attention_bias/mlp_bias Llama variants are not supported")
         if self.target_hidden_size is not None:
@@ -117,6 +132,9 @@ class ModelConfig:
             d[EMBEDDING_FROM_TARGET_KEY] = True
         if self.target_hidden_size is not None:
             d[TARGET_HIDDEN_SIZE_KEY] = self.target_hidden_size
+        if self.sliding_window is not None:  # Hugging Face's Llama has no window: Mistral has
+            d.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                     sliding_window=self.sliding_window)
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -129,10 +147,12 @@ class ModelConfig:
         """Parse an HF Llama ``config.json`` dict (transformers 4.x or 5.x form)."""
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         model_type = d.get("model_type", "llama")
-        if model_type != "llama" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        if (model_type not in SUPPORTED_MODEL_TYPES
+                or not any(a in SUPPORTED_ARCHITECTURES for a in archs)):
             raise CheckpointError(
                 f"{source}: unsupported architecture {archs} (model_type {model_type!r}); "
-                "ssdlib runs Llama-architecture models (LlamaForCausalLM)")
+                "ssdlib runs Llama-architecture models (LlamaForCausalLM, or "
+                "MistralForCausalLM: Llama with a sliding window)")
         if d.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: unsupported hidden_act {d.get('hidden_act')!r}")
         try:
@@ -171,6 +191,7 @@ class ModelConfig:
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 embedding_from_target=bool(d.get(EMBEDDING_FROM_TARGET_KEY, False)),
                 target_hidden_size=d.get(TARGET_HIDDEN_SIZE_KEY),
+                sliding_window=d.get("sliding_window"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: missing or invalid field: {e}") from None

@@ -28,16 +28,19 @@ def make_tiny_llama(directory: str, name: str = "gqa", seed: int = 0, scale: flo
     """Write a random HF Llama checkpoint to ``directory`` and return it.
 
     ``scale`` multiplies the LM head / embedding so that distributions are sharp (useful for
-    tests that want clear argmaxes).
+    tests that want clear argmaxes). ``sliding_window=N`` among the overrides writes a Mistral
+    checkpoint (Llama layers, attention limited to the last N positions).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     kw = dict(TINY_CONFIGS[name], **overrides)
     kw.setdefault("max_position_embeddings", 256)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    config = LlamaConfig(bos_token_id=1, eos_token_id=2, **kw)
+    # a sliding_window override writes a Mistral checkpoint (Llama with a window)
+    windowed = kw.get("sliding_window") is not None
+    config = (MistralConfig if windowed else LlamaConfig)(bos_token_id=1, eos_token_id=2, **kw)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (MistralForCausalLM if windowed else LlamaForCausalLM)(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

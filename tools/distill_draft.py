@@ -45,7 +45,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -156,6 +156,11 @@ def build_parser(with_defaults: bool = True) -> argparse.ArgumentParser:
     add("--long-batch", type=int, default=None,
         help="rows in a long batch (default: as many tokens as a short batch, at least 1)")
     add("--long-every", type=int, default=2, help="every N-th batch is a long one")
+    add("--sliding-window", type=int, default=None, metavar="W",
+        help="the draft attends to the last W positions only (config sliding_window, >= 128; "
+             "0: every position). A draft trained on rows of --seq-len tokens keeps its "
+             "acceptance on longer prompts with W <= --seq-len. Default: none, or the "
+             "--init-from draft's")
     add("--loss", choices=tuple(LOSSES), default="kl",
         help="per-token loss: forward KL (default), total variation distance (tvd: 1 - the "
              "sampled acceptance, trained directly) or their sum")
@@ -234,6 +239,8 @@ def apply_init_from(args: argparse.Namespace) -> None:
                          f"{'; '.join(conflicts)}: drop those flags")
     for _, attr, field in ARCH_FLAGS:
         setattr(args, attr, getattr(src, field))
+    if args.sliding_window is None:  # a window shapes no weight: a flag may change it
+        args.sliding_window = src.sliding_window
     args.embedding_from_target = src.embedding_from_target
     args.init_from = os.path.abspath(src_dir)
     args.init_from_config = raw
@@ -347,6 +354,9 @@ def draft_shape(args, target) -> tuple:
             args.ffn or (target.intermediate_size if init_layers else 512),
             head_dim=head_dim or (target.head_dim if keep else None),
             embedding_from_target=shared)
+        window = getattr(args, "sliding_window", None)  # runs saved before it: None
+        if window is not None:
+            dcfg = replace(dcfg, sliding_window=window or None).validate()
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None
     if init_layers is not None and len(init_layers) != layers:

@@ -3,7 +3,10 @@
 Each forward writes the new K/V (at their positions in the row's slot, or in tree mode at
 ``tree_index`` of the slot's branch scratch region), then every query attends to the slot keys
 below its own limit ``kv_limit`` (causal decode / verify / prefill: position + 1; a tree branch:
-its prefix length) and, in tree mode, to the branch keys its ``tree_mask`` allows.
+its prefix length) and, in tree mode, to the branch keys its ``tree_mask`` allows. A model with a
+sliding window W (``ModelConfig.sliding_window``) also hides the slot keys more than W - 1
+positions before each query (``kv_start``); the tree region is never hidden (a speculation and its
+branches are far shorter than any window the config accepts).
 
 Two ways to compute the same thing:
 - ``slot_attention`` (``ssdlib.ops``): reads keys in place up to each row's limit (the Triton
@@ -45,6 +48,8 @@ class AttentionMetadata:
     kernel_backend: str = "triton"  # slot_attention's backend when use_kernel ("torch": reference)
     slot_start: int | None = None  # host-known: rows use slots slot_start.. in order (no gather)
     rope: tuple | None = None  # (cos, sin) for ``positions``, set by the model once per forward
+    window: int | None = None  # the model's sliding window (set by the model), None: all keys
+    kv_start: torch.Tensor | None = None  # [b, s]: positions - window + 1, set once per forward
     mask: torch.Tensor | None = None  # SDPA mask [b, 1, s, kv_len (+ tree_len)], set once per forward
 
     @classmethod
@@ -57,11 +62,22 @@ class AttentionMetadata:
         return cls(positions, slots, kv_len, kv_limit=positions + 1)
 
     def prepare(self) -> None:
-        """Once per forward (inside a captured graph too): the SDPA mask from the limits."""
-        if self.use_kernel or self.slots is None:
+        """Once per forward (inside a captured graph too): each query's first visible key under
+        a sliding window, and the SDPA mask from the limits."""
+        if self.window is not None:
+            self.kv_start = self.positions - (self.window - 1)
+        if self.use_kernel:
+            return
+        if self.slots is None:  # cache-free (training): causal, banded by the window
+            if self.window is not None:
+                keys = self.positions.unsqueeze(1)  # [b, 1, s]: this forward's own positions
+                query = self.positions.unsqueeze(-1)
+                self.mask = ((keys <= query) & (keys >= self.kv_start.unsqueeze(-1))).unsqueeze(1)
             return
         keys = torch.arange(self.kv_len, device=self.positions.device)
         mask = keys.view(1, 1, -1) < self.kv_limit.unsqueeze(-1)  # [b, s, kv_len]
+        if self.kv_start is not None:
+            mask &= keys.view(1, 1, -1) >= self.kv_start.unsqueeze(-1)
         if self.tree_mask is not None:
             mask = torch.cat([mask, self.tree_mask], dim=-1)
         self.mask = mask.unsqueeze(1)
@@ -84,10 +100,11 @@ class CachedAttention(nn.Module):
         """
         b, s = q.shape[:2]
         gqa = self.num_heads != self.num_kv_heads
-        if k_cache is None:  # training / scoring: plain causal attention over these tokens
+        if k_cache is None:  # training / scoring: causal attention over these tokens
             out = nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                scale=self.scale, enable_gqa=gqa)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=meta.mask is None, attn_mask=meta.mask, scale=self.scale,
+                enable_gqa=gqa)
             return out.transpose(1, 2).reshape(b, s, -1)
         rows = meta.slots.view(-1, 1)
         tree = meta.tree_index is not None
@@ -104,7 +121,7 @@ class CachedAttention(nn.Module):
             kernel = _slot_kernel if torch.compiler.is_compiling() else _slot_kernel_eager
             out = kernel(q, k_cache, v_cache, meta.slots, meta.kv_limit, self.scale,
                          tree_k[:, :, :n] if tree else None, tree_v[:, :, :n] if tree else None,
-                         meta.tree_mask, meta.kernel_backend)
+                         meta.tree_mask, meta.kernel_backend, meta.kv_start)
             return out.reshape(b, s, -1)
         if meta.slot_start is not None:  # a view, no copy
             rows = slice(meta.slot_start, meta.slot_start + b)
@@ -144,11 +161,12 @@ def _sdpa_backends(device: torch.device):
 def _slot_kernel_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
                        tree_k: torch.Tensor | None, tree_v: torch.Tensor | None,
-                       tree_mask: torch.Tensor | None, backend: str) -> torch.Tensor:
+                       tree_mask: torch.Tensor | None, backend: str,
+                       kv_start: torch.Tensor | None) -> torch.Tensor:
     """``slot_attention`` with the model runner's backend (chosen once, by use_slot_kernel: no
     per-layer re-dispatch)."""
     return slot_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
-                          tree_mask, backend=backend).contiguous()
+                          tree_mask, backend=backend, kv_start=kv_start).contiguous()
 
 
 # the same as an opaque op: torch.compile traces the step around it in one graph (fusing the
@@ -159,5 +177,5 @@ _slot_kernel = torch.library.custom_op("ssdlib::slot_attention", _slot_kernel_ea
 
 
 @_slot_kernel.register_fake
-def _(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask, backend):
+def _(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask, backend, kv_start):
     return q.new_empty(q.shape)

@@ -95,7 +95,7 @@ class FeatureDraft(nn.Module):
         b, s = next_ids.shape
         positions = torch.arange(s, device=next_ids.device).expand(b, s)
         hidden = run_layers(self.layers, self.rotary, self._inputs(next_ids, features), None,
-                            AttentionMetadata(positions, None, s))
+                            AttentionMetadata(positions, None, s), self.config.sliding_window)
         return self.logits(hidden), hidden
 
     def forward(self, next_ids: torch.Tensor, features: torch.Tensor, kv_cache,
@@ -105,7 +105,7 @@ class FeatureDraft(nn.Module):
         [b, s, H] at ``meta.positions`` -> (logits [b, s, V], hidden [b, s, H]), or both at
         ``logits_index`` [b, n] only ([b, n, V], [b, n, H])."""
         hidden = run_layers(self.layers, self.rotary, self._inputs(next_ids, features), kv_cache,
-                            meta)
+                            meta, self.config.sliding_window)
         if logits_index is not None:
             hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return self.logits(hidden), hidden

@@ -86,12 +86,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def run_layers(layers, rotary: RotaryEmbedding, x: torch.Tensor, kv_cache,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
     """Decoder ``layers`` over x [b, s, H] at ``meta.positions`` (with ``kv_cache``, or cache-free
     when it is None) -> the last layer's output [b, s, H], before any final norm. RoPE and the
-    attention mask are computed once per forward, for all layers."""
+    attention mask (a sliding ``window``, if the model has one) are computed once per forward,
+    for all layers."""
     cos, sin = rotary.cos_sin(meta.positions)
     meta.rope = (cos.to(x.dtype), sin.to(x.dtype))
+    meta.window = window
     meta.prepare()
     for i, layer in enumerate(layers):
         if kv_cache is None:
@@ -141,6 +143,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp_group)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sliding_window = config.sliding_window
 
     def forward(self, input_ids, kv_cache, meta):
         x = self.features(input_ids, kv_cache, meta)
@@ -153,7 +156,8 @@ class LlamaModel(nn.Module):
     def features(self, input_ids, kv_cache, meta) -> torch.Tensor:
         """The last decoder layer's output [b, s, H], before the final norm (what a feature
         draft reads: ``ssdlib.models.feature_draft``)."""
-        return run_layers(self.layers, self.rotary, self.embed_tokens(input_ids), kv_cache, meta)
+        return run_layers(self.layers, self.rotary, self.embed_tokens(input_ids), kv_cache, meta,
+                          self.sliding_window)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,7 +1,8 @@
 """Attention that reads the slot KV cache in place, for decode, verify and tree-decode steps.
 
 Row i of a batch owns KV slot ``slots[i]``. Query (i, j) attends to that slot's keys at positions
-``[0, kv_limit[i, j])`` (decode / verify: ``position + 1``; a tree branch: its prefix length) and,
+``[kv_start[i, j], kv_limit[i, j])`` (limit, decode / verify: ``position + 1``; a tree branch: its
+prefix length; start: 0, or ``position - window + 1`` for a sliding-window model) and,
 optionally, to the tree keys t of the same slot's branch scratch region where
 ``tree_mask[i, j, t]``; one softmax runs over both key sets. Nothing is gathered or copied: the
 Triton kernel (``triton_slot_attention.py``) indexes the cache through ``slots``, and has no host
@@ -29,7 +30,8 @@ _INT_DTYPES = (torch.int32, torch.int64)
 _warned: set[str] = set()
 
 
-def _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask) -> None:
+def _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask,
+                  kv_start=None) -> None:
     """Shape / dtype / device checks on metadata only (no device data is read: no sync)."""
     if q.dim() != 4:
         raise ValueError(f"q must be [b, s, hq, hd], got shape {tuple(q.shape)}")
@@ -54,6 +56,11 @@ def _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mas
         raise ValueError(
             f"kv_limit must be int32/int64 of shape [{b}, {s}], got {kv_limit.dtype} {tuple(kv_limit.shape)}")
     tensors = [q, k_cache, v_cache, slots, kv_limit]
+    if kv_start is not None:
+        if tuple(kv_start.shape) != (b, s) or kv_start.dtype not in _INT_DTYPES:
+            raise ValueError(f"kv_start must be int32/int64 of shape [{b}, {s}], got "
+                             f"{kv_start.dtype} {tuple(kv_start.shape)}")
+        tensors.append(kv_start)
     given = [t is not None for t in (tree_k, tree_v, tree_mask)]
     if any(given):
         if not all(given):
@@ -78,13 +85,14 @@ def _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mas
 def slot_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
                              tree_k: torch.Tensor | None = None, tree_v: torch.Tensor | None = None,
-                             tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                             tree_mask: torch.Tensor | None = None,
+                             kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch ``slot_attention``: a dense [b, s, L (+T)] mask and one fp32 softmax.
 
     It gathers the rows' slots (a copy of [b, hkv, L, hd]); it is the definition and the fallback,
     not the fast path. fp64 inputs are computed in fp64, everything else in fp32.
     """
-    _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask)
+    _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask, kv_start)
     b, s, hq, hd = q.shape
     hkv, L = k_cache.shape[1], k_cache.shape[2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -92,6 +100,8 @@ def slot_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     values = v_cache[slots].to(compute)
     positions = torch.arange(L, device=q.device)
     mask = positions.view(1, 1, L) < kv_limit.view(b, s, 1)  # [b, s, L]
+    if kv_start is not None:
+        mask &= positions.view(1, 1, L) >= kv_start.view(b, s, 1)
     if tree_k is not None:
         keys = torch.cat([keys, tree_k[slots].to(compute)], dim=2)  # [b, hkv, L + T, hd]
         values = torch.cat([values, tree_v[slots].to(compute)], dim=2)
@@ -144,7 +154,8 @@ def _use_triton(q: torch.Tensor, backend: str) -> bool:
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
                    tree_k: torch.Tensor | None = None, tree_v: torch.Tensor | None = None,
-                   tree_mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                   tree_mask: torch.Tensor | None = None, backend: str = "auto",
+                   kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new queries over the slot KV cache (read in place) and an optional tree region.
 
     Args:
@@ -171,7 +182,9 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     (run it once before capturing, so that the kernels are compiled).
     """
     if _use_triton(q, backend):
-        _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask)
+        _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mask, kv_start)
         return _triton_module().triton_slot_attention(
-            q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask)
-    return slot_attention_reference(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask)
+            q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v, tree_mask,
+            kv_start=kv_start)
+    return slot_attention_reference(q, k_cache, v_cache, slots, kv_limit, scale, tree_k, tree_v,
+                                    tree_mask, kv_start)

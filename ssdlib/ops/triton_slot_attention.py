@@ -8,9 +8,10 @@ Two kernels:
    head h and a block of BLOCK_M of the row's ``s * group`` queries (all GQA query heads of h
    for consecutive tokens, so they share every K/V tile it loads), and one *part* of the keys:
    parts ``0 .. n_splits-1`` split the slot keys, part ``n_splits`` (when there is a tree) is the
-   tree region. The slot keys a program looks at are ``[0, row_max)``, row_max = max kv_limit
-   over its queries, read from device memory inside the kernel; that range is cut into n_splits
-   chunks of ``cdiv(row_max, n_splits)`` keys rounded up to BLOCK_N. So the *number* of splits is
+   tree region. The slot keys a program looks at are ``[row_min, row_max)``, row_max = max
+   kv_limit over its queries, row_min = min kv_start (0 without a sliding window, rounded down to
+   BLOCK_N), read from device memory inside the kernel; that range is cut into n_splits chunks of
+   ``cdiv(row_max - row_min, n_splits)`` keys rounded up to BLOCK_N. So the *number* of splits is
    fixed by the static shapes (L, b, hkv, s*group and the SM count) while the work follows the
    actual lengths: a split past row_max exits at once. Each part writes its normalised partial
    output and log2-sum-exp per query (fp32).
@@ -61,7 +62,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, load_mask, visible, scale_log
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, TK, TV, TMASK, SLOTS, LIMIT, O_PART, LSE_PART, OUT,
+    Q, K, V, TK, TV, TMASK, SLOTS, LIMIT, START, O_PART, LSE_PART, OUT,
     scale_log2, s, L, T, HKV, HQ, n_queries,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kl, stride_kd,
@@ -69,8 +70,9 @@ def _split_kernel(
     stride_tkn, stride_tkh, stride_tkl, stride_tkd,
     stride_tvn, stride_tvh, stride_tvl, stride_tvd,
     stride_mb, stride_ms, stride_mt,
-    stride_lb, stride_ls, stride_slot,
+    stride_lb, stride_ls, stride_sb, stride_ss, stride_slot,
     GROUP: tl.constexpr, HD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_TREE: tl.constexpr,
+    HAS_START: tl.constexpr,
     WRITE_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -98,8 +100,16 @@ def _split_kernel(
         limit = tl.load(LIMIT + row * stride_lb + tok * stride_ls, mask=m_valid, other=0)
         limit = tl.minimum(limit.to(tl.int32), L)  # [BLOCK_M]; <= 0: no slot key
         row_max = tl.max(limit, 0)
-        chunk = tl.cdiv(tl.cdiv(row_max, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = part * chunk
+        if HAS_START:  # a sliding window: keys below a query's start are not seen
+            first = tl.load(START + row * stride_sb + tok * stride_ss, mask=m_valid, other=0)
+            first = tl.maximum(first.to(tl.int32), 0)
+            row_min = tl.min(tl.where(m_valid, first, L), 0) // BLOCK_N * BLOCK_N
+            row_min = tl.minimum(row_min, row_max)
+        else:
+            first = tl.zeros([BLOCK_M], dtype=tl.int32)
+            row_min = 0
+        chunk = tl.cdiv(tl.cdiv(row_max - row_min, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = row_min + part * chunk
         end = tl.minimum(start + chunk, row_max)
         k_base = K + slot * stride_kn + head * stride_kh + offs_d[None, :] * stride_kd
         v_base = V + slot * stride_vn + head * stride_vh + offs_d[None, :] * stride_vd
@@ -108,7 +118,8 @@ def _split_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q,
                 k_base + n[:, None] * stride_kl, v_base + n[:, None] * stride_vl,
-                (n < end)[:, None] & d_valid[None, :], n[None, :] < limit[:, None],
+                (n < end)[:, None] & d_valid[None, :],
+                (n[None, :] < limit[:, None]) & (n[None, :] >= first[:, None]),
                 scale_log2, UPCAST, DOT_PRECISION)
     elif HAS_TREE:
         k_base = TK + slot * stride_tkn + head * stride_tkh + offs_d[None, :] * stride_tkd
@@ -203,7 +214,8 @@ def triton_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           slots: torch.Tensor, kv_limit: torch.Tensor, scale: float,
                           tree_k: torch.Tensor | None = None, tree_v: torch.Tensor | None = None,
                           tree_mask: torch.Tensor | None = None,
-                          splits: int | None = None) -> torch.Tensor:
+                          splits: int | None = None,
+                          kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton ``slot_attention`` (inputs already checked by the caller). ``splits`` overrides
     the number of slot-key splits (tests); by default ``num_splits`` picks it."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -243,11 +255,14 @@ def triton_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     split_grid = (n_parts, b * hkv, m_blocks)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _split_kernel[split_grid](
-            q, k_cache, v_cache, tree_k, tree_v, tmask, slots, kv_limit, o_part, lse_part, out,
+            q, k_cache, v_cache, tree_k, tree_v, tmask, slots, kv_limit,
+            kv_limit if kv_start is None else kv_start, o_part, lse_part, out,
             scale * math.log2(math.e), s, L, T, hkv, hq, n_queries,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_k.stride(), *tree_v.stride(),
-            *(tmask.stride() if has_tree else (0, 0, 0)), *kv_limit.stride(), slots.stride(0),
-            GROUP=group, HD=hd, NUM_SPLITS=splits, HAS_TREE=has_tree, WRITE_OUT=n_parts == 1,
+            *(tmask.stride() if has_tree else (0, 0, 0)), *kv_limit.stride(),
+            *(kv_limit if kv_start is None else kv_start).stride(), slots.stride(0),
+            GROUP=group, HD=hd, NUM_SPLITS=splits, HAS_TREE=has_tree,
+            HAS_START=kv_start is not None, WRITE_OUT=n_parts == 1,
             UPCAST=upcast, DOT_PRECISION=precision,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             num_warps=warps, num_stages=2,

@@ -28,6 +28,9 @@ def test_draft_size_and_config():
         (49152, 256, 6, False)
     assert c.embedding_from_target and c.projects_target_embedding
     assert c.target_hidden_size == 576
+    # trained on rows of 512 tokens, it attends to the last 512 positions only (its acceptance
+    # then holds on longer prompts)
+    assert c.sliding_window == 512
     assert "model.embed_tokens.weight" not in ck.weights.names()  # the target's, not stored
 
 

@@ -50,7 +50,8 @@ INTERPRETER_BROKEN = HAS_TRITON and _version("triton") < (3, 9) and _version("nu
 KERNEL_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def loop_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k=None, tree_v=None, tree_mask=None):
+def loop_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k=None, tree_v=None, tree_mask=None,
+                   kv_start=None):
     """The semantics one query at a time, in float64: q [b, s, hq, hd] -> [b, s, hq, hd] float64."""
     b, s, hq, hd = q.shape
     hkv, L = k_cache.shape[1], k_cache.shape[2]
@@ -61,7 +62,8 @@ def loop_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k=None, tre
         for j in range(s):
             for h in range(hq):
                 kvh = h // group
-                seen = range(min(int(kv_limit[i, j]), L))
+                first = 0 if kv_start is None else max(int(kv_start[i, j]), 0)
+                seen = range(first, min(int(kv_limit[i, j]), L))
                 pairs = [(k_cache[slot, kvh, n], v_cache[slot, kvh, n]) for n in seen]
                 if tree_k is not None:
                     pairs += [(tree_k[slot, kvh, t], tree_v[slot, kvh, t])
@@ -76,8 +78,9 @@ def loop_attention(q, k_cache, v_cache, slots, kv_limit, scale, tree_k=None, tre
     return out
 
 
-def make_inputs(b, s, hq, hkv, hd, L, T, dtype, device="cpu", n_slots=None, seed=0):
-    """Random attention inputs with ragged limits (some 0, some L) and, if T, a random tree mask."""
+def make_inputs(b, s, hq, hkv, hd, L, T, dtype, device="cpu", n_slots=None, seed=0, window=None):
+    """Random attention inputs with ragged limits (some 0, some L) and, if T, a random tree mask;
+    with ``window``, each query's first key kv_start = limit - window (a sliding window's)."""
     gen = torch.Generator().manual_seed(seed)
     n_slots = n_slots or b + 2
 
@@ -97,6 +100,8 @@ def make_inputs(b, s, hq, hkv, hd, L, T, dtype, device="cpu", n_slots=None, seed
             tree_mask[0, 0] = False  # with kv_limit[0, 0] = 0: a query that sees nothing
         inputs.update(tree_k=randn(n_slots, hkv, T, hd), tree_v=randn(n_slots, hkv, T, hd),
                       tree_mask=tree_mask.to(device))
+    if window is not None:
+        inputs["kv_start"] = (kv_limit - window).to(device)
     return inputs
 
 
@@ -120,6 +125,21 @@ def test_reference_matches_loop(shape, dtype):
     want = loop_attention(**inputs)
     torch.testing.assert_close(got.double(), want, atol=REF_TOL[dtype], rtol=REF_TOL[dtype])
     assert torch.all(got[0, 0] == 0) or shape[:2] == (1, 1)  # the query with no key
+
+
+@pytest.mark.parametrize("window", [1, 4, 9, 40], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("T", [0, 5])
+def test_reference_sliding_window_matches_loop(window, T):
+    inputs = make_inputs(3, 4, 6, 2, 8, 24, T, torch.float64, window=window, seed=window)
+    got = slot_attention_reference(**inputs)
+    torch.testing.assert_close(got, loop_attention(**inputs), atol=1e-10, rtol=1e-10)
+    wide = make_inputs(3, 4, 6, 2, 8, 24, T, torch.float64, window=24, seed=window)
+    no_window = dict(wide, kv_start=None)  # a window as long as the cache hides nothing
+    torch.testing.assert_close(slot_attention_reference(**wide),
+                               slot_attention_reference(**no_window), atol=0, rtol=0)
+    if window < 9:  # a short window changes the result where a query had older keys
+        plain = slot_attention_reference(**dict(inputs, kv_start=None))
+        assert not torch.allclose(got, plain)
 
 
 def test_reference_tree_only_and_limits_clamped():
@@ -151,6 +171,8 @@ def test_reference_noncontiguous_int32_duplicate_slots():
     (dict(slots=torch.zeros(3, dtype=torch.int64)), ValueError),
     (dict(slots=torch.zeros(2)), ValueError),
     (dict(kv_limit=torch.zeros(2, 4, dtype=torch.int64)), ValueError),
+    (dict(kv_start=torch.zeros(2, 4, dtype=torch.int64)), ValueError),
+    (dict(kv_start=torch.zeros(2, 3)), ValueError),
     (dict(tree_v=None), ValueError),
     (dict(tree_mask=torch.ones(2, 3, 5, dtype=torch.int64)), ValueError),
     (dict(tree_mask=torch.ones(2, 3, 4, dtype=torch.bool)), ValueError),
@@ -208,6 +230,9 @@ INTERPRETER_CASES = [
     ("m-blocks", (1, 23, 6, 2, 16, 50, 20), "float32", 3, ""),  # 69 queries per kv head: 2 blocks
     ("long-tiles", (2, 2, 4, 2, 16, 300, 0), "float32", 2, ""),  # several tiles per split
     ("odd-inputs", (3, 4, 6, 3, 16, 40, 6), "float32", None, "odd"),
+    # sliding windows: starts inside and across tiles and splits, some before 0, with a tree
+    *[(f"window{w}-splits{n}-T{T}", (2, 3, 6, 2, 16, 300, T), "float32", n, f"window{w}")
+      for w, n, T in ((5, 1, 0), (37, 3, 6), (130, None, 0), (260, 7, 6))],
 ]
 
 
@@ -219,7 +244,8 @@ def _interpreter_child() -> None:
     failures = []
     for name, shape, dtype_name, splits, extra in INTERPRETER_CASES:
         dtype = getattr(torch, dtype_name)
-        inputs = make_inputs(*shape, dtype=dtype, seed=len(name))
+        window = int(extra[len("window"):]) if extra.startswith("window") else None
+        inputs = make_inputs(*shape, dtype=dtype, seed=len(name), window=window)
         if extra == "odd":  # non-contiguous q, cache and slots, int32 limits beyond L and negative, shared slot
             inputs["q"] = inputs["q"].transpose(1, 2).contiguous().transpose(1, 2)
             inputs["v_cache"] = inputs["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)
@@ -237,6 +263,9 @@ def _interpreter_child() -> None:
             try:
                 torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
                 assert out.dtype == dtype and torch.all(out[0, 0] == 0)
+                if window is not None:  # the loop is the semantics of kv_start
+                    torch.testing.assert_close(out.double(), loop_attention(**inputs),
+                                               atol=atol, rtol=rtol)
             except AssertionError as exc:
                 failures.append(f"{name} ({label}): {exc}")
     if failures:
@@ -268,13 +297,15 @@ CUDA_SHAPES = [
 
 
 @needs_cuda_triton
+@pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("T", [0, 70])
 @pytest.mark.parametrize("shape", CUDA_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_triton_cuda_matches_reference(dtype, shape, T):
+def test_triton_cuda_matches_reference(dtype, shape, T, window):
     from ssdlib.ops.triton_slot_attention import triton_slot_attention
 
-    inputs = make_inputs(*shape, T, dtype=dtype, device="cuda", seed=sum(shape) + T)
+    inputs = make_inputs(*shape, T, dtype=dtype, device="cuda", seed=sum(shape) + T,
+                         window=window)
     want = slot_attention_reference(**inputs)
     atol, rtol = KERNEL_TOL[dtype]
     for splits in (None, 1, 5):

@@ -226,3 +226,33 @@ def test_init_from_an_extracted_candidate_tar(tmp_path):
     assert a.keys() == b.keys() and EMBED not in a
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_sliding_window_is_set_kept_and_removed(source, tmp_path):
+    """--sliding-window W gives the exported draft a window; a run from it keeps the window
+    unless --sliding-window says otherwise (0: none); the weights are unchanged by either."""
+    kind, target, src, _, data = source
+
+    def config(out):
+        with open(os.path.join(out, "config.json")) as f:
+            return json.load(f)
+
+    windowed = tmp_path / "windowed"
+    run(target, windowed, "--data-from", data, "--init-from", str(src), "--steps", "0",
+        "--sliding-window", "128")
+    assert config(windowed)["sliding_window"] == 128
+    assert config(windowed)["model_type"] == "mistral"
+    assert load_checkpoint(str(windowed)).config.sliding_window == 128
+    kept = tmp_path / "kept"
+    run(target, kept, "--data-from", data, "--init-from", str(windowed), "--steps", "0")
+    assert config(kept)["sliding_window"] == 128
+    removed = tmp_path / "removed"
+    run(target, removed, "--data-from", data, "--init-from", str(kept), "--steps", "0",
+        "--sliding-window", "0")
+    assert "sliding_window" not in config(removed) and config(removed)["model_type"] == "llama"
+    a = load_file(os.path.join(src, "model.safetensors"))
+    b = load_file(os.path.join(removed, "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(SystemExit, match="sliding_window"):
+        run(target, tmp_path / "bad", "--data-from", data, "--init-from", str(src),
+            "--steps", "0", "--sliding-window", "64")
