@@ -105,10 +105,31 @@ def test_rows_are_independent_and_admission_resets():
     for key in (0, 1):
         policy.admit(key)
     run_rounds(policy, 0, 0.0, 30, rng)
-    assert policy.choose([0, 1], [False, False]) == [0, 4]
+    assert policy.choose([0], [False]) == [0] and policy.choose([1], [False]) == [4]
     assert policy.alpha(0) < 0.3 < 0.8 < policy.alpha(1)  # (0: drifted toward its long run)
     policy.admit(0)  # a new sequence in the slot
     assert policy.choose([0], [False]) == [4]
+
+
+def test_a_row_takes_the_longest_k_of_its_kind_in_the_round():
+    """A round drafts its longest row's K for every row and verifies K + 1 positions of each, so
+    a shorter choice saves nothing: rows are lifted to the longest K of their kind (greedy or
+    sampled), and a row lifted from K = 0 drafts (its count of K = 0 rounds restarts)."""
+    policy = AdaptiveK(4)
+    rng = random.Random(6)
+    for key in (0, 1, 2, 3):
+        policy.admit(key)
+    run_rounds(policy, 0, 0.0, 30, rng)  # row 0's draft fails: alone it decodes at K = 0
+    run_rounds(policy, 2, 0.0, 30, rng)
+    assert policy.choose([0], [False]) == [0] and policy.choose([2], [True]) == [0]
+    assert policy._row(0).zeros > 0
+    assert policy.choose([0, 1], [False, False]) == [4, 4]
+    assert policy._row(0).zeros == 0
+    # kinds apart: the sampled row 2 is not lifted by greedy row 1, nor greedy row 0 by row 3
+    assert policy.choose([0, 1, 2], [False, False, True]) == [4, 4, 0]
+    assert policy.choose([0, 2, 3], [False, True, True]) == [0, 4, 4]
+    # every row of a kind at K = 0: none is lifted (the round is a plain decoding step)
+    assert policy.choose([0, 2], [False, True]) == [0, 0]
 
 
 def test_disabled_policy_always_takes_k_max():
