@@ -55,9 +55,10 @@ well: SD at 0.89x a fixed K), and one probe a drop is cheap next to a stretch at
 draft would have sped up by a third.
 
 Batches. A round drafts as many steps as its longest row's K and verifies K + 1 positions of
-every row, so a row whose own choice is shorter would save the batch nothing: every row of a
-round takes the longest K chosen by the rows of its kind (greedy or sampled), and a row lifted
-from K = 0 drafts, and is observed, for free (its count of rounds at K = 0 restarts). Without it,
+every row, so a row whose own choice is shorter would save the batch nothing: every greedy row
+of a round takes the round's longest K, and a row lifted from K = 0 drafts, and is observed, for
+free (its count of rounds at K = 0 restarts). Greedy tokens do not depend on K; sampled rows are
+not lifted, so that a seeded request's tokens do not depend on the requests batched with it. Without it,
 on one H200 (16 prompts of 2k tokens, b = 8, the default draft) adaptive K ran 107 of its 910
 rounds with rows at K = 0 and decoded at 0.88x AR, against a fixed K's 1.02x (b77ccd7).
 
@@ -346,16 +347,13 @@ class AdaptiveK:
         return self._lift(keys, sampled, out)
 
     def _lift(self, keys: Sequence[int], sampled: Sequence[bool], chosen: list[int]) -> list[int]:
-        """Each row's K raised to the longest its kind chose this round (module doc, Batches)."""
-        longest = {}
-        for s, k in zip(sampled, chosen):
-            longest[s] = max(longest.get(s, 0), k)
+        """Each greedy row's K raised to the round's longest (module doc, Batches)."""
+        longest = max(chosen, default=0)
         out = []
         for key, s, k in zip(keys, sampled, chosen):
-            if k < longest[s]:
-                row = self._row(key)
-                row.zeros = 0
-                k = longest[s]
+            if not s and k < longest:
+                self._row(key).zeros = 0
+                k = longest
             out.append(k)
         return out
 

@@ -111,10 +111,11 @@ def test_rows_are_independent_and_admission_resets():
     assert policy.choose([0], [False]) == [4]
 
 
-def test_a_row_takes_the_longest_k_of_its_kind_in_the_round():
+def test_a_greedy_row_takes_the_longest_k_of_its_round():
     """A round drafts its longest row's K for every row and verifies K + 1 positions of each, so
-    a shorter choice saves nothing: rows are lifted to the longest K of their kind (greedy or
-    sampled), and a row lifted from K = 0 drafts (its count of K = 0 rounds restarts)."""
+    a shorter choice saves nothing: greedy rows are lifted to the round's longest K (a row lifted
+    from K = 0 drafts: its count of K = 0 rounds restarts). Sampled rows are not lifted: a seeded
+    request's tokens must not depend on its batch."""
     policy = AdaptiveK(4)
     rng = random.Random(6)
     for key in (0, 1, 2, 3):
@@ -125,10 +126,9 @@ def test_a_row_takes_the_longest_k_of_its_kind_in_the_round():
     assert policy._row(0).zeros > 0
     assert policy.choose([0, 1], [False, False]) == [4, 4]
     assert policy._row(0).zeros == 0
-    # kinds apart: the sampled row 2 is not lifted by greedy row 1, nor greedy row 0 by row 3
-    assert policy.choose([0, 1, 2], [False, False, True]) == [4, 4, 0]
-    assert policy.choose([0, 2, 3], [False, True, True]) == [0, 4, 4]
-    # every row of a kind at K = 0: none is lifted (the round is a plain decoding step)
+    assert policy.choose([0, 1, 2], [False, False, True]) == [4, 4, 0]  # sampled row 2: its own
+    assert policy.choose([0, 2, 3], [False, True, True]) == [4, 0, 4]  # greedy row 0: lifted
+    # every row at K = 0: none is lifted (the round is a plain decoding step)
     assert policy.choose([0, 2], [False, True]) == [0, 0]
 
 
@@ -182,7 +182,9 @@ def test_sampled_rows_decide_on_the_priors():
     policy = AdaptiveK(4, costs)
     for key in (0, 1):
         policy.admit(key)
-    assert policy.choose([0, 1], [False, True]) == [0, 4]
+    assert policy.choose([0], [False]) == [0] and policy.choose([1], [True]) == [4]
+    # in one round the greedy row drafts the sampled row's K: the round runs it anyway
+    assert policy.choose([0, 1], [False, True]) == [4, 4]
 
 
 def test_choices_are_zero_a_middle_value_and_k_max():
