@@ -52,15 +52,13 @@ def _check_inputs(q, k_cache, v_cache, slots, kv_limit, tree_k, tree_v, tree_mas
                         f"{k_cache.dtype}, {v_cache.dtype}")
     if tuple(slots.shape) != (b,) or slots.dtype not in _INT_DTYPES:
         raise ValueError(f"slots must be int32/int64 of shape [{b}], got {slots.dtype} {tuple(slots.shape)}")
-    if tuple(kv_limit.shape) != (b, s) or kv_limit.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"kv_limit must be int32/int64 of shape [{b}, {s}], got {kv_limit.dtype} {tuple(kv_limit.shape)}")
-    tensors = [q, k_cache, v_cache, slots, kv_limit]
-    if kv_start is not None:
-        if tuple(kv_start.shape) != (b, s) or kv_start.dtype not in _INT_DTYPES:
-            raise ValueError(f"kv_start must be int32/int64 of shape [{b}, {s}], got "
-                             f"{kv_start.dtype} {tuple(kv_start.shape)}")
-        tensors.append(kv_start)
+    tensors = [q, k_cache, v_cache, slots]
+    bounds = [("kv_limit", kv_limit)] + ([("kv_start", kv_start)] if kv_start is not None else [])
+    for name, bound in bounds:  # each query's key range
+        if tuple(bound.shape) != (b, s) or bound.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be int32/int64 of shape [{b}, {s}], got "
+                             f"{bound.dtype} {tuple(bound.shape)}")
+        tensors.append(bound)
     given = [t is not None for t in (tree_k, tree_v, tree_mask)]
     if any(given):
         if not all(given):

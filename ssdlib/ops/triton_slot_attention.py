@@ -253,14 +253,15 @@ def triton_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     upcast = _interpreted() and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_grid = (n_parts, b * hkv, m_blocks)
+    first = kv_limit if kv_start is None else kv_start  # a placeholder without a window
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _split_kernel[split_grid](
-            q, k_cache, v_cache, tree_k, tree_v, tmask, slots, kv_limit,
-            kv_limit if kv_start is None else kv_start, o_part, lse_part, out,
+            q, k_cache, v_cache, tree_k, tree_v, tmask, slots, kv_limit, first,
+            o_part, lse_part, out,
             scale * math.log2(math.e), s, L, T, hkv, hq, n_queries,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_k.stride(), *tree_v.stride(),
             *(tmask.stride() if has_tree else (0, 0, 0)), *kv_limit.stride(),
-            *(kv_limit if kv_start is None else kv_start).stride(), slots.stride(0),
+            *first.stride(), slots.stride(0),
             GROUP=group, HD=hd, NUM_SPLITS=splits, HAS_TREE=has_tree,
             HAS_START=kv_start is not None, WRITE_OUT=n_parts == 1,
             UPCAST=upcast, DOT_PRECISION=precision,
