@@ -56,6 +56,15 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @property
+    def context_reach(self) -> int | None:
+        """How many positions back a token's output can depend on through every layer's
+        sliding window: num_hidden_layers x (sliding_window - 1). The KV of a position further
+        back than that from every later query is never read. None without a window."""
+        if self.sliding_window is None:
+            return None
+        return self.num_hidden_layers * (self.sliding_window - 1)
+
+    @property
     def projects_target_embedding(self) -> bool:
         """A draft that reads its target's embedding through learned projections."""
         return self.target_hidden_size is not None

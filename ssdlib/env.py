@@ -61,6 +61,10 @@ SWITCHES: tuple[Switch, ...] = (
            choices=("eager", "eager-all")),
     Switch("SSDLIB_PREFILL_GRAPHS", "flag", True,
            "0: prefill runs eagerly instead of through captured length buckets on CUDA"),
+    Switch("SSDLIB_CAUSAL_PREFILL", "flag", True,
+           "0: a prompt's prefill from position 0 attends through the masked path (SDPA with a "
+           "dense mask over the cache) instead of causally over its own keys "
+           "(ssdlib.layers.attention)"),
     Switch("SSDLIB_ATTENTION", "choice", "",
            "'torch': CUDA steps use the PyTorch attention instead of the Triton slot kernel",
            choices=("torch",)),

@@ -69,11 +69,16 @@ class Drafter:
         self.plain = not (new or late)
         if new:
             lengths = [len(s.tokens) - 1 for s in new]
-            ids, pos = pack_rows([s.tokens[:-1] for s in new], [0] * len(new))
-            self.runner.forward(ids, pos, slots_tensor(new), last_index(lengths))
+            starts = [self.first_read(n) for n in lengths]
+            ids, pos = pack_rows([s.tokens[st:-1] for s, st in zip(new, starts)], starts)
+            self.runner.forward(ids, pos, slots_tensor(new),
+                                last_index([n - st for n, st in zip(lengths, starts)]))
             for s, n in zip(new, lengths):
                 self.valid[s.slot] = n
         n = CATCH_UP_QUERIES
+        for s in late:  # (with a window) the skipped positions no later step reads stay unfed
+            self.valid[s.slot] = max(self.valid[s.slot], self.first_read(len(s.tokens) - 1))
+        late = [s for s in late if self.valid[s.slot] < len(s.tokens) - 1]
         while late:
             starts = [self.valid[s.slot] for s in late]
             rows = [s.tokens[v:min(v + n, len(s.tokens) - 1)] for s, v in zip(late, starts)]
@@ -88,10 +93,27 @@ class Drafter:
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         return fit_vocab(logits, self.vocab_size)
 
+    def first_read(self, n: int) -> int:
+        """The first of ``n`` committed positions whose KV a later draft step can read: 0, or
+        with a sliding window the first within its reach (``ModelConfig.context_reach``) of the
+        positions the next proposal feeds again (CHAIN_UNSEEN). A prefill from there leaves
+        exactly the KV that a prefill of every token leaves at the positions read later, and a
+        6k-token prompt's prefill of the default draft takes half the time (one H200:
+        ``dev/prefill_probe.py``)."""
+        reach = self.runner.config.context_reach
+        return 0 if reach is None else max(0, n - CHAIN_UNSEEN - reach)
+
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
-        """Feed every committed token of ``seqs`` into the draft KV."""
-        prefill(self.runner, seqs)
+        """Feed the committed tokens of ``seqs`` that later steps can read (:meth:`first_read`:
+        every one without a sliding window) into the draft KV."""
+        starts = [self.first_read(len(q.tokens)) for q in seqs]
+        if not any(starts):
+            prefill(self.runner, seqs)
+        else:
+            rows = [q.tokens[st:] for q, st in zip(seqs, starts)]
+            ids, pos = pack_rows(rows, starts)
+            self.runner.forward(ids, pos, slots_tensor(seqs), last_index([len(r) for r in rows]))
         for q in seqs:
             self.valid[q.slot] = len(q.tokens)
 

@@ -53,6 +53,15 @@ EXACT_STEP_QUERIES = 8
 CATCH_UP_QUERIES = 2
 
 
+def from_position_zero(positions: torch.Tensor) -> bool:
+    """Whether host ``positions`` [b, s] are 0 .. s - 1 in every row (a prompt's prefill, which
+    attends causally over its own keys: ``AttentionMetadata.from_zero``); False for device
+    positions (reading them would wait for the device)."""
+    if positions.device.type != "cpu" or positions.shape[1] < 2:
+        return False
+    return bool((positions == torch.arange(positions.shape[1])).all())
+
+
 def prefill_bucket(s: int, cap: int) -> int:
     """The padded length of ``s`` positions: the first power of two from FIRST_PREFILL_BUCKET
     that holds them, at most ``cap`` (the last bucket: the prefill graphs' longest, or the
@@ -97,6 +106,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self.max_len = max_len
+        # a prefill from position 0 attends causally over its own keys (AttentionMetadata)
+        self.causal_prefill = env.flag("SSDLIB_CAUSAL_PREFILL")
         alloc = max_len + POSITION_SLACK
         with torch.device(self.device):
             model = LlamaForCausalLM(config, tp_group, max_positions=alloc)
@@ -201,9 +212,10 @@ class ModelRunner:
         if self._prefill_fits(input_ids, positions, logits_index):
             return self._prefill_step(input_ids, positions, slots, logits_index)
         dev = self.device
+        from_zero = self.causal_prefill and from_position_zero(positions)
         positions = positions.to(dev)
         meta = AttentionMetadata(positions, slots.to(dev), kv_len, kv_limit=positions + 1,
-                                 slot_start=self._slot_start(slots))
+                                 slot_start=self._slot_start(slots), from_zero=from_zero)
         index = None if logits_index is None else logits_index.to(dev)
         return self.model(input_ids.to(dev), self.cache, meta, index)
 

@@ -186,11 +186,15 @@ class StepGraphs:
 
     def _run(self, key, rows, s, n, kv_len, tree, tree_len) -> None:
         r = self.runner
+        # a prefill graph's rows are start + 0 .. s - 1 (ModelRunner._prefill_step) with keys up
+        # to the bucket of the last position: kv_len == s exactly when every start is 0, and
+        # such a prefill attends causally over its own keys (the key decides it, every replay)
+        from_zero = r.causal_prefill and self.kind == "prefill" and not tree and kv_len == s
         meta = AttentionMetadata(
             self._view("pos", rows, s), self._view("slots", rows, None), kv_len,
             kv_limit=self._view("limit", rows, s),
             tree_index=self._view("tree_index", rows, s) if tree else None,
             tree_mask=self.tree_mask[:rows, :s, :tree_len] if tree else None,
-            tree_len=tree_len, use_kernel=self.use_kernel)
+            tree_len=tree_len, use_kernel=self.use_kernel, from_zero=from_zero)
         index = self._view("index", rows, n) if n else None
         self.outputs[key] = self.model(self._view("ids", rows, s), r.cache, meta, index)
