@@ -81,6 +81,11 @@ Those rounds capture their steps, so their times say nothing of the costs: the l
 :class:`StepCosts` neither from a sweep's round (``AdaptiveK.sweeping``) nor from any round in
 which a step was captured.
 
+Ahead of time (:meth:`AdaptiveK.choose_ahead`): a round at K = 0 teaches the policy nothing (its
+rows observe nothing), so the next round's choices can be made while its forward runs on the
+device, and the next :meth:`AdaptiveK.choose` takes them as they are (rows that joined since are
+chosen then). Such a round then costs the host between two forwards what an AR step does.
+
 Everything here is host arithmetic on Python numbers, a few operations per row and round.
 """
 
@@ -297,13 +302,17 @@ class AdaptiveK:
         order = sorted(self.choices, reverse=True) + [0]
         self._sweep = _Sweep({kind: list(order) for kind in BATCH_KINDS}
                              if enabled and sweep else {})
+        # choose_ahead's choices for the next choose: key -> (sampled, K before the lift, probe)
+        self._ahead: dict[int, tuple[bool, int, bool]] = {}
 
     def admit(self, key: int) -> None:
         """A sequence takes slot ``key``: it starts from the prior."""
         self.rows[key] = RowState()
+        self._ahead.pop(key, None)
 
     def release(self, key: int) -> None:
         self.rows.pop(key, None)
+        self._ahead.pop(key, None)
 
     def alpha(self, key: int) -> float:
         return self._row(key).alpha
@@ -322,6 +331,7 @@ class AdaptiveK:
             return [self.schedule[(key + self._calls) % n] for key in keys]
         if not self.enabled:
             return [self.k_max] * len(keys)
+        ahead, self._ahead = self._ahead, {}
         forced = self._sweep.next((not all(sampled), any(sampled))) if keys else None
         self.sweeping = forced is not None
         self.probed = False
@@ -330,22 +340,43 @@ class AdaptiveK:
         measured, prior = self.costs.table(), self.costs.table(measured=False)
         out = []
         for key, s in zip(keys, sampled):
-            row = self._row(key)
-            costs = prior if s else measured
-            k = best_k(row.alpha, costs, choices=self.choices)
-            if k == 0:
-                row.zeros += 1
-                gap = max(row.interval, self.costs.probe_gap()) if row.probe_failed \
-                    else row.interval
-                if row.zeros > gap:  # a probe
-                    k = best_k(row.alpha, costs, least=1, choices=self.choices)
-                    row.probing = self.probed = True
-            if k > 0:
-                row.zeros = 0
-            else:  # a round that learns nothing: toward the long run for the next one
-                row.recover()
+            early = ahead.get(key)
+            if early is not None and early[0] == s:
+                k, probe = early[1:]
+            else:
+                k, probe = self._choose_row(key, s, prior if s else measured)
+            self.probed |= probe
             out.append(k)
         return self._lift(keys, sampled, out)
+
+    def choose_ahead(self, keys: Sequence[int], sampled: Sequence[bool]) -> None:
+        """The next round's choices for ``keys``, made now (module doc, Ahead of time): call
+        it only once the current round's :meth:`observe` can teach the policy nothing (every
+        limit 0), e.g. while a round at K = 0 runs. The next :meth:`choose` takes them."""
+        if self.schedule or not self.enabled or not keys or \
+                self._sweep.todo.get((not all(sampled), any(sampled))):
+            return
+        measured, prior = self.costs.table(), self.costs.table(measured=False)
+        self._ahead = {key: (s, *self._choose_row(key, s, prior if s else measured))
+                       for key, s in zip(keys, sampled)}
+
+    def _choose_row(self, key: int, sampled: bool, costs: list[float]) -> tuple[int, bool]:
+        """One row's K before the lift, and whether it is a probe (its state moves on)."""
+        row = self._row(key)
+        k = best_k(row.alpha, costs, choices=self.choices)
+        probe = False
+        if k == 0:
+            row.zeros += 1
+            gap = max(row.interval, self.costs.probe_gap()) if row.probe_failed \
+                else row.interval
+            if row.zeros > gap:  # a probe
+                k = best_k(row.alpha, costs, least=1, choices=self.choices)
+                row.probing = probe = True
+        if k > 0:
+            row.zeros = 0
+        else:  # a round that learns nothing: toward the long run for the next one
+            row.recover()
+        return k, probe
 
     def _lift(self, keys: Sequence[int], sampled: Sequence[bool], chosen: list[int]) -> list[int]:
         """Each greedy row's K raised to the round's longest (module doc, Batches)."""

@@ -388,3 +388,61 @@ def test_a_hard_start_does_not_cost_the_rest_of_the_sequence():
     adaptive = sum(rate(AdaptiveK(3), s) for s in range(4))
     fixed = sum(rate(AdaptiveK(3, enabled=False), s) for s in range(4))
     assert adaptive >= 0.95 * fixed
+
+
+def _drive(policy, keys, alphas, rounds, seed, ahead):
+    """Rounds of a batch of greedy rows (each accepting with its alpha) -> the limits chosen;
+    with ``ahead``, the next round's choice is made ahead of its ``choose`` after every round
+    at K = 0, as the SD loop does while such a round's forward runs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rounds):
+        limits = policy.choose(keys, [False] * len(keys))
+        accepted = []
+        for k, a in zip(limits, alphas):
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            accepted.append(n)
+        if ahead and max(limits) == 0:
+            policy.choose_ahead(keys, [False] * len(keys))
+        policy.observe(keys, limits, accepted, [False] * len(keys))
+        out.append((limits, policy.probed))
+    return out
+
+
+@pytest.mark.parametrize("alphas", [(0.0,), (0.0, 0.05), (0.3, 0.0)])
+def test_choosing_ahead_after_a_round_at_k_0_changes_no_choice(alphas):
+    """A round at K = 0 teaches nothing, so choosing the next round ahead (while its forward
+    runs) gives the choices, probes included, that choosing at the round's start gives."""
+    runs = []
+    for ahead in (False, True):
+        policy = AdaptiveK(3)
+        _h200_costs(policy)
+        keys = list(range(len(alphas)))
+        for key in keys:
+            policy.admit(key)
+        runs.append(_drive(policy, keys, alphas, 400, 11, ahead))
+    assert runs[0] == runs[1]
+    assert sum(max(limits) == 0 for limits, _ in runs[0]) > 300  # mostly K = 0: ahead ran
+    assert any(probed for _, probed in runs[0])
+
+
+def test_a_choice_made_ahead_is_used_once_and_only_for_its_rows():
+    policy = AdaptiveK(3)
+    _h200_costs(policy)
+    for key in (0, 1):
+        policy.admit(key)
+    for _ in range(20):  # both rows fail: K = 0 (but for probes)
+        limits = policy.choose([0, 1], [False, False])
+        policy.observe([0, 1], limits, [0, 0], [False, False])
+    while limits != [0, 0]:
+        limits = policy.choose([0, 1], [False, False])
+        policy.observe([0, 1], limits, [0, 0], [False, False])
+    policy.choose_ahead([0, 1], [False, False])
+    assert set(policy._ahead) == {0, 1}  # the next round's choices are made
+    policy.admit(1)  # slot 1 takes a new sequence: chosen afresh from the prior
+    assert policy.choose([0, 1], [False, False]) == [3, 3]  # (row 0 lifted to row 1's K)
+    policy.choose_ahead([0], [False])
+    policy.choose([1], [False])  # a round without row 0 drops what was chosen for it
+    assert policy._ahead == {}

@@ -97,24 +97,34 @@ class SDLoop:
     def _ar_round(self, seqs, limits: list[int], captured: int) -> None:
         """A round of greedy rows at K = 0: AR's step (the last token's forward, its argmax
         read back) as the round's result (no drafts, the argmax as t*). The forward is launched
-        first; the draft's bookkeeping and the last round's times are read while it runs, as
-        AR's own step does, so that a round at K = 0 costs the host what an AR step does."""
+        first; while it runs, the draft's bookkeeping, the last round's times, the round's
+        metrics (nothing in them waits for its token) and the next round's choice of K
+        (``AdaptiveK.choose_ahead``: a round at K = 0 teaches the policy nothing) are done, so
+        that between two forwards a round at K = 0 costs the host what an AR step does."""
         logits = next_token_logits(self.target, seqs)
         self.drafter.skip(seqs)
         self._learn_costs(self.timer.flush(), self._timed)
+        keys = [s.slot for s in seqs]
+        nothing = [[] for _ in seqs]  # no draft verified, none accepted
+        record_acceptance(seqs, RoundResult([0] * len(seqs), [], nothing, []), limits, self.k,
+                          [self.policy.alpha(i) for i in keys])
+        self.policy.choose_ahead(keys, [False] * len(seqs))
         bonus = sample_rows(logits, seqs)  # the round's read-back
         self.timer.mark("verify")
-        result = RoundResult([0] * len(seqs), bonus, [[] for _ in seqs], [[t] for t in bonus])
-        commit_round(seqs, result)
-        self._end_round(seqs, limits, result, [False] * len(seqs), captured, 0)
+        commit_round(seqs, RoundResult([0] * len(seqs), bonus, nothing, [[t] for t in bonus]))
+        self._close_round(seqs, captured, 0)
 
     def _end_round(self, seqs, limits, result: RoundResult, sampled, captured: int,
                    k: int) -> None:
         """The policy learns the round's acceptance and, from its times, the costs."""
-        timer = self.timer
         keys = [s.slot for s in seqs]
         self.policy.observe(keys, limits, result.accepted, sampled)
         record_acceptance(seqs, result, limits, self.k, [self.policy.alpha(i) for i in keys])
+        self._close_round(seqs, captured, k)
+
+    def _close_round(self, seqs, captured: int, k: int) -> None:
+        """The round's times: kept for the next round's flush, or read now and learnt."""
+        timer = self.timer
         timer.mark("host")
         phases = timer.add_to(seqs, defer=True)  # {} when kept for the next round's flush
         # a round that captured a step (a sweep's, a new shape's) says nothing of the costs
