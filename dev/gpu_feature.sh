@@ -8,6 +8,7 @@
 #   SSDLIB_MODEL_DIRS=/tmp DATA=.stage/data.safetensors.gz HUMANEVAL=.stage/HumanEval.jsonl.gz \
 #       bash dev/gpu_feature.sh     (smollm2-135m resolving to the GGUF staged in /tmp)
 # Output: $OUT/feature.log, $OUT/feature_draft.tar (the trained draft), JSON of the bench.
+# TRAIN_FLAGS="... --features fused" trains a draft on three target layers (EAGLE-3) instead.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 TARGET=${TARGET:-smollm2-135m}

@@ -27,6 +27,7 @@ from ssdlib.engine.speculator.speculator import serve_speculator
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.loading import load_checkpoint
+from ssdlib.loading.feature_draft import feature_spec_for
 from ssdlib.log import get_logger, setup_logging
 from ssdlib.profiling import CallProfiler
 
@@ -75,9 +76,11 @@ def build_rank(cfg: EngineConfig) -> LeaderRuntime | None:
         serve_speculator(cfg, world, target_ck)
         destroy_world()
         return None
+    # a feature draft's features (which layers, how wide: its config.json), kept by the target
+    # on every rank, each running the same forward
+    features = feature_spec_for(cfg.draft, target_ck) if cfg.feature_draft else False
     runner = ModelRunner(target_ck, world.tp_group, world.device, dtype, cfg.max_batch, cfg.max_len,
-                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile,
-                         features=cfg.feature_draft)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, features=features)
     channel = TPChannel(world.tp_group, world.device) if cfg.tp > 1 else None
     if not world.is_leader:
         channel.serve(runner)

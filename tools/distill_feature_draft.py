@@ -2,14 +2,17 @@
 r"""Train a feature draft (EAGLE-style, ``ssdlib.models.feature_draft``) for a target ssdlib
 loads.
 
-The draft reads the target's features (its last decoder layer's output before the final norm)
-and its own predicted ones, and is trained by distillation with self-conditioning: ``--ttt-steps``
-unroll steps, each on the draft's own features of the step before (tools/distill/feature_train.py
-says exactly how). The data is a data.safetensors made by ``tools/distill_data.py gen``; its
-held-out split measures KL and greedy agreement at each unroll depth. Output: a feature draft
-directory (``ssdlib.loading.feature_draft``): config.json, model.safetensors (fc, layers, norm),
-the target's tokenizer named in tokenizer_source.json (a named target) or copied, and
-feature_distill.json (the run's settings and evaluations).
+The draft reads the target's features and its own predicted ones, and is trained by
+distillation with self-conditioning: ``--ttt-steps`` unroll steps, each on the draft's own
+features of the step before (tools/distill/feature_train.py says exactly how). The features
+(``--features``): ``last``, the target's last decoder layer's output before the final norm, or
+``fused`` (EAGLE-3), three of its layers' outputs concatenated (``--fused-layers``, default
+1, L // 2 and L - 1 of L layers), which the draft maps to its width with a learned ``fuse``.
+The data is a data.safetensors made by ``tools/distill_data.py gen``; its held-out split
+measures KL and greedy agreement at each unroll depth. Output: a feature draft directory
+(``ssdlib.loading.feature_draft``): config.json, model.safetensors (fc, fuse for fused
+features, layers, norm), the target's tokenizer named in tokenizer_source.json (a named target)
+or copied, and feature_distill.json (the run's settings and evaluations).
 
     python tools/distill_data.py gen --target smollm2-135m --out data.safetensors
     python tools/distill_feature_draft.py --target smollm2-135m --out runs/feature \
@@ -36,6 +39,7 @@ from ssdlib.loading import load_checkpoint, registry  # noqa: E402
 from ssdlib.loading.feature_draft import (check_max_mb, load_feature_draft,  # noqa: E402
                                           save_feature_draft, tokenizer_source)
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
+from ssdlib.models.feature_spec import FUSED, LAST_PRENORM, FeatureSpec  # noqa: E402
 from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
@@ -44,6 +48,27 @@ from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  
 from tools.distill.train import LOSSES  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+FEATURE_KINDS = {"last": LAST_PRENORM, "fused": FUSED}  # --features -> FeatureSpec kind
+
+
+def feature_spec(features: str | None, fused_layers: str | None,
+                 num_layers: int) -> FeatureSpec | None:
+    """The FeatureSpec of --features and --fused-layers for a target of ``num_layers`` layers;
+    None when neither is given (ValueError on a bad pair)."""
+    if fused_layers is not None and features != "fused":
+        raise ValueError("--fused-layers goes with --features fused")
+    if features is None:
+        return None
+    if features == "last":
+        return FeatureSpec()
+    layers = None
+    if fused_layers is not None:
+        try:
+            layers = [int(x) for x in fused_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--fused-layers must be integers like 1,6,11, got "
+                             f"{fused_layers!r}") from None
+    return FeatureSpec.fused(num_layers, layers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,9 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-from", required=True,
                    help="data.safetensors of tools/distill_data.py gen (train and held-out)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
+    p.add_argument("--features", choices=tuple(FEATURE_KINDS), default=None,
+                   help="the target features the draft reads: last (the last layer's output "
+                        "before the final norm) or fused (three layers' outputs, EAGLE-3); "
+                        "default: last, or --init-from's")
+    p.add_argument("--fused-layers", default=None, metavar="I,J,K",
+                   help="the target layers of --features fused, increasing (default: 1, L // 2, "
+                        "L - 1 for a target of L layers)")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="continue training the feature draft in DIR (its layers and weights; a "
-                        "fresh optimizer and schedule): a long training split over several runs")
+                   help="continue training the feature draft in DIR (its layers, features and "
+                        "weights; a fresh optimizer and schedule): a long training split over "
+                        "several runs")
     p.add_argument("--init-layer-from-target", type=int, default=None, metavar="I",
                    help="start every draft layer as target layer I (default: random)")
     p.add_argument("--ttt-steps", type=int, default=3,
@@ -99,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _described(spec: FeatureSpec) -> str:
+    if spec.layers is None:
+        return "the target's last-layer features"
+    return f"the target's fused features of layers {list(spec.layers)}"
+
+
 def fmt_eval(r: dict) -> str:
     depths = " ".join(f"{kl:.4f}/{ag:.3f}" for kl, ag in zip(r["kl"], r["agreement"]))
     return f"step {r['step']:>6}  KL/agreement by unroll depth: {depths}"
@@ -131,6 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(str(e)) from None
     if len(held_out) == 0:
         raise SystemExit(f"{args.data_from}: no held-out documents")
+    try:
+        spec = feature_spec(args.features, args.fused_layers, ck.config.num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     max_positions = max(ck.config.max_position_embeddings, args.seq_len, args.long_seq_len or 0)
     teacher = models.load_teacher(ck, device, dtype, max_positions)
     eos = ck.config.eos_token_ids
@@ -147,10 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
                 raise ValueError("--init-from and --init-layer-from-target exclude each other")
             draft = load_feature_draft(args.init_from, ck, teacher, device, torch.float32,
                                        max_positions).requires_grad_(True)  # (loaded frozen)
+            if spec is not None and spec != draft.feature:
+                raise ValueError(f"--init-from {args.init_from} reads {_described(draft.feature)}"
+                                 f"; it keeps them (--features asks for {_described(spec)})")
             args.layers = len(draft.layers)
         else:
             with torch.device(device):
-                draft = FeatureDraft.for_target(teacher, args.layers, max_positions)
+                draft = FeatureDraft.for_target(teacher, args.layers, max_positions, spec)
+        args.features = next(k for k, v in FEATURE_KINDS.items() if v == draft.feature.kind)
+        args.fused_layers = None if draft.feature.layers is None else list(draft.feature.layers)
         gain = fixed_gain if fixed_gain is not None else token_gain_for(
             draft, teacher, rows[:8].to(device))
         if not args.init_from:
@@ -166,8 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
             amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None
-    print(f"feature draft: {args.layers} layer(s) of width {draft.config.hidden_size}, "
-          f"{mb:.2f} MB as {args.storage_dtype}; {rows.shape[0]} training rows of "
+    print(f"feature draft: {args.layers} layer(s) of width {draft.config.hidden_size} reading "
+          f"{_described(draft.feature)}, {mb:.2f} MB as {args.storage_dtype}; "
+          f"{rows.shape[0]} training rows of "
           f"{args.seq_len} tokens" + (f" and rows of {args.long_seq_len} every {args.long_every} "
                                       "batches" if args.long_seq_len else "")
           + f", {args.ttt_steps} unroll step(s) a step, token gain {gain:.3g}")

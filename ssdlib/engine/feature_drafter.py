@@ -2,8 +2,12 @@
 SD, beside the target whose features it reads.
 
 Where the features come from: the target's runner keeps a per-slot feature buffer
-(``KVCache.features`` [slots, max_len, H]) that every target forward writes, like its KV: the
-last decoder layer's output before the final norm at each fed position. A verify of K + 1
+(``KVCache.features`` [slots, max_len, W]) that every target forward writes, like its KV: at
+each fed position the features the draft's spec names (``ssdlib.models.feature_spec``), the last
+decoder layer's output before the final norm (W = H) or three layers' outputs concatenated
+(fused, W = 3H). Every feed conditions what it gathers there (``FeatureDraft.condition``: fused
+features through the draft's ``fuse``, to width H); the draft's own h, which stands in for them
+in the chain, is already conditioned. A verify of K + 1
 positions therefore leaves f_t for the last committed token and the K drafts; after the
 acceptance the buffer holds the true f_t of every committed position but the last (whose token,
 the bonus, the target has not fed yet). Nothing is read back to the host and no target forward is
@@ -47,10 +51,15 @@ log = get_logger(__name__)
 class FeatureDrafter:
     """The SD loop's proposer (the interface of :class:`~ssdlib.engine.drafter.Drafter`:
     ``reset``, ``prefill``, ``propose``, ``skip``, ``after_commit``, ``plain``) for a feature
-    draft. ``features``: the target runner's feature buffer [slots, max_len, H]."""
+    draft. ``features``: the target runner's feature buffer [slots, max_len, W], W the draft's
+    ``feature_width``."""
 
     def __init__(self, draft, features: torch.Tensor, n_slots: int, max_len: int,
                  vocab_size: int, draws: int = 0, pool=None, use_kernel: bool = False):
+        if features.shape[-1] != draft.feature_width:
+            raise ValueError(f"the target keeps features of width {features.shape[-1]} but the "
+                             f"draft reads {draft.feature.kind} features of width "
+                             f"{draft.feature_width}")
         self.draft = draft
         # captured greedy chains (module doc): a GraphPool, or None for eager chains
         self.pool = pool
@@ -110,7 +119,7 @@ class FeatureDrafter:
         dev = self.device
         positions_d = positions.to(dev, non_blocking=True)
         slots_d = slots.to(dev, non_blocking=True)
-        feats = self.features[slots_d.view(-1, 1), positions_d]  # [b, s, H]
+        feats = self.draft.condition(self.features[slots_d.view(-1, 1), positions_d])  # [b, s, H]
         meta = AttentionMetadata(positions_d, slots_d, int(positions.max()) + 1,
                                  kv_limit=positions_d + 1)
         index = to_device([[len(r) - 1] for r in rows], dev)
@@ -123,7 +132,7 @@ class FeatureDrafter:
         """A whole greedy proposal on device tensors: the feed of ``ids`` / ``positions``
         [b, W] (the target's features gathered here), d_1 at ``index`` [b, 1], then the chain
         -> tokens [b, k]."""
-        feats = self.features[slots.view(-1, 1), positions]
+        feats = self.draft.condition(self.features[slots.view(-1, 1), positions])
         meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
                                  use_kernel=self.use_kernel)
         logits, hidden = self.draft(ids, feats, self.cache, meta, index)

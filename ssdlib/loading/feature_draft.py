@@ -7,11 +7,17 @@ target's width and heads, ``num_hidden_layers`` = the draft's), ``ssdlib_embeddi
 
     "ssdlib_feature_draft": {"target_hidden_size": H, "feature": "last_prenorm"}
 
-(the width of the features it reads, and which they are: the target's last decoder layer's
-output before the final norm). ``model.safetensors`` holds only ``fc.weight``, ``layers.N.*``
-and ``norm.weight``: names no plain Llama has, so the directory is never mistaken for a Llama
-draft. The tokenizer is the target's: its files, or ``tokenizer_source.json`` naming the target
-(as the shipped draft does), whose fingerprint is checked at load.
+(the target's hidden size, and which of its hidden states the draft reads: its last decoder
+layer's output before the final norm), or, for EAGLE-3's fused features (three target layers'
+outputs concatenated: ``ssdlib.models.feature_spec``),
+
+    "ssdlib_feature_draft": {"target_hidden_size": H, "feature": "fused", "layers": [i, j, k]}
+
+``model.safetensors`` holds only ``fc.weight`` (and ``fuse.weight`` for fused features),
+``layers.N.*`` and ``norm.weight``: names no plain Llama has, so the directory is never
+mistaken for a Llama draft. The tokenizer is the target's: its files, or
+``tokenizer_source.json`` naming the target (as the shipped draft does), whose fingerprint is
+checked at load.
 """
 
 from __future__ import annotations
@@ -30,11 +36,10 @@ from ssdlib.loading.checkpoint import Checkpoint, load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
 from ssdlib.loading.hf_dir import SHARED_TOKENIZER_FILE
 from ssdlib.models.feature_draft import FeatureDraft
+from ssdlib.models.feature_spec import FeatureSpec
 from ssdlib.models.llama import LlamaForCausalLM
 
 FEATURE_DRAFT_KEY = "ssdlib_feature_draft"
-# the only feature kind there is: the last decoder layer's output before the final norm
-LAST_PRENORM = "last_prenorm"
 
 
 def stored_mb(draft: FeatureDraft, storage_dtype: torch.dtype) -> float:
@@ -85,7 +90,7 @@ def save_feature_draft(draft: FeatureDraft, directory: str,
     dtype_name = str(storage_dtype).removeprefix("torch.")
     config = dict(draft.config.to_hf_dict(), torch_dtype=dtype_name, dtype=dtype_name)
     config[FEATURE_DRAFT_KEY] = {"target_hidden_size": draft.config.hidden_size,
-                                 "feature": LAST_PRENORM}
+                                 **draft.feature.to_config()}
     files = {"config.json": config}
     if tokenizer_ref is not None:
         files[SHARED_TOKENIZER_FILE] = tokenizer_ref
@@ -129,15 +134,47 @@ def _feature_spec(directory: str) -> dict:
     return spec
 
 
-def check_feature_pair(directory: str, draft: Checkpoint, target: Checkpoint) -> None:
+def _parsed_spec(directory: str, entry: dict) -> FeatureSpec:
+    """The FeatureSpec of a draft's config entry (CheckpointError, one line, when it is none)."""
+    try:
+        return FeatureSpec.from_config(entry)
+    except ValueError as e:
+        raise CheckpointError(f"feature draft {directory!r}: {e} (config.json "
+                              f"{FEATURE_DRAFT_KEY})") from None
+
+
+def _check_target_layers(directory: str, spec: FeatureSpec, target: Checkpoint) -> None:
+    """CheckpointError unless ``target`` has the layers whose outputs ``spec`` reads."""
+    n = target.config.num_hidden_layers
+    try:
+        spec.target_layers(n)
+    except ValueError:
+        raise CheckpointError(
+            f"feature draft {directory!r} reads {spec.kind} features of layers "
+            f"{list(spec.layers or ())} but the target {target.source!r} has {n} decoder layers "
+            f"(0..{n - 1}): it runs only beside the target it was trained for") from None
+
+
+def feature_spec_for(spec: str | os.PathLike, target: Checkpoint) -> FeatureSpec:
+    """Which features of ``target`` the feature draft ``spec`` (a named checkpoint or a
+    directory) reads, from its config.json: what the target's runner keeps for it. A
+    CheckpointError (one line) when the entry is not a valid spec or the target lacks its
+    layers; the rest of the pair is checked when the draft loads (``check_feature_pair``)."""
+    directory = os.fspath(spec)
+    directory = registry.resolve_named(directory) or directory
+    parsed = _parsed_spec(directory, _feature_spec(directory))
+    _check_target_layers(directory, parsed, target)
+    return parsed
+
+
+def check_feature_pair(directory: str, draft: Checkpoint, target: Checkpoint) -> FeatureSpec:
     """Raise CheckpointError (one line) unless the feature draft in ``directory`` runs beside
-    ``target``: the features it reads are the target's kind and width, it shares the target's
-    embedding, and tokenizer and vocabulary agree (``check_draft_compatible``)."""
-    spec = _feature_spec(directory)
-    feature, width = spec.get("feature"), spec.get("target_hidden_size")
-    if feature != LAST_PRENORM:
-        raise CheckpointError(f"feature draft {directory!r} reads features {feature!r}; ssdlib "
-                              f"serves only {LAST_PRENORM!r} (config.json {FEATURE_DRAFT_KEY})")
+    ``target``: the features it reads are a kind ssdlib serves, of the target's width and, fused,
+    of layers the target has; it shares the target's embedding, and tokenizer and vocabulary
+    agree (``check_draft_compatible``). Returns the draft's FeatureSpec."""
+    entry = _feature_spec(directory)
+    spec = _parsed_spec(directory, entry)
+    width = entry.get("target_hidden_size")
     if not draft.config.embedding_from_target:
         raise CheckpointError(f"feature draft {directory!r}: config.json must set "
                               f"{EMBEDDING_FROM_TARGET_KEY} (its embedding is the target's)")
@@ -151,7 +188,9 @@ def check_feature_pair(directory: str, draft: Checkpoint, target: Checkpoint) ->
             f"feature draft {directory!r} reads features of width {width} but the target "
             f"{target.source!r} has hidden size {target.config.hidden_size}: it runs only beside "
             "the target it was trained for")
+    _check_target_layers(directory, spec, target)
     check_draft_compatible(target, draft)
+    return spec
 
 
 def load_feature_draft(directory: str, target_ck: Checkpoint,
@@ -166,14 +205,14 @@ def load_feature_draft(directory: str, target_ck: Checkpoint,
     directory = os.fspath(directory)
     directory = registry.resolve_named(directory) or directory
     draft_ck = load_checkpoint(directory)
-    check_feature_pair(directory, draft_ck, target_ck)
+    spec = check_feature_pair(directory, draft_ck, target_ck)
     dtype = dtype or torch.float32
     with torch.device(device or "cpu"):
         if target_model is None:
             embed, head = _target_embedding_and_head(target_ck, dtype)
         else:
             embed, head = target_model.model.embed_tokens, target_model.lm_head
-        draft = FeatureDraft(draft_ck.config, embed, head, max_positions)
+        draft = FeatureDraft(draft_ck.config, embed, head, max_positions, spec)
     for p in draft.parameters():
         p.data = p.data.to(dtype)
     draft.load_weights(draft_ck.weights)

@@ -7,6 +7,7 @@ Module names match Hugging Face checkpoints, so loading is a walk over names.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -91,17 +92,35 @@ def run_layers(layers, rotary: RotaryEmbedding, x: torch.Tensor, kv_cache,
     when it is None) -> the last layer's output [b, s, H], before any final norm. RoPE and the
     attention mask (a sliding ``window``, if the model has one) are computed once per forward,
     for all layers."""
+    return run_layers_keeping(layers, rotary, x, kv_cache, meta, window)[0]
+
+
+def run_layers_keeping(layers, rotary: RotaryEmbedding, x: torch.Tensor, kv_cache,
+                       meta: AttentionMetadata, window: int | None = None,
+                       keep: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``run_layers``, also returning the outputs [b, s, H] of the layers ``keep`` (indices, in
+    that order)."""
+    if any(not 0 <= i < len(layers) for i in keep):
+        raise ValueError(f"layers {list(keep)} to keep: the model has layers 0..{len(layers) - 1}")
     cos, sin = rotary.cos_sin(meta.positions)
     meta.rope = (cos.to(x.dtype), sin.to(x.dtype))
     meta.window = window
     meta.prepare()
+    kept: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         if kv_cache is None:
             x = layer(x, None, None, meta)
         else:
             k, v, tree_k, tree_v = kv_cache.layer(i)
             x = layer(x, k, v, meta, tree_k, tree_v)
-    return x
+        if i in keep:
+            kept[i] = x
+    return x, [kept[i] for i in keep]
+
+
+def concat_features(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Layer outputs [b, s, H] each -> one feature [b, s, len(parts) * H] (one part: itself)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def load_named_weights(model: nn.Module, weights) -> None:
@@ -146,18 +165,26 @@ class LlamaModel(nn.Module):
         self.sliding_window = config.sliding_window
 
     def forward(self, input_ids, kv_cache, meta):
-        x = self.features(input_ids, kv_cache, meta)
-        if kv_cache is not None and kv_cache.features is not None:
+        keeps = kv_cache is not None and kv_cache.features is not None
+        x, kept = self.run(input_ids, kv_cache, meta, kv_cache.feature_layers if keeps else ())
+        if keeps:
             # the features of the fed positions, kept per slot like the KV (a feature draft
-            # reads them: ``ssdlib.engine.feature_drafter``)
-            kv_cache.features[meta.slots.view(-1, 1), meta.positions] = x
+            # reads them: ``ssdlib.engine.feature_drafter``): the chosen layers' outputs,
+            # concatenated in the forward that computes them anyway
+            kv_cache.features[meta.slots.view(-1, 1), meta.positions] = concat_features(kept)
         return self.norm(x)
 
+    def run(self, input_ids, kv_cache, meta,
+            keep: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers over ``input_ids`` -> (the last layer's output [b, s, H], before the
+        final norm, and the outputs [b, s, H] of the layers ``keep``, in that order)."""
+        return run_layers_keeping(self.layers, self.rotary, self.embed_tokens(input_ids),
+                                  kv_cache, meta, self.sliding_window, keep)
+
     def features(self, input_ids, kv_cache, meta) -> torch.Tensor:
-        """The last decoder layer's output [b, s, H], before the final norm (what a feature
-        draft reads: ``ssdlib.models.feature_draft``)."""
-        return run_layers(self.layers, self.rotary, self.embed_tokens(input_ids), kv_cache, meta,
-                          self.sliding_window)
+        """The last decoder layer's output [b, s, H], before the final norm (what a
+        ``last_prenorm`` feature draft reads: ``ssdlib.models.feature_draft``)."""
+        return self.run(input_ids, kv_cache, meta)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -197,14 +224,17 @@ class LlamaForCausalLM(nn.Module):
         """Cache-free causal forward (training, scoring): input_ids [b, s] -> logits [b, s, V]."""
         return self.forward_full_features(input_ids)[0]
 
-    def forward_full_features(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_full_features(self, input_ids: torch.Tensor, layers: Sequence[int] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache-free causal forward with the features: input_ids [b, s] -> (logits [b, s, V],
-        features [b, s, H]), features = the last decoder layer's output before the final norm
-        (logits = lm_head(norm(features)))."""
+        features [b, s, n * H]), features = the outputs, before the final norm, of the decoder
+        ``layers`` (n indices; default: the last layer alone) concatenated in that order
+        (logits = lm_head(norm(the last layer's output)))."""
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        features = self.model.features(input_ids, None, AttentionMetadata(positions, None, s))
-        return self.lm_head(self.model.norm(features)), features
+        keep = (len(self.model.layers) - 1,) if layers is None else tuple(layers)
+        last, kept = self.model.run(input_ids, None, AttentionMetadata(positions, None, s), keep)
+        return self.lm_head(self.model.norm(last)), concat_features(kept)
 
     def load_weights(self, weights) -> None:
         """Each parallel layer reads its own shard of its HF-named tensor(s), after checking

@@ -10,7 +10,8 @@ accepted / tried, and the mean accepted length (accepted draft tokens per positi
 
 Two views of the same positions:
 - "true features": the target's features f_i of every committed position i < p (the SD view:
-  after a verify the target has run over all but the newest token);
+  after a verify the target has run over all but the newest token), conditioned by the draft
+  (``FeatureDraft.condition``: a fused draft's ``fuse`` over the target's three layers);
 - "self-conditioned": the features of the last ``m`` of them (default K + 1: the positions an SSD
   speculator drafts past while the target is still verifying them) are the draft's own, h_{i-1}
   at position i, computed autoregressively from the earlier true feature f_{p-m-1}.
@@ -36,6 +37,7 @@ from ssdlib.engine.runner.kv_cache import KVCache  # noqa: E402
 from ssdlib.layers.attention import AttentionMetadata  # noqa: E402
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
 from tools.distill.data import Docs  # noqa: E402
+from tools.distill.feature_train import teacher_outputs  # noqa: E402
 
 VERIFY_ROWS = 8  # target rows verified in one forward (their logits span the vocabulary)
 
@@ -59,7 +61,8 @@ def sample_points(docs: Docs, n: int, k: int, m: int, max_len: int,
 def draft_greedy(draft: FeatureDraft, ids: torch.Tensor, features: torch.Tensor,
                  points: list[int], k: int, m: int) -> torch.Tensor:
     """K greedy draft tokens [n, K] after each prefix ids[:p+1] (p in ``points``), the target's
-    ``features`` [>= max p, H] read at positions < p - m and the draft's own from there on.
+    ``features`` [>= max p, W] (the draft's ``feature_width``) read at positions < p - m and the
+    draft's own from there on.
 
     Each row is prefilled over its true-feature positions into its own KV slot, then all rows
     step together, one position a step (the same number of steps for every row)."""
@@ -73,8 +76,9 @@ def draft_greedy(draft: FeatureDraft, ids: torch.Tensor, features: torch.Tensor,
         start = p - m
         pos = torch.arange(start, device=device).view(1, -1)
         meta = AttentionMetadata.build(pos, torch.tensor([row], device=device), start)
-        out = draft(ids[1:start + 1].view(1, -1), features[:start].unsqueeze(0).to(dtype), cache,
-                    meta, torch.tensor([[start - 1]], device=device))
+        feats = draft.condition(features[:start].unsqueeze(0).to(dtype))
+        out = draft(ids[1:start + 1].view(1, -1), feats, cache, meta,
+                    torch.tensor([[start - 1]], device=device))
         logits.append(out[0][:, 0])
         hidden.append(out[1][:, 0])
     logits, hidden = torch.cat(logits), torch.cat(hidden)  # [n, V], [n, H]
@@ -119,8 +123,8 @@ def acceptance_rows(draft: FeatureDraft, target, docs: Docs, k: int = 5, positio
                     m: int | None = None, seed: int = 0) -> list[dict]:
     """Greedy acceptance at up to ``positions`` sampled positions of ``docs`` in the two views
     (``m`` self-conditioned positions, default K + 1). ``target``: any model with
-    ``forward_full_features`` (a LlamaForCausalLM). Rows: view, k, self_conditioned (m),
-    positions, tried, accepted, a_p, mean_accepted."""
+    ``forward_full_features`` (a LlamaForCausalLM; for a fused draft it takes the layers too).
+    Rows: view, k, self_conditioned (m), positions, tried, accepted, a_p, mean_accepted."""
     m = k + 1 if m is None else m
     if k < 1 or m < 0:
         raise ValueError(f"need K >= 1 and m >= 0, got K = {k}, m = {m}")
@@ -131,7 +135,7 @@ def acceptance_rows(draft: FeatureDraft, target, docs: Docs, k: int = 5, positio
     accepted: dict[str, list[int]] = {name: [] for name, _ in views}
     for d, ps in points.items():
         ids = torch.tensor(docs.ids[d][:max(ps) + 1], device=device)
-        features = target.forward_full_features(ids[:max(ps)].unsqueeze(0))[1][0]
+        features = teacher_outputs(target, draft, ids[:max(ps)].unsqueeze(0))[1][0]
         for name, view_m in views:
             drafted = draft_greedy(draft, ids, features, ps, k, view_m)
             accepted[name] += accepted_lengths(target, ids, ps, drafted)

@@ -2,19 +2,23 @@
 self-conditioning (training-time test).
 
 Per batch of token rows ids [b, s] the target computes once, without gradients, its logits T and
-features F at every position. The draft's inputs are positions t = 0..s-2: the token
-x_{t+1} = ids[:, t+1] and a feature. Its logits at t are compared with T at t+1 (the target's
-distribution of x_{t+2}), its hidden output h_t with F at t+1 (the feature it estimates). Every
-position of a packed row counts; the row's last token has no successor and is no input.
+the features the draft reads at every position (``teacher_outputs``: its last layer's output, or
+for a fused draft three layers' outputs concatenated), conditioned by the draft to f = its own
+width (``FeatureDraft.condition``: the identity, or the draft's ``fuse``, trained with the rest).
+The draft's inputs are positions t = 0..s-2: the token x_{t+1} = ids[:, t+1] and a feature. Its
+logits at t are compared with T at t+1 (the target's distribution of x_{t+2}), its hidden output
+h_t with f at t+1 (the feature it estimates, held without gradient: for a fused draft the
+regression then does not pull ``fuse`` towards what h finds easy). Every position of a packed
+row counts; the row's last token has no successor and is no input.
 
-Unrolling (``ttt_steps`` steps): step 0 reads the target's features F_t; step j >= 1 reads, at
-every position t >= 1, the draft's own hidden output of step j-1 at position t-1 (its estimate
-of F_t; position 0 keeps F_0). A position t at step j thus sees a feature predicted through
-min(j, t) levels of the draft's own estimates, as when the draft runs past the positions whose
-target features exist (SD: the tokens it drafts; SSD: also the positions still being verified).
-The token loss (``LOSSES``: forward KL or TVD per position) and a feature regression term
-(smooth L1 between h_t and F_{t+1}, weighted) are taken at every step and averaged over steps;
-gradients flow through the unrolling.
+Unrolling (``ttt_steps`` steps): step 0 reads the target's (conditioned) features f_t; step
+j >= 1 reads, at every position t >= 1, the draft's own hidden output of step j-1 at position
+t-1 (its estimate of f_t; position 0 keeps f_0). A position t at step j thus sees a feature
+predicted through min(j, t) levels of the draft's own estimates, as when the draft runs past the
+positions whose target features exist (SD: the tokens it drafts; SSD: also the positions still
+being verified). The token loss (``LOSSES``: forward KL or TVD per position) and a feature
+regression term (smooth L1 between h_t and f_{t+1}, weighted) are taken at every step and
+averaged over steps; gradients flow through the unrolling.
 
 One approximation: at step j all positions read depth-j features, also those a query attends to
 as keys and values; at inference the earlier positions of that context have shallower (or the
@@ -28,7 +32,9 @@ are alike in absolute size, takes ~c times longer to grow it: the draft learns t
 columns as c * W' and optimises W' (a parametrisation during ``run``, removed after it: the
 stored fc is the plain product, the format and the engine unchanged), and ``init_feature_draft``
 starts them c times larger, so both halves contribute alike from the start and learn alike.
-``token_gain_for`` measures c on a batch.
+``token_gain_for`` measures c on a batch. A fresh fused draft's ``fuse`` starts as the
+selection of its highest layer's output (``init_feature_draft``), so it starts as a draft of that
+layer's features and learns from there what the lower layers add.
 """
 
 from __future__ import annotations
@@ -71,12 +77,24 @@ class FeatureTrainSettings(TrainSettings):
             raise ValueError(f"unknown loss {self.loss!r}: choose from {', '.join(LOSSES)}")
 
 
+def teacher_outputs(teacher, draft: FeatureDraft,
+                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``teacher``'s logits [b, s, V] and the features [b, s, W] ``draft`` reads (its
+    ``feature_width``) over ``ids`` [b, s], in one forward: the last layer's output before the
+    final norm (the teacher's default), or the fused layers' outputs concatenated."""
+    if draft.feature.layers is None:
+        return teacher.forward_full_features(ids)
+    return teacher.forward_full_features(ids, draft.feature.layers)
+
+
 @torch.no_grad()
 def token_gain_for(draft: FeatureDraft, teacher, ids: torch.Tensor) -> float:
     """The token gain c for ``teacher``'s features (module doc): the median over positions t of
     ``ids`` [b, s] of RMS(f_t) / RMS(embed(x_{t+1})), position 0 (an attention sink's outsized
-    feature) left out."""
-    features = teacher.forward_full_features(ids)[1][:, 1:-1].float()
+    feature) left out. f_t: the (highest) layer output a fresh draft's fc first reads (a fused
+    draft's ``fuse`` starts as its selection: ``init_feature_draft``)."""
+    h = draft.config.hidden_size
+    features = teacher_outputs(teacher, draft, ids)[1][:, 1:-1, -h:].float()
     embeds = draft.embed_tokens(ids[:, 2:]).float()
     rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
     return float((rms(features) / rms(embeds).clamp_min(1e-12)).median())
@@ -105,7 +123,8 @@ def init_feature_draft(draft: FeatureDraft, target, seed: int,
     sqrt(2 * layers), unit layer norms; the final norm := the target's (h_t estimates a target
     feature, which the target's norm maps to its logits). ``init_layer``: every draft layer :=
     that layer of the target (``target``: the teacher, a LlamaForCausalLM). ``token_gain``: fc's
-    token columns start that many times larger (module doc)."""
+    token columns start that many times larger (module doc). A fused draft's ``fuse`` [H, 3H]
+    := [0, 0, I]: the highest fused layer's output passes through, the others start unused."""
     n = len(target.model.layers)
     if init_layer is not None and not 0 <= init_layer < n:
         raise ValueError(f"--init-layer-from-target {init_layer}: the target has layers "
@@ -117,7 +136,11 @@ def init_feature_draft(draft: FeatureDraft, target, seed: int,
     for layer in draft.layers:  # as GPT-2: the residual stream grows with depth
         layer.self_attn.o_proj.weight.mul_(out_scale)
         layer.mlp.down_proj.weight.mul_(out_scale)
-    draft.fc.weight[:, :draft.config.hidden_size] *= token_gain
+    h = draft.config.hidden_size
+    draft.fc.weight[:, :h] *= token_gain
+    if draft.fuse is not None:
+        draft.fuse.weight.zero_()
+        draft.fuse.weight[:, -h:] = torch.eye(h)
     draft.norm.load_state_dict(target.model.norm.state_dict())
     if init_layer is not None:
         for layer in draft.layers:
@@ -126,27 +149,31 @@ def init_feature_draft(draft: FeatureDraft, target, seed: int,
 
 def shifted(ids: torch.Tensor, logits: torch.Tensor, features: torch.Tensor):
     """The draft's view of a batch the target ran over (ids [b, s], its logits and features):
-    (next_ids [b, s-1], features [b, s-1, H], target logits [b, s-1, V], target features
-    [b, s-1, H]) of draft positions t = 0..s-2: x_{t+1}, F_t, T_{t+1}, F_{t+1}."""
+    (next_ids [b, s-1], features [b, s-1, W], target logits [b, s-1, V], target features
+    [b, s-1, W]) of draft positions t = 0..s-2: x_{t+1}, F_t, T_{t+1}, F_{t+1}."""
     return ids[:, 1:], features[:, :-1], logits[:, 1:], features[:, 1:]
 
 
 def unroll(draft: FeatureDraft, features: torch.Tensor, next_ids: torch.Tensor,
            steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(logits, hidden) of each unroll step: step 0 on ``features``, step j on the hidden
-    output of step j-1 shifted one position on (position 0 keeps its feature)."""
-    feats = features
+    """(logits, hidden) of each unroll step: step 0 on the target's ``features`` [b, s, W]
+    (conditioned here: ``FeatureDraft.condition``), step j on the hidden output of step j-1
+    shifted one position on (position 0 keeps its feature)."""
+    first = draft.condition(features)
+    feats = first
     for _ in range(steps):
         logits, hidden = draft.forward_full(feats, next_ids)
         yield logits, hidden
-        feats = torch.cat([features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
+        feats = torch.cat([first[:, :1], hidden[:, :-1].to(first.dtype)], dim=1)
 
 
 def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tensor,
                     t_features: torch.Tensor, s: FeatureTrainSettings) -> list[torch.Tensor]:
     """The loss of each of the ``s.ttt_steps`` unroll steps on ``ids`` [b, s], given the
-    target's logits and features for them."""
+    target's logits and features for them (``teacher_outputs``)."""
     next_ids, feats, target_logits, target_feats = shifted(ids, t_logits, t_features)
+    if s.feature_loss_weight:  # what h_t estimates: f_{t+1}, held (module doc)
+        target_feats = draft.condition(target_feats).detach()
     losses = []
     for logits, hidden in unroll(draft, feats, next_ids, s.ttt_steps):
         loss = LOSSES[s.loss](logits, target_logits).mean()
@@ -169,7 +196,7 @@ def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
     n = 0
     for ids, mask, _ in eval_batches(held_out, s.seq_len, s.eval_batch):
         ids, mask = ids.to(device), mask.to(device)
-        next_ids, feats, t_logits, _ = shifted(ids, *teacher.forward_full_features(ids))
+        next_ids, feats, t_logits, _ = shifted(ids, *teacher_outputs(teacher, draft, ids))
         scored = mask[:, 1:]  # draft position t is scored where the target's t + 1 is
         with _autocast(device, s.amp_dtype):
             for depth, (logits, _) in enumerate(unroll(draft, feats, next_ids, s.eval_depth)):
@@ -229,7 +256,7 @@ class FeatureTrainer:
         puts on); returns the loss (not read)."""
         s = self.s
         with torch.no_grad():
-            t_logits, t_features = self.teacher.forward_full_features(ids)
+            t_logits, t_features = teacher_outputs(self.teacher, self.draft, ids)
         with _autocast(self.device, s.amp_dtype):
             loss = torch.stack(unrolled_losses(self.draft, ids, t_logits, t_features, s)).mean()
         optimizer_step(self.opt, loss, self.draft.parameters(), self.step, s)

@@ -22,6 +22,7 @@ from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.layers.linear import tp_size_rank
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.log import get_logger
+from ssdlib.models.feature_spec import FeatureSpec
 from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.ops.slot_attention import triton_available
@@ -101,7 +102,7 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
                  dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
                  cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES,
-                 compile: bool | None = None, features: bool = False):
+                 compile: bool | None = None, features: bool | FeatureSpec = False):
         config = checkpoint.config
         self.config = config
         self.device = torch.device(device)
@@ -109,6 +110,12 @@ class ModelRunner:
         # a prefill from position 0 attends causally over its own keys (AttentionMetadata)
         self.causal_prefill = env.flag("SSDLIB_CAUSAL_PREFILL")
         alloc = max_len + POSITION_SLACK
+        # features: every forward also keeps its positions' features (a feature draft's input),
+        # those of the spec (True: the last layer's output, before the final norm); checked
+        # against the model before its weights load
+        spec = FeatureSpec() if features is True else \
+            features if isinstance(features, FeatureSpec) else None
+        feature_layers = spec.target_layers(config.num_hidden_layers) if spec else ()
         with torch.device(self.device):
             model = LlamaForCausalLM(config, tp_group, max_positions=alloc)
         for p in model.parameters():
@@ -116,10 +123,10 @@ class ModelRunner:
         model.load_weights(checkpoint.weights)
         self.model = model.eval().requires_grad_(False)
         # one extra slot: the scratch slot that padded (ghost) rows of a captured step write to
-        # features: every forward also keeps its positions' features (a feature draft's input)
         self.cache = KVCache(config.num_hidden_layers, n_slots + 1, model.kv_heads_local, alloc,
                              config.head_dim, dtype, device, tree_len,
-                             features_dim=config.hidden_size if features else 0)
+                             features_dim=spec.width(config.hidden_size) if spec else 0,
+                             feature_layers=feature_layers)
         self.scratch_slot = n_slots
         self.use_kernel = use_slot_kernel(self.device)
         # the model as the captured steps run it: torch.compile'd (fusing the small kernels
