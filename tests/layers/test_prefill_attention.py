@@ -135,3 +135,29 @@ def test_the_switch_turns_the_causal_prefill_off(tiny_dirs, monkeypatch):
         runner.forward(torch.tensor([[5, 6, 7, 8]]), torch.arange(4).view(1, -1),
                        torch.tensor([0]))
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_causal_prefill_equals_the_masked_path_on_cuda(dtype, tol):
+    """On CUDA the causal path is SDPA's flash kernel (bf16) or the memory-efficient one (fp32),
+    the masked path the memory-efficient kernel with a dense mask: the same attention."""
+    b, s, hq, hkv, hd = 2, 300, 9, 3, 64
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(b, s, hq, hd, generator=g, device="cuda", dtype=dtype)
+    k = torch.randn(b, s, hkv, hd, generator=g, device="cuda", dtype=dtype)
+    v = torch.randn(b, s, hkv, hd, generator=g, device="cuda", dtype=dtype)
+    positions = torch.arange(s, device="cuda").expand(b, s).contiguous()
+    slots = torch.tensor([1, 0], device="cuda")
+    attn = CachedAttention(hq, hkv, hd)
+    outs = []
+    for from_zero in (True, False):
+        k_cache = torch.zeros(3, hkv, 320, hd, device="cuda", dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        meta = AttentionMetadata(positions, slots, 320, kv_limit=positions + 1,
+                                 from_zero=from_zero)
+        meta.prepare()
+        assert meta.causal is from_zero
+        outs.append(attn(q, k, v, k_cache, v_cache, meta).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
