@@ -147,29 +147,28 @@ class CachedAttention(nn.Module):
             rows = meta.slots if meta.slot_start is None else rows
             keys = torch.cat([keys, tree_k[rows, :, :meta.tree_len]], dim=2)
             values = torch.cat([values, tree_v[rows, :, :meta.tree_len]], dim=2)
-        if gqa and q.device.type == "cuda":
-            # the memory-efficient kernel (below) takes no enable_gqa: give it every head
-            group = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-            gqa = False
+        keys, values, gqa = self._heads_for_sdpa(keys, values)
         with _sdpa_backends(q.device):
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
                 enable_gqa=gqa)  # [b, hq, s, hd]
         return out.transpose(1, 2).reshape(b, s, -1)
 
+    def _heads_for_sdpa(self, keys: torch.Tensor, values: torch.Tensor):
+        """(keys, values, enable_gqa) for SDPA from [b, hkv, n, hd]: on CUDA every query head's
+        copy (the memory-efficient kernel takes no enable_gqa), elsewhere as they are."""
+        gqa = self.num_heads != self.num_kv_heads
+        if gqa and keys.device.type == "cuda":
+            group = self.num_heads // self.num_kv_heads
+            return (keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1),
+                    False)
+        return keys, values, gqa
+
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q over the forward's own k, v (no mask, no cache read): SDPA's
         flash kernel on CUDA (fp16 / bf16), which takes every head (like the masked path)."""
         b, s = q.shape[:2]
-        keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [b, hkv, s, hd]
-        gqa = self.num_heads != self.num_kv_heads
-        if gqa and q.device.type == "cuda":
-            group = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-            gqa = False
+        keys, values, gqa = self._heads_for_sdpa(k.transpose(1, 2), v.transpose(1, 2))
         with _sdpa_backends(q.device):
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, is_causal=True, scale=self.scale,
