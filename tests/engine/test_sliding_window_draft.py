@@ -68,3 +68,54 @@ def test_the_window_reaches_the_engines_draft(tiny_dirs, windowed_draft, long_pr
         return [o.metrics["accepted"] for o in outs]
 
     assert acceptance(windowed_draft) != acceptance(tiny_dirs["smol_heads_draft"])
+
+
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory):
+    """A target with room for prompts past the windowed draft's reach (2 layers x 127), and its
+    close draft with a window of 128."""
+    from tests.tiny import make_noisy_draft, make_tiny_llama
+
+    root = tmp_path_factory.mktemp("reach")
+    target = make_tiny_llama(str(root / "t"), "smol_heads", scale=2.0,
+                             max_position_embeddings=1024)
+    draft = make_noisy_draft(target, str(root / "d"), 0.03)
+    path = os.path.join(draft, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(sliding_window=WINDOW, model_type="mistral", architectures=["MistralForCausalLM"])
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (300, 341)]
+    with Generator(target=target, max_batch=2, max_len=420) as gen:
+        ar = [o.token_ids for o in gen.generate(prompts, GREEDY)]
+    return target, draft, prompts, ar
+
+
+@pytest.mark.parametrize("mode,kw,path", [
+    ("sd", {}, None),
+    ("ssd", {"speculator_placement": "stream", "fallback": "jit"}, None),
+    ("sd", {}, "eager-all")])
+def test_greedy_equals_ar_past_the_draft_s_reach(long_pair, monkeypatch, mode, kw, path):
+    """Prompts longer than the draft's reach: its prefill feeds only their last positions
+    (``Drafter.first_read`` > 0), and greedy SD and SSD still equal AR token for token."""
+    from ssdlib.engine.drafter import Drafter
+
+    target, draft, prompts, ar = long_pair
+    if path:
+        monkeypatch.setenv("SSDLIB_STEP_GRAPHS", path)
+    cuts = []
+    real = Drafter.first_read
+
+    def spy(self, n):
+        start = real(self, n)
+        cuts.append(start)
+        return start
+    monkeypatch.setattr(Drafter, "first_read", spy)
+    with Generator(target=target, draft=draft, mode=mode, k=4, max_batch=2, max_len=420,
+                   adaptive_k=False, **kw) as g:
+        outs = g.generate(prompts, GREEDY)
+    assert max(cuts) > 0  # the prefill was cut
+    assert [o.token_ids for o in outs] == ar
+    assert all(o.metrics["rounds"] < 24 for o in outs)  # the draft was accepted now and then
