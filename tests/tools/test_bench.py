@@ -202,3 +202,20 @@ def test_bad_mode_spec_is_a_clear_error(spec, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--modes", f"ar,{spec}"])
     assert message in capsys.readouterr().err
+
+
+def test_passes_report_the_median_pass_and_every_pass(tiny_dirs, prompts_file, tmp_path,
+                                                      capsys):
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd", "--passes", "3") == 0
+    assert "passes (tok/s)" in capsys.readouterr().out
+    for row in json.loads(out.read_text())["rows"]:
+        runs = row["tok_s_passes"]
+        assert len(runs) == 3 and row["tok_s"] == pytest.approx(sorted(runs)[1])
+        assert row["tokens"] == 16
+
+
+def test_passes_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["--passes", "0"])
+    assert "--passes must be >= 1" in capsys.readouterr().err
