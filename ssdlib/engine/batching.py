@@ -26,11 +26,13 @@ def slots_tensor(seqs) -> torch.Tensor:
     return torch.tensor([q.slot for q in seqs], dtype=torch.int64)
 
 
-def prefill(model, seqs) -> torch.Tensor:
-    """Run every committed token of ``seqs`` through ``model`` (a target executor or a model
-    runner), filling their KV slots. Returns logits [b, V] at each row's last position."""
-    rows = [q.tokens for q in seqs]
-    ids, pos = pack_rows(rows, [0] * len(rows))
+def prefill(model, seqs, starts: list[int] | None = None) -> torch.Tensor:
+    """Run the committed tokens of ``seqs`` through ``model`` (a target executor or a model
+    runner), filling their KV slots: every one, or each row's from its ``starts`` position on.
+    Returns logits [b, V] at each row's last position."""
+    starts = [0] * len(seqs) if starts is None else starts
+    rows = [q.tokens[st:] for q, st in zip(seqs, starts)]
+    ids, pos = pack_rows(rows, starts)
     return model.forward(ids, pos, slots_tensor(seqs), last_index([len(r) for r in rows]))[:, 0]
 
 

@@ -107,13 +107,7 @@ class Drafter:
     def prefill(self, seqs) -> None:
         """Feed the committed tokens of ``seqs`` that later steps can read (:meth:`first_read`:
         every one without a sliding window) into the draft KV."""
-        starts = [self.first_read(len(q.tokens)) for q in seqs]
-        if not any(starts):
-            prefill(self.runner, seqs)
-        else:
-            rows = [q.tokens[st:] for q, st in zip(seqs, starts)]
-            ids, pos = pack_rows(rows, starts)
-            self.runner.forward(ids, pos, slots_tensor(seqs), last_index([len(r) for r in rows]))
+        prefill(self.runner, seqs, [self.first_read(len(q.tokens)) for q in seqs])
         for q in seqs:
             self.valid[q.slot] = len(q.tokens)
 

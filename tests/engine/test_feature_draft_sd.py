@@ -9,51 +9,24 @@ import torch
 from ssdlib import Generator, SamplingParams
 from ssdlib.engine.batching import prefill
 from ssdlib.engine.feature_drafter import FeatureDrafter
-from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
+from ssdlib.engine.runner.model_runner import use_slot_kernel
 from ssdlib.errors import ConfigError
-from ssdlib.loading import load_checkpoint
-from ssdlib.loading.feature_draft import load_feature_draft, save_feature_draft
+from ssdlib.loading.feature_draft import save_feature_draft
 from ssdlib.models.feature_draft import FeatureDraft
-from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
-from ssdlib.speculative.rng import RowStream
 from tests.engine.test_speculative_exact import (GREEDY, PROMPTS, check_equal, exact_joint,
                                                  sample_pairs)
+from tests.feature_helpers import Seq, frozen_target, runner_and_draft
 from tests.speculative.spec_stats import chi2_test
 from tools.distill.feature_train import init_feature_draft
 
 
-def _target(path):
-    ck = load_checkpoint(path)
-    model = LlamaForCausalLM(ck.config, None, 160)
-    model.load_weights(ck.weights)
-    return ck, model.eval().requires_grad_(False)
-
-
 def _feature_draft(target_dir, out, seed=0, layers=1):
-    _, model = _target(target_dir)
+    _, model = frozen_target(target_dir)
     draft = FeatureDraft.for_target(model, layers)
     init_feature_draft(draft, model, seed)
     save_feature_draft(draft, str(out), torch.float32)
     return str(out)
-
-
-class _Seq:
-    """What a drafter reads of a sequence (greedy unless ``params`` say otherwise)."""
-
-    def __init__(self, slot, tokens, params=None):
-        self.slot, self.tokens = slot, tokens
-        self.params = params or SamplingParams()
-        self.stream = RowStream.from_seed(slot)
-
-
-def _runner_and_draft(target_dir, feature_draft, slots, device="cpu"):
-    """The target's checkpoint and model, a target runner keeping features for ``slots``
-    sequences, and the feature draft loaded beside it (fp32)."""
-    ck, model = _target(target_dir)
-    runner = ModelRunner(ck, None, device, torch.float32, slots, 128, features=True)
-    draft = load_feature_draft(feature_draft, ck, runner.model, device, torch.float32)
-    return ck, model, runner, draft
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +61,11 @@ def test_the_targets_features_and_the_drafts_proposal_match_references(tiny_dirs
                    max_len=128, adaptive_k=False) as gen:
         outs = gen.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, ignore_eos=True))
 
-    ck, model, runner, draft = _runner_and_draft(target_dir, feature_draft, 2)
+    ck, model, runner, draft = runner_and_draft(target_dir, feature_draft, 2)
     drafter = FeatureDrafter(draft, runner.cache.features, 3, runner.cache.max_len,
                              ck.config.vocab_size, draws=3)
     # sampled at T = 1: q is the draft's softmax
-    seqs = [_Seq(i, PROMPTS[i] + outs[i].token_ids, SamplingParams(temperature=1.0, seed=i))
+    seqs = [Seq(i, PROMPTS[i] + outs[i].token_ids, SamplingParams(temperature=1.0, seed=i))
             for i in range(2)]
     for s in seqs:
         drafter.reset(s.slot)
@@ -149,7 +122,7 @@ def test_features_are_kept_on_the_captured_step_path(tiny_dirs, ar_reference, fe
     the committed positions."""
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
     target_dir = tiny_dirs["smol_heads"]
-    _, model = _target(target_dir)
+    _, model = frozen_target(target_dir)
     with Generator(target=target_dir, draft=feature_draft, mode="sd", k=3, max_batch=4,
                    max_len=128, adaptive_k=False) as g:
         outs = g.generate(PROMPTS, GREEDY)
@@ -170,7 +143,7 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
     row) equal the eager drafter's and a cache-free rollout's: the first round (each row far
     behind: the eager feed, then the captured chain) and the next (every row within K_max + 1
     unfed tokens: feed and chain as one captured proposal)."""
-    ck, model, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    ck, model, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
 
     def rollout(tokens, k):
         ids = torch.tensor([tokens])
@@ -187,7 +160,7 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
     pool = EagerPool(warmup=1)
     drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                                ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
-    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
@@ -211,8 +184,8 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
 def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
     """A batch of 4 fills bucket 4; a batch of 3 after it leaves a ghost row, which must write
     to the scratch slot, not to the slot the 4th row had (that row's draft KV is kept)."""
-    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
-    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(4)]
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(4)]
     prefill(runner, seqs)
     drafter = FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                              ck.config.vocab_size, draws=4, pool=EagerPool(warmup=1))
@@ -231,13 +204,13 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
     kernel where triton is there) equal the eager drafter's, over two rounds; and SD with the
     feature draft equals AR."""
     dev = torch.device("cuda")
-    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
     pool = make_graph_pool(dev)
     drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                                ck.config.vocab_size, draws=4, pool=p,
                                use_kernel=use_slot_kernel(dev) and p is not None)
                 for p in (None, pool)]
-    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
@@ -275,8 +248,8 @@ def test_a_failed_capture_leaves_the_drafter_eager(tiny_dirs, feature_draft):
         def emit(self, record):
             self.messages.append(record.getMessage())
 
-    ck, _, runner, draft = _runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
-    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(2)]
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(2)]
     prefill(runner, seqs)
     records = Records()
     feature_drafter.log.addHandler(records)

@@ -12,25 +12,16 @@ from ssdlib.engine.batching import prefill
 from ssdlib.engine.feature_drafter import FeatureDrafter
 from ssdlib.engine.runner.model_runner import ModelRunner
 from ssdlib.errors import CheckpointError
-from ssdlib.loading import load_checkpoint
-from ssdlib.loading.feature_draft import load_feature_draft, save_feature_draft
+from ssdlib.loading.feature_draft import save_feature_draft
 from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.models.feature_spec import FeatureSpec
-from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.graph_pool import EagerPool
-from ssdlib.speculative.rng import RowStream
 from tests.engine.test_speculative_exact import GREEDY, PROMPTS, explain_mismatch
 from tests.tiny import make_tiny_llama
+from tests.feature_helpers import Seq, frozen_target, runner_and_draft
 from tools.distill.feature_train import init_feature_draft
 
 SPEC = FeatureSpec.fused(4)  # layers 1, 2, 3
-
-
-def _target(path):
-    ck = load_checkpoint(path)
-    model = LlamaForCausalLM(ck.config, None, 160)
-    model.load_weights(ck.weights)
-    return ck, model.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +30,7 @@ def pair(tmp_path_factory):
     draft whose fuse mixes all three layers."""
     root = tmp_path_factory.mktemp("fused_sd")
     target = make_tiny_llama(str(root / "t"), "smol_heads", scale=2.0, num_hidden_layers=4)
-    _, model = _target(target)
+    _, model = frozen_target(target)
     draft = FeatureDraft.for_target(model, 1, feature=SPEC)
     init_feature_draft(draft, model, 0)
     with torch.no_grad():
@@ -75,20 +66,6 @@ def reference_features(model, tokens) -> torch.Tensor:
     return torch.cat([seen[i] for i in SPEC.layers], dim=-1)[0]
 
 
-class _Seq:
-    def __init__(self, slot, tokens, params=None):
-        self.slot, self.tokens = slot, tokens
-        self.params = params or SamplingParams()
-        self.stream = RowStream.from_seed(slot)
-
-
-def _runner_and_draft(pair, slots):
-    ck, model = _target(pair[0])
-    runner = ModelRunner(ck, None, "cpu", torch.float32, slots, 128, features=SPEC)
-    draft = load_feature_draft(pair[1], ck, runner.model, "cpu", torch.float32)
-    return ck, model, runner, draft
-
-
 def rollout(model, draft, tokens, k, chosen=None):
     """A cache-free rollout: the target's fused features of every committed position but the
     last, conditioned, then the draft's own h; (tokens, q) of k steps (along ``chosen`` tokens
@@ -121,12 +98,12 @@ def test_the_kept_fused_features_and_the_proposal_match_references(pair):
     """The target runner keeps [slots, len, 3H]: after a prefill, every committed position's
     fused features as a plain forward's layer outputs; a sampled proposal's q equals a cache-free
     rollout's over the conditioned features (its own h past them)."""
-    ck, model, runner, draft = _runner_and_draft(pair, 2)
+    ck, model, runner, draft = runner_and_draft(*pair, 2, features=SPEC)
     assert runner.cache.features.shape[-1] == 3 * ck.config.hidden_size
     assert runner.cache.feature_layers == (1, 2, 3)
     drafter = FeatureDrafter(draft, runner.cache.features, 3, runner.cache.max_len,
                              ck.config.vocab_size, draws=3)
-    seqs = [_Seq(i, PROMPTS[i] + [7, 8 + i, 9], SamplingParams(temperature=1.0, seed=i))
+    seqs = [Seq(i, PROMPTS[i] + [7, 8 + i, 9], SamplingParams(temperature=1.0, seed=i))
             for i in range(2)]
     for s in seqs:
         drafter.reset(s.slot)
@@ -146,7 +123,7 @@ def test_fused_features_on_the_captured_step_path(pair, ar_reference, monkeypatc
     the scratch slot) keeps the fused features as the eager path does: SD equals AR, and the
     engine's buffer holds the reference of the committed positions (the verified ones)."""
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
-    _, model = _target(pair[0])
+    _, model = frozen_target(pair[0])
     with Generator(target=pair[0], draft=pair[1], mode="sd", k=3, max_batch=4, max_len=128,
                    adaptive_k=False) as g:
         check_equal(pair[0], ar_reference, g.generate(PROMPTS, GREEDY))
@@ -162,11 +139,11 @@ def test_the_captured_greedy_fused_chain_proposes_what_the_eager_chain_does(pair
     """Greedy proposals through a graph pool (eager replays; 3 rows in bucket 4) equal the
     eager drafter's and the rollout's, in the first round (eager feed, captured chain) and the
     next (feed and chain as one captured proposal: the fuse inside it)."""
-    ck, model, runner, draft = _runner_and_draft(pair, 4)
+    ck, model, runner, draft = runner_and_draft(*pair, 4, features=SPEC)
     pool = EagerPool(warmup=1)
     drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
                                ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
-    seqs = [_Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+    seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
@@ -182,7 +159,7 @@ def test_the_captured_greedy_fused_chain_proposes_what_the_eager_chain_does(pair
 
 
 def test_a_feature_buffer_of_another_width_is_refused(pair):
-    ck, _, _, draft = _runner_and_draft(pair, 1)
+    ck, _, _, draft = runner_and_draft(*pair, 1, features=SPEC)
     plain = ModelRunner(ck, None, "cpu", torch.float32, 1, 64, features=True)
     with pytest.raises(ValueError, match="width 72 but the draft reads fused features of "
                                          "width 216"):

@@ -21,13 +21,18 @@ def windowed_draft(tiny_dirs, tmp_path_factory):
     """The close draft of the tiny target, with a window shorter than the prompts."""
     out = str(tmp_path_factory.mktemp("windowed_draft"))
     shutil.copytree(tiny_dirs["smol_heads_draft"], out, dirs_exist_ok=True)
-    path = os.path.join(out, "config.json")
+    return with_window(out)
+
+
+def with_window(draft: str) -> str:
+    """The checkpoint directory ``draft``, its config.json given a window of WINDOW (Mistral)."""
+    path = os.path.join(draft, "config.json")
     with open(path) as f:
         cfg = json.load(f)
     cfg.update(sliding_window=WINDOW, model_type="mistral", architectures=["MistralForCausalLM"])
     with open(path, "w") as f:
         json.dump(cfg, f)
-    return out
+    return draft
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +84,7 @@ def long_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("reach")
     target = make_tiny_llama(str(root / "t"), "smol_heads", scale=2.0,
                              max_position_embeddings=1024)
-    draft = make_noisy_draft(target, str(root / "d"), 0.03)
-    path = os.path.join(draft, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.update(sliding_window=WINDOW, model_type="mistral", architectures=["MistralForCausalLM"])
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    draft = with_window(make_noisy_draft(target, str(root / "d"), 0.03))
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (300, 341)]
     with Generator(target=target, max_batch=2, max_len=420) as gen:

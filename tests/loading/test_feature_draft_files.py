@@ -14,17 +14,14 @@ from ssdlib.loading import load_checkpoint
 from ssdlib.loading.feature_draft import (FEATURE_DRAFT_KEY, check_max_mb, load_feature_draft,
                                           save_feature_draft, stored_mb, tokenizer_source)
 from ssdlib.models.feature_draft import FeatureDraft
-from ssdlib.models.llama import LlamaForCausalLM
+from tests.feature_helpers import frozen_target
 from tests.tiny import make_tiny_llama
 from tests.tiny_chat import make_tiny_chat_model
 from tools.distill.feature_train import init_feature_draft
 
 
 def build(path):
-    ck = load_checkpoint(path)
-    model = LlamaForCausalLM(ck.config, None, 64)
-    model.load_weights(ck.weights)
-    return ck, model.eval().requires_grad_(False)
+    return frozen_target(path, 64)
 
 
 def new_draft(target, layers=1, seed=0):

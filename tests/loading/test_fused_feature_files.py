@@ -15,16 +15,13 @@ from ssdlib.loading.feature_draft import (FEATURE_DRAFT_KEY, feature_spec_for,
                                           load_feature_draft, save_feature_draft, stored_mb)
 from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.models.feature_spec import FeatureSpec
-from ssdlib.models.llama import LlamaForCausalLM
+from tests.feature_helpers import frozen_target
 from tests.tiny import make_tiny_llama
 from tools.distill.feature_train import init_feature_draft
 
 
 def build(path):
-    ck = load_checkpoint(path)
-    model = LlamaForCausalLM(ck.config, None, 64)
-    model.load_weights(ck.weights)
-    return ck, model.eval().requires_grad_(False)
+    return frozen_target(path, 64)
 
 
 @pytest.fixture(scope="module")

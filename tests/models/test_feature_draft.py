@@ -9,6 +9,7 @@ from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.loading import load_checkpoint
 from ssdlib.models.feature_draft import FeatureDraft
+from ssdlib.models.feature_spec import FeatureSpec
 from ssdlib.models.llama import LlamaForCausalLM
 from tools.distill.feature_train import init_feature_draft
 
@@ -95,10 +96,11 @@ def test_cached_steps_equal_the_full_forward(pair):
     assert (out[0][1, 0] - ref_logits[1, 7]).abs().max() <= 1e-4
 
 
-def feature_oracle(target: LlamaForCausalLM) -> FeatureDraft:
+def feature_oracle(target: LlamaForCausalLM, feature: FeatureSpec | None = None) -> FeatureDraft:
     """fc passes the feature through, every layer is the identity (zero output projections), the
-    final norm is the target's: h_t = f_t."""
-    draft = FeatureDraft.for_target(target, layers=1)
+    final norm is the target's: h_t = f_t (the conditioned feature, for a ``feature`` kind that
+    conditions)."""
+    draft = FeatureDraft.for_target(target, layers=1, feature=feature)
     init_feature_draft(draft, target, seed=0)
     h = draft.config.hidden_size
     with torch.no_grad():

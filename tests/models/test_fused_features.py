@@ -6,11 +6,12 @@ oracle draft showing that the fused feature F_t reaches the draft at position t.
 import pytest
 import torch
 
-from ssdlib.loading import load_checkpoint
 from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.models.feature_spec import (FUSED, LAST_PRENORM, FeatureSpec,
                                         default_fused_layers)
 from ssdlib.models.llama import LlamaForCausalLM
+from tests.feature_helpers import frozen_target
+from tests.models.test_feature_draft import feature_oracle
 from tests.tiny import make_tiny_llama
 from tools.distill.feature_train import init_feature_draft
 
@@ -21,10 +22,7 @@ LAYERS = 4  # the default fused layers of a 4-layer target: 1, 2, 3
 def target(tmp_path_factory):
     path = make_tiny_llama(str(tmp_path_factory.mktemp("fused") / "t"), "gqa", scale=2.0,
                            num_hidden_layers=LAYERS)
-    ck = load_checkpoint(path)
-    model = LlamaForCausalLM(ck.config, None, 128)
-    model.load_weights(ck.weights)
-    return model.eval().requires_grad_(False)
+    return frozen_target(path, 128)[1]
 
 
 def random_ids(vocab, shape, seed=0):
@@ -125,15 +123,7 @@ def test_the_fused_feature_t_reaches_position_t(target):
     conditioned feature g_t = fuse(F_t). With a random fuse, h_t equals fuse applied to the
     reference layer outputs at t (all three parts at their own position); with fuse selecting
     the last layer, the logits at t are the target's at t (not a neighbour's)."""
-    h = target.config.hidden_size
-    draft = FeatureDraft.for_target(target, 1, feature=FeatureSpec.fused(LAYERS))
-    init_feature_draft(draft, target, seed=0)
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, h:] = torch.eye(h)
-        for layer in draft.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+    draft = feature_oracle(target, FeatureSpec.fused(LAYERS))
     ids = random_ids(target.config.vocab_size, (2, 20), seed=2)
     outs = layer_outputs(target, ids)
     reference = torch.cat([outs[i] for i in draft.feature.layers], dim=-1)[:, :-1]
