@@ -84,6 +84,11 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_Q_AFTER_BUILD", "flag", False,
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
            "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),
+    Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
+           "which side of the stream placement gets the GPU first when both have work queued: "
+           "'verifier' (the verify's stream the highest priority, the build's the lowest), "
+           "'speculator' (the reverse) or 'equal' (ssdlib.distributed.local_link)",
+           choices=("verifier", "speculator", "equal")),
     # measurement
     Switch("SSDLIB_TIME_EVERY", "int", 1,
            "the round timers time one round in N (ssdlib.engine.timing)", minimum=1),

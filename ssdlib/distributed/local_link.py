@@ -38,20 +38,28 @@ import time
 
 import torch
 
+from ssdlib import env
 from ssdlib.distributed.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
 from ssdlib.errors import SSDError
 
 
 def leader_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The verifier's stream under the stream placement: the device's highest priority."""
+    """The verifier's stream under the stream placement (its priority: :func:`priorities`)."""
     if torch.device(device).type != "cuda":
         return None
-    return torch.cuda.Stream(device=device, priority=_priorities()[0])
+    return torch.cuda.Stream(device=device, priority=priorities()[0])
 
 
-def _priorities() -> tuple[int, int]:
-    """(highest, lowest) stream priority: CUDA counts down, lower numbers run first."""
+def priorities(order: str | None = None) -> tuple[int, int]:
+    """(verifier's, speculator's) stream priority for ``order`` (default
+    ``SSDLIB_STREAM_PRIORITY``): 'verifier' first (the default), 'speculator' first, or
+    'equal'. CUDA counts down: lower numbers run first."""
+    order = order or env.choice("SSDLIB_STREAM_PRIORITY")
     low, high = torch.cuda.Stream.priority_range()
+    if order == "speculator":
+        return low, high
+    if order == "equal":
+        return low, low
     return high, low
 
 
@@ -65,7 +73,7 @@ class LocalLink:
         self.device = torch.device(device)
         self.k, self.vocab_size, self.max_batch, self.branches = k, vocab_size, max_batch, branches
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device, priority=_priorities()[1]) \
+        self.stream = torch.cuda.Stream(device=self.device, priority=priorities()[1]) \
             if self.cuda else None
         self.speculator = None
         self.failed: BaseException | None = None  # the speculator's error, if one was raised

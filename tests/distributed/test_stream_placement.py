@@ -94,3 +94,19 @@ def test_cuda_build_overlaps_the_verify(tmp_path):
         g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=64, ignore_eos=True))
         overlap = g.last_run_metrics["stream_overlap"]
     assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0, overlap
+
+
+@pytest.mark.parametrize("order,want", [("verifier", (-5, 0)), ("speculator", (0, -5)),
+                                        ("equal", (0, 0)), (None, (-5, 0))])
+def test_stream_priorities_follow_the_switch(monkeypatch, order, want):
+    """SSDLIB_STREAM_PRIORITY picks which side's stream runs first (CUDA: lower is first);
+    unset, the verifier's."""
+    from ssdlib.distributed.local_link import priorities
+
+    monkeypatch.setattr(torch.cuda.Stream, "priority_range", staticmethod(lambda: (0, -5)),
+                        raising=False)
+    if order is None:
+        monkeypatch.delenv("SSDLIB_STREAM_PRIORITY", raising=False)
+    else:
+        monkeypatch.setenv("SSDLIB_STREAM_PRIORITY", order)
+    assert priorities() == want

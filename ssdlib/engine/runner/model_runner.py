@@ -355,7 +355,8 @@ class ModelRunner:
         captured build, ``tree_build.py``), on device tensors. tok [b, B]: each branch's first
         token; kv_limit [b, B]: its slot prefix; full_mask [b, B*depth, B*depth]
         (``tree_mask_full`` without speculation keys); ``pick(d, logits [b, B, vocab])`` -> the
-        next token of every branch [b, B] (default: the argmax). Returns (tokens
+        next token of every branch [b, B] (default: the argmax, taken from the top-``top``
+        candidates: no second pass over the vocabulary). Returns (tokens
         [b, B, depth], top-``top`` candidates after each token [b, B, depth, top])."""
         b, B = tok.shape
         lane = torch.arange(B, device=tok.device).expand(b, B)
@@ -366,8 +367,8 @@ class ModelRunner:
                                      tree_mask=full_mask[:, d * B:(d + 1) * B, :B * (d + 1)],
                                      tree_len=B * (d + 1), use_kernel=use_kernel)
             logits = self.step_model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
-            tops.append(logits.topk(top, dim=-1).indices)
-            tok = logits.argmax(-1) if pick is None else pick(d, logits)
+            tops.append(logits.topk(top, dim=-1).indices)  # sorted: [..., 0] is a maximum
+            tok = tops[-1][..., 0] if pick is None else pick(d, logits)
             tokens.append(tok)
         return torch.stack(tokens, dim=2), torch.stack(tops, dim=2)
 

@@ -52,12 +52,22 @@ def branch_outcomes(cand: torch.Tensor, sent: torch.Tensor, pos: torch.Tensor,
     """cand [b, K+1, C] candidates, sent [b, K] the speculation, pos/rank [B] the fan-out's
     branch index -> (fork [b, B], first token [b, B]). At position k < K the candidates equal to
     s_{k+1} are skipped (a bonus after a rejection at k+1 cannot be s_{k+1})."""
-    K = sent.shape[1]
-    excluded = torch.zeros(cand.shape, dtype=torch.int8, device=cand.device)
-    excluded[:, :K] = (cand[:, :K] == sent.unsqueeze(-1)).to(torch.int8)   # [b, K, C]
-    ranked = cand.gather(-1, torch.argsort(excluded, dim=-1, stable=True))  # kept first
+    ranked = cand.gather(-1, kept_first(cand, sent))
     first = ranked[:, pos, rank]  # [b, B]
     return pos.expand_as(first).contiguous(), first
+
+
+def kept_first(cand: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """The order [b, K+1, C] of each position's candidates that puts the ones equal to s_{k+1}
+    last, each group in its own order: a stable sort of the exclusion flags, computed from a
+    cumulative count (a few small kernels instead of a segmented device sort)."""
+    K, C = sent.shape[1], cand.shape[-1]
+    col = torch.arange(C, device=cand.device)
+    kept = torch.ones(cand.shape, dtype=torch.bool, device=cand.device)
+    kept[:, :K] = cand[:, :K] != sent.unsqueeze(-1)
+    ck = kept.long().cumsum(-1)                              # kept ones up to each column
+    dest = torch.where(kept, ck - 1, ck[..., -1:] + col - ck)  # each column's place
+    return torch.empty_like(dest).scatter_(-1, dest, col.expand_as(dest).contiguous())
 
 
 def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: torch.Tensor,
