@@ -76,6 +76,9 @@ class LocalLink:
         self.stream = torch.cuda.Stream(device=self.device, priority=priorities()[1]) \
             if self.cuda else None
         self.speculator = None
+        # SSDLIB_BUILD_ORDER=before-verify: answer and launch the build at the OUTCOME, before
+        # the leader launches its verify (as a speculator rank starts it on receipt)
+        self.build_first = env.choice("SSDLIB_BUILD_ORDER") == "before-verify"
         self.failed: BaseException | None = None  # the speculator's error, if one was raised
         self._pending: tuple | None = None  # (header, outcome) answered at the next point
         self._build_due = False  # answered; the build (finish_round) not launched yet
@@ -160,6 +163,8 @@ class LocalLink:
         tokens, q = msg.spec_parts()
         if tokens or q or not any(msg.active):  # the leader waits for this answer: SPEC or STATS
             self._answer()
+        if self.build_first and any(msg.active):  # the build launched before the verify's
+            self._build()
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         self._answer()
