@@ -29,16 +29,25 @@ where its own draft did well (SD at 0.85x a fixed K on one H200 at 7a0a61a, 500-
 A sequence whose draft fails spends its first few rounds learning it; its draft was prefilled at
 admission, so those rounds pay no catch-up.
 
-Recovery. Acceptance comes in stretches: a hard stretch of text (a new name, a number) can take a
-row whose draft does well to K = 0, and a round at K = 0 observes nothing that would take it
-back. So each row also keeps long-run counts (decayed by LONG_DECAY per observed round), and every
-round it spends at K = 0 moves its estimate toward the long-run one (the gap shrinks by RECOVERY):
-a row whose draft is good in the long run speculates again after a few rounds, while a draft
-that fails throughout (its long run low too) stays at K = 0 and is probed. Without it, on one
-H200 (SmolLM2 and the default draft, 16 HumanEval chat prompts, b = 1) adaptive K ran half its
-rounds at K = 0 and decoded 0.91x the speed of a fixed K = 3 (1116 against 1224 tok/s, one bench
-invocation at 3e7e4c0); tests/speculative/test_adaptive_k.py simulates such text at that
-machine's step costs.
+Hard stretches. Acceptance comes in stretches: a hard stretch of text (a new name, a number)
+drives the short estimate down in a row whose draft does well, and a round at K = 0 observes
+nothing that would take it back. So each row also keeps long-run counts (decayed by LONG_DECAY per
+observed round, a memory of ~33 rounds): while the long-run estimate still chooses to draft, a
+row whose short estimate chooses K = 0 drafts the shorter K that estimate gives among K >= 1, for
+up to HARD_STRETCH such rounds until a draft token is accepted again, and takes K_max back when
+the draft agrees again. A draft that
+fails throughout (its long run low too, within a few rounds: the prior weighs two tries) goes to
+K = 0 at once and is probed; one that fails after doing well drops after HARD_STRETCH rounds or
+once its long run says so, whichever comes first (long-run counts of many accepted tokens fall
+slowly). A round at K = 0 also moves the short estimate toward the long-run one (the gap shrinks
+by RECOVERY). Without
+the long run, on one H200 (SmolLM2 and the default draft, 16 HumanEval chat prompts, b = 1)
+adaptive K ran half its rounds at K = 0 and decoded 0.91x the speed of a fixed K = 3 (1116 against
+1224 tok/s, one bench invocation at 3e7e4c0); with it moving a dropped row back, 500-token
+prompts still spent 23 of 129 rounds at K = 0 in stints of 1-8 rounds (0.91x a fixed K, median
+of three passes, 6496894): each stint's tokens come at the AR rate and the next drafting round
+catches the draft up. tests/speculative/test_adaptive_k.py simulates such text at that machine's
+step costs.
 
 Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has chosen K = 0 for
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
@@ -107,6 +116,7 @@ DECAY = 0.8  # per observed round: the counts' memory is ~1 / (1 - DECAY) = 5 ro
 LONG_DECAY = 0.97  # per observed round, the row's long-run counts: a memory of ~33 rounds
 RECOVERY = 0.8  # per round at K = 0: the share of the gap to the long-run alpha that is left
 FIRST_PROBE_INTERVAL = 8  # rounds at K = 0 before the first probe
+HARD_STRETCH = 8  # rounds a row whose long run favours drafting drafts against its short estimate
 MAX_PROBE_INTERVAL = 128
 LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share of the best
 PROBE_BUDGET = 0.02  # probes' share of the decoding time at most, once a probe has been timed
@@ -235,6 +245,7 @@ class RowState:
     long_accepted: float = PRIOR_ALPHA * PRIOR_TRIES  # the same, with the long memory
     long_tried: float = PRIOR_TRIES
     zeros: int = 0  # rounds in a row it chose K = 0
+    stretch: int = 0  # rounds drafted against its short estimate since a token was accepted
     interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False  # its current round is a probe
 
@@ -364,6 +375,11 @@ class AdaptiveK:
         """One row's K before the lift, and whether it is a probe (its state moves on)."""
         row = self._row(key)
         k = best_k(row.alpha, costs, choices=self.choices)
+        if k == 0 and row.stretch < HARD_STRETCH and \
+                best_k(row.long_alpha, costs, choices=self.choices) > 0:
+            # a hard stretch of a draft that does well in the long run: a shorter speculation
+            row.stretch += 1
+            k = best_k(row.alpha, costs, least=1, choices=self.choices)
         probe = False
         if k == 0:
             row.zeros += 1
@@ -402,6 +418,8 @@ class AdaptiveK:
             row.tried = DECAY * row.tried + tries
             row.long_accepted = LONG_DECAY * row.long_accepted + a
             row.long_tried = LONG_DECAY * row.long_tried + tries
+            if a > 0:
+                row.stretch = 0
             if row.probing:
                 row.probing = False
                 costs = self.costs.table(measured=not s)

@@ -93,8 +93,10 @@ def test_good_draft_keeps_k_max_and_a_recovered_draft_comes_back():
     policy.admit(0)
     rng = random.Random(3)
     assert run_rounds(policy, 0, 1.0, 50, rng) == [5] * 50
-    # the draft fails for a while, then agrees again: the probes find it
-    assert run_rounds(policy, 0, 0.0, 40, rng)[-1] == 0
+    # the draft fails for a while (it stops drafting at least every other round), then agrees
+    # again: the probes find it
+    failing = run_rounds(policy, 0, 0.0, 40, rng)
+    assert sum(k == 0 for k in failing[-20:]) >= 10
     back = run_rounds(policy, 0, 0.95, 200, rng)
     assert min(back[-50:]) >= 3 and sum(back[-50:]) / 50 > 4.5
 
@@ -268,21 +270,26 @@ def test_probes_after_a_failed_one_cost_at_most_the_probe_budget():
     assert gap > FIRST_PROBE_INTERVAL and probes[0] - first_zero == FIRST_PROBE_INTERVAL
 
 
-def test_a_short_failing_stretch_pauses_speculation_for_a_few_rounds_only():
+def test_a_short_failing_stretch_shortens_speculation_and_a_lasting_one_stops_it():
     """A draft that the target agreed with fails for a few rounds (a hard stretch of text): the
-    row drops to K = 0, and its estimate drifts back toward its long-run acceptance, so it
-    speculates again after a few rounds, not after a probe interval (here ~40 rounds: the
-    probe budget at these costs)."""
+    row keeps speculating, at a shorter K (its long run says the draft is good), and takes K_max
+    back when the draft agrees again. A failure that lasts takes it to K = 0, and when the draft
+    agrees again a probe finds it and the row speculates again."""
     policy = AdaptiveK(3)
     _h200_costs(policy)
     assert policy.costs.probe_gap() > 30
     policy.admit(0)
     rng = random.Random(7)
-    run_rounds(policy, 0, 0.85, 60, rng)
-    assert 0 in run_rounds(policy, 0, 0.0, 12, rng)
+    assert run_rounds(policy, 0, 0.85, 60, rng)[-1] == 3
+    stretch = run_rounds(policy, 0, 0.0, 12, rng)
+    assert 0 not in stretch and stretch[-1] < 3
     back = run_rounds(policy, 0, 0.85, 30, rng)
-    assert back.index(next(k for k in back if k > 0)) <= 5
-    assert sum(k == 0 for k in back[10:]) <= 2
+    assert back[-1] == 3 and 0 not in back
+    lasting = run_rounds(policy, 0, 0.0, 60, rng)
+    assert lasting[:8] == stretch[:8]  # a hard stretch again: the same shorter speculation
+    assert sum(k == 0 for k in lasting[-20:]) >= 12
+    again = run_rounds(policy, 0, 0.85, 120, rng)
+    assert again[-1] == 3
 
 
 # one H200's step costs for SmolLM2 and the default draft at b = 1 (seconds): a draft step, a
