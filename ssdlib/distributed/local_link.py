@@ -21,18 +21,17 @@ speculator thread's first captures failed with ``cudaErrorStreamCaptureInvalidat
 leader ran (docs/ARCHITECTURE.md, "Where the speculator runs"). One thread also keeps the order
 of every launch fixed, so a run is reproducible and CPU runs take the GPU's path.
 
-Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's
-stream and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
+Streams: device tensors cross with an event: the SPEC's q is recorded on the speculator's stream
+and the leader's stream waits for it; the CACHE is copied to a pinned host buffer on the
 speculator's stream and the leader waits for that copy's event. The speculator's stream has the
-lowest priority and the leader's (:func:`leader_stream`) the highest, so the verify keeps the
-GPU when both have work queued (``SSDLIB_STREAM_PRIORITY`` reverses or evens them: on one H200
-neither moved SSD by more than the noise between machine starts, docs/BENCHMARKS.md).
-``SSDLIB_BUILD_ORDER=before-verify`` answers and launches the build at the OUTCOME instead of
-after the verify's launch: the build was then all hidden, but the verify waited for the
-speculator's host work (0.91x SD against 0.97x). (Confining the speculator to a CUDA green context of 32 or 66 of
-the H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with
-the SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing
-overlaps).
+lowest priority and the leader's (:func:`leader_stream`) the highest, so the verify keeps the GPU
+when both have work queued (``SSDLIB_STREAM_PRIORITY`` reverses or evens them: on one H200 neither
+moved SSD by more than the noise between machine starts, docs/BENCHMARKS.md).
+``SSDLIB_BUILD_ORDER=before-verify`` answers and launches the build at the OUTCOME instead of after
+the verify's launch: the build was then all hidden, but the verify waited for the speculator's host
+work (0.91x SD against 0.97x). (Confining the speculator to a CUDA green context of 32 or 66 of the
+H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with the
+SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing overlaps).
 """
 
 from __future__ import annotations

@@ -29,25 +29,23 @@ where its own draft did well (SD at 0.85x a fixed K on one H200 at 7a0a61a, 500-
 A sequence whose draft fails spends its first few rounds learning it; its draft was prefilled at
 admission, so those rounds pay no catch-up.
 
-Hard stretches. Acceptance comes in stretches: a hard stretch of text (a new name, a number)
-drives the short estimate down in a row whose draft does well, and a round at K = 0 observes
-nothing that would take it back. So each row also keeps long-run counts (decayed by LONG_DECAY per
-observed round, a memory of ~33 rounds): while the long-run estimate still chooses to draft, a
-row whose short estimate chooses K = 0 drafts the shorter K that estimate gives among K >= 1, for
-up to HARD_STRETCH such rounds until a draft token is accepted again, and takes K_max back when
-the draft agrees again. A draft that
-fails throughout (its long run low too, within a few rounds: the prior weighs two tries) goes to
-K = 0 at once and is probed; one that fails after doing well drops after HARD_STRETCH rounds or
-once its long run says so, whichever comes first (long-run counts of many accepted tokens fall
-slowly). A round at K = 0 also moves the short estimate toward the long-run one (the gap shrinks
-by RECOVERY). Without
-the long run, on one H200 (SmolLM2 and the default draft, 16 HumanEval chat prompts, b = 1)
-adaptive K ran half its rounds at K = 0 and decoded 0.91x the speed of a fixed K = 3 (1116 against
-1224 tok/s, one bench invocation at 3e7e4c0); with it moving a dropped row back, 500-token
-prompts still spent 23 of 129 rounds at K = 0 in stints of 1-8 rounds (0.91x a fixed K, median
-of three passes, 6496894): each stint's tokens come at the AR rate and the next drafting round
-catches the draft up. tests/speculative/test_adaptive_k.py simulates such text at that machine's
-step costs.
+Hard stretches. Acceptance comes in stretches: a hard stretch of text (a new name, a number) drives
+the short estimate down in a row whose draft does well, and a round at K = 0 observes nothing that
+would take it back. So each row also keeps long-run counts (decayed by LONG_DECAY per observed
+round, a memory of ~33 rounds): while the long-run estimate still chooses to draft, a row whose
+short estimate chooses K = 0 drafts the shorter K that estimate gives among K >= 1, for up to
+HARD_STRETCH such rounds until a draft token is accepted again, and takes K_max back when the draft
+agrees again. A draft that fails throughout (its long run low too, within a few rounds: the prior
+weighs two tries) goes to K = 0 at once and is probed; one that fails after doing well drops after
+HARD_STRETCH rounds or once its long run says so, whichever comes first (long-run counts of many
+accepted tokens fall slowly). A round at K = 0 also moves the short estimate toward the long-run
+one (the gap shrinks by RECOVERY). Without the long run, on one H200 (SmolLM2 and the default
+draft, 16 HumanEval chat prompts, b = 1) adaptive K ran half its rounds at K = 0 and decoded 0.91x
+the speed of a fixed K = 3 (1116 against 1224 tok/s, one bench invocation at 3e7e4c0); with it
+moving a dropped row back, 500-token prompts still spent 23 of 129 rounds at K = 0 in stints of 1-8
+rounds (0.91x a fixed K, median of three passes, 21e017b): each stint's tokens come at the AR rate
+and the next drafting round catches the draft up. tests/speculative/test_adaptive_k.py simulates
+such text at that machine's step costs.
 
 Probes. A round at K = 0 teaches nothing about the draft, so a sequence that has chosen K = 0 for
 ``interval`` rounds in a row runs one round at its best K >= 1 (a probe). If after it the sequence
