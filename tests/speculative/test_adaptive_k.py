@@ -307,18 +307,22 @@ def _h200_costs(policy):
 
 def _rate(policy, seed, stretches, tokens=3000):
     """Tokens per second of one row on a text of alternating stretches ((alpha, mean tokens)
-    each), at one H200's step costs (``_h200_costs``)."""
-    draft, rest, probe = H200_DRAFT, [H200_AR] + [H200_VERIFY] * policy.k_max, H200_PROBE
+    each), at one H200's step costs (``_h200_costs``). A round that drafts after rounds at
+    K = 0 (a probe or not) also pays the draft's catch-up over the tokens it skipped (about a
+    probe's measured extra: an eager forward of the draft)."""
+    draft, rest, catch_up = H200_DRAFT, [H200_AR] + [H200_VERIFY] * policy.k_max, H200_PROBE
     _h200_costs(policy)
     policy.admit(0)
     rng = random.Random(seed)
     t, done, stretch, left = 0.0, 0, 0, rng.expovariate(1 / stretches[0][1])
+    behind = False  # the last round ran at K = 0
     while done < tokens:
         k = policy.choose([0], [False])[0]
         a = 0
         while a < k and rng.random() < stretches[stretch][0]:
             a += 1
-        t += k * draft + rest[k] + (probe if policy.probed else 0.0)
+        t += k * draft + rest[k] + (catch_up if k and behind else 0.0)
+        behind = k == 0
         policy.observe([0], [k], [a], [False])
         done, left = done + a + 1, left - a - 1
         if left <= 0:
@@ -336,6 +340,27 @@ def test_adaptive_k_keeps_up_with_fixed_k_where_acceptance_comes_in_stretches(st
     adaptive = sum(_rate(AdaptiveK(3), s, stretches) for s in range(4))
     fixed = sum(_rate(AdaptiveK(3, enabled=False), s, stretches) for s in range(4))
     assert adaptive >= 0.97 * fixed
+
+
+def test_short_failing_bursts_are_drafted_through():
+    """Frequent short bursts the draft fails (a few tokens each, as 500-token prompts showed on
+    one H200: stints of 1-8 rounds at K = 0, 0.91x a fixed K): a row whose draft does well in
+    the long run drafts a shorter K through them instead of dropping to K = 0 and paying the
+    draft's catch-up after each; with the long-run veto off (HARD_STRETCH = 0) the same rule
+    falls behind it."""
+    from ssdlib.speculative import adaptive_k
+
+    bursts = ((0.7, 8), (0.0, 3))
+    fixed = sum(_rate(AdaptiveK(3, enabled=False), s, bursts) for s in range(4))
+    adaptive = sum(_rate(AdaptiveK(3), s, bursts) for s in range(4))
+    saved = adaptive_k.HARD_STRETCH
+    try:
+        adaptive_k.HARD_STRETCH = 0
+        without = sum(_rate(AdaptiveK(3), s, bursts) for s in range(4))
+    finally:
+        adaptive_k.HARD_STRETCH = saved
+    assert adaptive >= 1.02 * fixed
+    assert adaptive >= 1.02 * without
 
 
 def test_a_sequence_starts_from_the_prior_whatever_came_before():
