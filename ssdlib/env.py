@@ -89,11 +89,6 @@ SWITCHES: tuple[Switch, ...] = (
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "
            "'speculator' (the reverse) or 'equal' (ssdlib.distributed.local_link)",
            choices=("verifier", "speculator", "equal")),
-    Switch("SSDLIB_BUILD_ORDER", "choice", "after-verify",
-           "when the stream placement's speculator launches its cache build: 'after-verify' "
-           "(once the verify forward is launched) or 'before-verify' (at the OUTCOME, before "
-           "the verify's launch; ssdlib.distributed.local_link)",
-           choices=("after-verify", "before-verify")),
     # measurement
     Switch("SSDLIB_TIME_EVERY", "int", 1,
            "the round timers time one round in N (ssdlib.engine.timing)", minimum=1),

@@ -49,6 +49,7 @@ def test_table_is_well_formed():
             assert s.kind == "flag" and s.default is False, f"{s.name}: experiments are off"
     assert env.switch("SSDLIB_Q_AFTER_BUILD").experiment
     assert "SSDLIB_ASYNC_SENDS" not in names  # measured slower, removed with its code
+    assert "SSDLIB_BUILD_ORDER" not in names  # likewise
     for build in ("SSDLIB_SKIP_EXT", "SSDLIB_CUDA_ARCHS", "SSDLIB_BUILD_CPU_EXT"):
         assert env.switch(build).reader == "setup.py"
 

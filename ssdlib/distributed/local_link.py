@@ -27,8 +27,8 @@ speculator's stream and the leader waits for that copy's event. The speculator's
 lowest priority and the leader's (:func:`leader_stream`) the highest, so the verify keeps the GPU
 when both have work queued (``SSDLIB_STREAM_PRIORITY`` reverses or evens them: on one H200 neither
 moved SSD by more than the noise between machine starts, docs/BENCHMARKS.md).
-``SSDLIB_BUILD_ORDER=before-verify`` answers and launches the build at the OUTCOME instead of after
-the verify's launch: the build was then all hidden, but the verify waited for the speculator's host
+Answering and launching the build at the OUTCOME instead of after the verify's launch (measured
+at 21e017b, removed since) hid all of the build, but the verify waited for the speculator's host
 work (0.91x SD against 0.97x). (Confining the speculator to a CUDA green context of 32 or 66 of the
 H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with the
 SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing overlaps).
@@ -79,9 +79,6 @@ class LocalLink:
         self.stream = torch.cuda.Stream(device=self.device, priority=priorities()[1]) \
             if self.cuda else None
         self.speculator = None
-        # SSDLIB_BUILD_ORDER=before-verify: answer and launch the build at the OUTCOME, before
-        # the leader launches its verify (as a speculator rank starts it on receipt)
-        self.build_first = env.choice("SSDLIB_BUILD_ORDER") == "before-verify"
         self.failed: BaseException | None = None  # the speculator's error, if one was raised
         self._pending: tuple | None = None  # (header, outcome) answered at the next point
         self._build_due = False  # answered; the build (finish_round) not launched yet
@@ -166,8 +163,6 @@ class LocalLink:
         tokens, q = msg.spec_parts()
         if tokens or q or not any(msg.active):  # the leader waits for this answer: SPEC or STATS
             self._answer()
-        if self.build_first and any(msg.active):  # the build launched before the verify's
-            self._build()
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         self._answer()
