@@ -84,6 +84,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_Q_AFTER_BUILD", "flag", False,
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
            "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),
+    Switch("SSDLIB_CHAINED_ROUNDS", "flag", True,
+           "SSD's stream placement runs greedy rows in chained rounds: the next verify and build "
+           "launched before the host reads the round in flight, the cache looked up on the "
+           "device (ssdlib.engine.leader.chained_rounds); 0: every round through the host"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "

@@ -537,7 +537,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     phases ``protocol.SPEC_PHASES``) are the speculator rank's, per call: taken from any output;
     so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``),
     and ``stream_overlap`` (the stream placement on a GPU: mean ms per round of the verify's
-    span, the build's span and the part of the build the verify hides).
+    span, the build's span and the part of the build the verify hides; ``chain_overlap`` the
+    same over chained rounds, ``chained_rounds`` how many rounds were chained).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -547,6 +548,9 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     window = wall_s - out["ttft_s"]
     out["decode_tok_s"] = (tokens - len(outputs)) / window if window > 0 else 0.0
     out["rounds"] = sum(o.metrics.get("rounds", 0) for o in outputs)
+    chained = sum(o.metrics.get("chained_rounds", 0) for o in outputs)
+    if chained:
+        out["chained_rounds"] = chained
     out["prefill_s"] = max((o.metrics.get("prefill_s", 0.0) for o in outputs), default=0.0)
     for o in outputs:
         for key, value in o.metrics.items():
@@ -575,7 +579,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
     for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round",
-                "stream_overlap", "k_costs"):
+                "stream_overlap", "chain_overlap", "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

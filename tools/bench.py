@@ -270,8 +270,11 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
         out["speculator_ms_per_round"] = dict(run["speculator_ms_per_round"])
         if "speculator_host_ms_per_round" in run:  # SSDLIB_HOST_TIMES=1
             out["speculator_host_ms_per_round"] = dict(run["speculator_host_ms_per_round"])
-    if "stream_overlap" in run:  # the stream placement on a GPU
-        out["stream_overlap"] = dict(run["stream_overlap"])
+    for key in ("stream_overlap", "chain_overlap"):  # the stream placement on a GPU
+        if key in run:
+            out[key] = dict(run[key])
+    if "chained_rounds" in run:
+        out["chained_rounds"] = run["chained_rounds"]
     return out
 
 
@@ -468,6 +471,16 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
             o = b["stream_overlap"]
             share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
             print(f"{b['mode']:12} verify {o['verify_ms']:.3f}  build {o['build_ms']:.3f}  "
+                  f"hidden {o['hidden_ms']:.3f} ({100 * share:.0f}% of the build)")
+    chains = [b for b in breakdowns if "chain_overlap" in b]
+    if chains:
+        print("\nchained rounds (mean ms per chained round): the verify stream's round (from the "
+              "build it waited for to the acceptance), build span, build hidden under it")
+        for b in chains:
+            o = b["chain_overlap"]
+            share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
+            print(f"{b['mode']:12} chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds  "
+                  f"verify {o['verify_ms']:.3f}  build {o['build_ms']:.3f}  "
                   f"hidden {o['hidden_ms']:.3f} ({100 * share:.0f}% of the build)")
 
 

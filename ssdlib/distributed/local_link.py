@@ -42,7 +42,8 @@ import time
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.protocol import Admit, CacheRows, Outcome, Speculation, SpeculatorStats
+from ssdlib.distributed.protocol import (Admit, CacheRows, ChainedRound, ChainEnd, Outcome,
+                                         Speculation, SpeculatorStats)
 from ssdlib.errors import SSDError
 
 
@@ -91,6 +92,9 @@ class LocalLink:
         self._cache_host = torch.zeros(max_batch, width, dtype=torch.int64, pin_memory=self.cuda)
         self._spec_ready = torch.cuda.Event() if self.cuda else None
         self._cache_ready = torch.cuda.Event() if self.cuda else None
+        # recorded on the speculator's stream after each build (plain or chained): the cache
+        # holds the speculation in flight's likely outcomes once it has run
+        self.built = torch.cuda.Event() if self.cuda else None
         # how much of the build the verify hides (GPU): per round, the leader's stream from the
         # OUTCOME to the verify's end against the speculator's build; read a round later
         self.overlap = OverlapMeter() if self.cuda else None
@@ -137,6 +141,8 @@ class LocalLink:
             self._run(self.speculator.finish_round, False)
             if self.overlap is not None:
                 self.overlap.build_ends(self.stream)
+            if self.built is not None:
+                self.built.record(self.stream)
             self._times_due = True
 
     def _read_times(self) -> None:
@@ -208,6 +214,32 @@ class LocalLink:
             self._read_times()
         self.failed = None  # what is left to do is to let go of the graphs
         self._run(self.speculator.shutdown)
+
+    # -- chained rounds (leader side; engine/leader/chained_rounds.py) -------------------------
+    @property
+    def cache(self):
+        """The speculator's :class:`~ssdlib.engine.speculator.spec_cache.SpeculationCache`:
+        its device tensors, read on the leader's stream after :attr:`built`."""
+        return self.speculator.cache.cache
+
+    def build_chained(self, msg: ChainedRound, marks: tuple | None = None) -> None:
+        """Launch a chained round's build on the speculator's stream, behind the leader's
+        lookup (``msg.ready``); ``marks``: two timing events recorded around it. The device
+        tensors of ``msg`` are the leader's: marked as used on this stream too."""
+        if self.cuda:
+            self.stream.wait_event(msg.ready)
+            for t in (msg.last, msg.tokens, msg.lengths):
+                t.record_stream(self.stream)
+            if marks is not None:
+                marks[0].record(self.stream)
+        self._run(self.speculator.build_chained, msg)
+        if self.cuda:
+            if marks is not None:
+                marks[1].record(self.stream)
+            self.built.record(self.stream)
+
+    def end_chain(self, msg: ChainEnd) -> None:
+        self._run(self.speculator.end_chain, msg)
 
     # -- speculator side ----------------------------------------------------------------------
     def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:

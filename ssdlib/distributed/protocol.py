@@ -359,3 +359,31 @@ class Replies:
         """What an OUTCOME with a live row is answered with, beyond the SPEC's tokens."""
         _, want_q = msg.spec_parts()
         return cls(msg.slots if want_q else None, msg.slots if pushes_cache else None)
+
+
+@dataclass
+class ChainedRound:
+    """Chained rounds (stream placement, ``engine/leader/chained_rounds.py``): the leader looked
+    the next speculation up in the speculator's cache on the device, and hands it over as it is,
+    without a host round trip: the rows' slots (host), their last committed token ``last`` [b],
+    the speculation ``tokens`` [b, K] and committed lengths ``lengths`` [b] (device int64,
+    ready once ``ready`` has run on the leader's stream; None on CPU), and ``kv_len`` (host: >
+    every position the build's keys reach). In-process only: no wire layout."""
+
+    slots: list[int]
+    last: torch.Tensor
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    kv_len: int
+    ready: object = None  # torch.cuda.Event on a GPU
+
+
+@dataclass
+class ChainEnd:
+    """Chained rounds ended: each listed row's committed tokens as the leader holds them
+    (``tokens``, all but the last: the next OUTCOME commits that one, as after an admission),
+    which the speculator takes as its row's state: the draft's KV is valid for all but the last
+    committed token, nothing is in flight. In-process only."""
+
+    slots: list[int]
+    tokens: list[list[int]]

@@ -62,9 +62,13 @@ class TargetExecutor:
         self.runner = runner
         self.channel = channel
 
-    def forward(self, ids, positions, slots, logits_index=None) -> torch.Tensor:
-        """ids/positions [b, s], slots [b], logits_index [b, n] on the host -> logits."""
-        kv_len = int(positions.max()) + 1
+    def forward(self, ids, positions, slots, logits_index=None,
+                kv_len: int | None = None) -> torch.Tensor:
+        """ids/positions [b, s], slots [b], logits_index [b, n] on the host -> logits.
+        ``kv_len`` (> every position) is needed for device positions (reading them back
+        would wait for the device)."""
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
         if self.channel is not None:
             self.channel.send_forward(ids, positions, slots, logits_index, kv_len)
         return self.runner.forward(ids, positions, slots, logits_index, kv_len)

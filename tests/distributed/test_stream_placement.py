@@ -77,6 +77,19 @@ def test_cuda_stream_captured_equals_eager(tiny_dirs):
     captured, metrics = _tokens(tiny_dirs, cuda_graphs=True, **kw)
     assert captured == eager
     assert metrics["stream_overlap"]["rounds"] > 0
+    assert metrics["chained_rounds"] > 0 and metrics["chain_overlap"]["rounds"] > 0
+
+
+@cuda
+def test_cuda_plain_rounds_captured_equal_eager(tiny_dirs, monkeypatch):
+    """The same without chained rounds (every round through the host)."""
+    monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")
+    kw = dict(mode="ssd", device="cuda", dtype="float32", draft=tiny_dirs["smol_heads_draft"],
+              speculator_placement="stream")
+    eager, _ = _tokens(tiny_dirs, cuda_graphs=False, **kw)
+    captured, metrics = _tokens(tiny_dirs, cuda_graphs=True, **kw)
+    assert captured == eager
+    assert "chained_rounds" not in metrics
 
 
 @cuda
@@ -93,8 +106,10 @@ def test_cuda_build_overlaps_the_verify(tmp_path):
                    max_batch=1, speculator_placement="stream") as g:
         g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=8, ignore_eos=True))
         g.generate([[1, 5, 9, 11]], SamplingParams(max_new_tokens=64, ignore_eos=True))
-        overlap = g.last_run_metrics["stream_overlap"]
-    assert overlap["rounds"] > 0 and overlap["build_ms"] > 0 and overlap["hidden_ms"] > 0, overlap
+        run = g.last_run_metrics
+    # chained rounds (greedy): the round's verify and the next speculation's build
+    chain = run["chain_overlap"]
+    assert chain["rounds"] > 0 and chain["build_ms"] > 0 and chain["hidden_ms"] > 0, chain
 
 
 @pytest.mark.parametrize("order,want", [("verifier", (-5, 0)), ("speculator", (0, -5)),

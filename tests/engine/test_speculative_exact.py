@@ -76,7 +76,7 @@ def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     assert all(o.metrics["mean_accepted"] > 3.0 for o in outs)
 
 
-@pytest.mark.parametrize("placement", ["stream", "rank"])
+@pytest.mark.parametrize("placement", ["stream", "stream-plain", "rank"])
 @pytest.mark.parametrize("fallback,fan_out,draft,batch,tp", [
     ("jit", "all-accepted:4", "smol_heads_draft", 2, 1),
     ("ngram", "auto", "smol_heads_draft", 1, 1),
@@ -85,7 +85,13 @@ def test_sd_acceptance_is_one_when_draft_is_target(tiny_dirs, ar_reference):
     ("jit", "auto", "smol_heads_draft", 2, 4),  # rank placement: world 5, TP 4 + speculator
 ])
 def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft, batch, tp,
-                              placement):
+                              placement, monkeypatch):
+    """Greedy SSD == AR: the rank placement, the stream placement in chained rounds (the
+    default for greedy rows) and in plain rounds (``SSDLIB_CHAINED_ROUNDS=0``)."""
+    chained = placement == "stream"
+    if placement == "stream-plain":
+        monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")
+        placement = "stream"
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs[draft], mode="ssd", k=4,
                    tp=tp, max_batch=batch, max_len=128, fallback=fallback, fan_out=fan_out,
                    speculator_placement=placement) as g:
@@ -95,10 +101,15 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
     hits = sum(o.metrics.get("hits", 0) for o in outs)
     lookups = sum(o.metrics.get("lookups", 0) for o in outs)
     assert 0 < hits < lookups, "both cache hits and misses must occur in this test"
-    # a hit's speculation is continued from its drafted branch, not recomputed
-    assert outs[0].metrics["branch_kv_reused_frac"] > 0.5
-    if fallback != "auto":
-        used = set().union(*(o.metrics.get("fallbacks", {}).keys() for o in outs))
+    used = set().union(*(o.metrics.get("fallbacks", {}).keys() for o in outs))
+    if chained:  # a chained round's miss verifies placeholder tokens ("none")
+        assert used == {"none"}, used
+        assert all(o.metrics["chained_rounds"] > 0 for o in outs)
+    else:
+        # a hit's speculation is continued from its drafted branch, not recomputed
+        assert outs[0].metrics["branch_kv_reused_frac"] > 0.5
+        assert not any(o.metrics.get("chained_rounds") for o in outs)
+    if fallback != "auto" and not chained:
         assert used <= {fallback, "random"} and used, used  # ngram falls back to random
     # every verified round is counted under the source of its speculation: a sequence's
     # first, the cache (one round per hit) or the fallback that answered a miss

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from ssdlib.speculative.acceptance import QKind
 
-FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random"}
+# (-1: a chained round's miss, which verified placeholder tokens: engine/leader/chained_rounds.py)
+FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random",
+                  -1: "none"}
 
 
 def record_acceptance(seqs, result, limits: list[int], k_max: int,

@@ -29,7 +29,9 @@ from ssdlib.distributed.local_link import LocalLink
 from ssdlib.distributed.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
-from ssdlib.engine.leader.metrics import record_acceptance, record_source, speculation_source
+from ssdlib.engine.leader.chained_rounds import ChainedRounds, chained_rounds_on
+from ssdlib.engine.leader.metrics import (record_acceptance, record_lookup, record_source,
+                                          speculation_source)
 from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
 from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
 from ssdlib.engine.runner.model_runner import captures_steps
@@ -83,9 +85,17 @@ class LinkVerifier:
         self._drafted = 0  # tokens a row the speculator drafts for the next round (jit source)
         # (K verified, K drafted for the next round) of the round whose phases the timer holds
         self._timed: tuple[int, int] | None = None
+        # chained rounds (stream placement, greedy rows: chained_rounds.py)
+        self.chain = ChainedRounds(target, link, k, device, link.max_batch,
+                                   target.runner.cache.max_len) \
+            if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
+            else None
+        self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
+        self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
 
     def admit(self, seqs) -> None:
         self.clock.admitted()
+        self._end_chain()
         self._take_replies()  # the link's order: what is owed before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}
@@ -97,7 +107,75 @@ class LinkVerifier:
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
         admit_with_first_token(self.target, seqs, self.device)
-        self._exchange(seqs, [(0, q.tokens[-1]) for q in seqs], first=True)
+        # (the rows of a chain that ended ask for a new speculation too)
+        restart, self._restart = [q for q in self._restart if self._alive(q)], []
+        both = list(seqs) + restart
+        self._exchange(both, [(0, q.tokens[-1]) for q in both], first=True)
+
+    # -- chained rounds ----------------------------------------------------------------------
+    def _end_chain(self) -> None:
+        """End a running chain (``chained_rounds.py``): its round in flight is dropped, its
+        rows still running ask for a jit draft at the next exchange."""
+        if self.chain is not None and self.chain.flight is not None:
+            live = [q for q in self.chain.flight.seqs if not q.finished]
+            self._restart += self.chain.end(live)
+
+    def _restart_rows(self, active) -> None:
+        """Rows of an ended chain take a fresh speculation (a jit draft) before their round."""
+        restart, self._restart = [q for q in self._restart if self._alive(q)], []
+        if restart:
+            self._exchange(restart, [(0, q.tokens[-1]) for q in restart], first=True)
+
+    def _chain_step(self, active) -> None:
+        """One step of chained rounds: launch the round after the one in flight, read that one
+        back and commit it (the chain's first step verifies the speculation in hand as a
+        plain round first)."""
+        chain, timer, clock, K = self.chain, self.timer, self.clock, self.k
+        clock.start()
+        if not chain.continues(active):
+            spec = [self.spec[q.slot].tokens[:K] for q in active]
+            tokens = torch.tensor(spec, dtype=torch.int64).view(len(active), K)
+            outcome = verify_round(self.target, active, tokens, None, self.device,
+                                   after_launch=self._after_launch)
+            # the next lookups are the device's: the CACHE of this build is not received
+            self.replies = Replies()
+            sources = [self.spec[q.slot].source for q in active]
+            chain.first(active, outcome, spec)
+            chain.read_previous(chain.launch(active, timer))
+            clock.tick("launch")
+            result = read_round(tokens, outcome)
+        else:
+            flight = chain.launch(active, timer)
+            clock.tick("launch")
+            self.timer.flush()
+            got = chain.read_previous(flight)
+            result = got.result
+            sources = ["cache" if h else "none" for h in got.hit]
+            for q, h in zip(active, got.hit):
+                record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, -1)
+                q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
+        clock.tick("read")
+        commit_round(active, result)
+        keys = [q.slot for q in active]
+        limits = [K] * len(active)
+        greedy = [False] * len(active)
+        self.policy.observe(keys, limits, result.accepted, greedy)
+        record_acceptance(active, result, limits, K, [self.policy.alpha(i) for i in keys])
+        for q, source, accepted in zip(active, sources, result.accepted):
+            record_source(q.metrics, source, accepted)
+            self._chain_k[q.slot] = accepted
+        clock.tick("commit")
+        if not all(self._alive(q) for q in active):
+            # a row ended: the chain ends here (the round in flight dropped), the ended rows
+            # leave the speculator and the others ask for a fresh speculation, as a plain
+            # round's exchange does
+            timer.add_to(active)
+            self._end_chain()
+            self._restart = []
+            self._exchange(active, [(0, q.tokens[-1]) for q in active], first=True)
+        else:
+            timer.add_to(active, defer=True)
+        clock.add_to(active)
 
     def _alive(self, q) -> bool:
         return not q.finished and (self.limit is None or len(q.tokens) < self.limit)
@@ -236,6 +314,13 @@ class LinkVerifier:
         return DraftQ.per_row(kinds, torch.stack(probs).to(self.device))
 
     def step(self, active) -> None:
+        if self.chain is not None:
+            if self.chain.flight is not None and not self.chain.continues(active):
+                self._end_chain()
+            self._restart_rows(active)
+            if self.chain.fits(active) and not self.policy.schedule:  # (a schedule: tests)
+                self._chain_step(active)
+                return
         timer, clock = self.timer, self.clock
         clock.start()
         timer.start()
@@ -279,6 +364,9 @@ class LinkVerifier:
         clock.add_to(active)
 
     def release(self, seq) -> None:
+        self._end_chain()
+        self._restart = [q for q in self._restart if q is not seq]
+        self._chain_k.pop(seq.slot, None)
         self.source.release_row(seq.slot)
         self.policy.release(seq.slot)
         if self.spec.pop(seq.slot, None) is not None:
@@ -287,6 +375,7 @@ class LinkVerifier:
     def settle(self) -> None:
         """No row is running: tell the speculator about the rows that left (cancelled), so it
         is idle too (it answers an outcome without active rows with STATS)."""
+        self._end_chain()
         if self._leaving:
             self._exchange([], [])
         self._take_replies()
@@ -314,10 +403,14 @@ class LinkVerifier:
         overlap = self.link.overlap  # the stream placement on a GPU
         if overlap is not None and overlap.rounds:
             out["stream_overlap"] = overlap.take()
+        meter = self.chain.meter if self.chain is not None else None
+        if meter is not None and meter.rounds:
+            out["chain_overlap"] = meter.take()
         return out
 
     def close(self) -> None:
         if self.link.failed is None:  # a failed speculator has nothing more to send
+            self._end_chain()
             self._take_replies()
         self.link.send_shutdown()
 

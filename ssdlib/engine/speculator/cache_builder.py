@@ -54,14 +54,14 @@ class CacheBuilder:
             r.fed = True
         lengths = [len(r.tokens) for r in rows]  # committed
         kv_len = max(lengths) + K  # > every slot key a branch sees
-        pos, rank = self._branch_index(tuple(fan))  # [B] each
+        pos, rank = self.branch_index(tuple(fan))  # [B] each
         # captured steps on GPU (tree_build.py): hit rows' continuation, then outcomes, K tree
         # depths (greedy or sampled) and the cache stores
         self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
                            reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
         return sum(x >= 0 for x in reuse)
 
-    def _branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Branch j of the fan-out -> (its position k, its rank among the kept candidates).
         Tiny vocabularies (fewer kept candidates than F_k) repeat the last one (a duplicate
         branch never hits twice)."""

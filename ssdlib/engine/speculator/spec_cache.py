@@ -51,6 +51,19 @@ class SpeculationCache:
         return CacheRows.pack_device(self.ready[rows] & live, fallback, self.fork[rows],
                                      self.bonus[rows], self.tokens[rows])
 
+    def lookup(self, rows: torch.Tensor, k: torch.Tensor,
+               bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cache's answer to outcomes (k, t*) on the device, as the leader's mirror gives it
+        on the host (``cache_mirror.CacheMirror.lookup``, the reference it is tested against):
+        rows, k, bonus [n] (device int64) -> (hit [n] bool, branch [n]: the first branch
+        assuming the outcome, 0 on a miss, tokens [n, K]: that branch's, any on a miss).
+        Nothing is read back."""
+        match = (self.fork[rows] == k.view(-1, 1)) & (self.bonus[rows] == bonus.view(-1, 1))
+        match &= self.ready[rows].view(-1, 1)                            # [n, B]
+        hit = match.any(-1)
+        branch = match.to(torch.uint8).argmax(-1)  # the first match (argmax: first maximum)
+        return hit, branch, self.tokens[rows, branch]
+
     def gather_q(self, rows: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """q of branch ``branch`` [n] of cache rows ``rows`` [n] (device): [n, K, V]."""
         return self.q[rows, branch]

@@ -45,3 +45,15 @@ class SpecRow:
         if self.fed:  # s_1..s_k are in the slot's draft KV
             self.valid = n + k
         return True
+
+    def restart(self, tokens: list[int]) -> None:
+        """Nothing in flight; ``tokens`` committed (the draft KV valid for all of them), as
+        after an admission: the next outcome commits the token after them."""
+        self.tokens = tokens
+        self.valid = len(tokens)
+        self.sent = None
+        self.fed = False
+        self.reuse = None
+        self.kind = int(QKind.DENSE)
+        self.hit = False
+        self.limit = None

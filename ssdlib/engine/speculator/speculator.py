@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, Op, Outcome,
-                                         SpeculatorStats)
+from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainedRound,
+                                         ChainEnd, Op, Outcome, SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
@@ -177,6 +177,22 @@ class Speculator:
                 self.host_s[name] += dt
         self.rounds += 1
 
+    # -- chained rounds (stream placement: engine/leader/chained_rounds.py) -------------------
+    def build_chained(self, msg: ChainedRound) -> None:
+        """A chained round: build the cache for the speculation the leader looked up on the
+        device (``msg``), with no answer and no push (the leader's next lookup reads the cache
+        where it is). The rows' host state is not kept up to date while the chain runs:
+        :meth:`end_chain` sets it."""
+        self.cache.build_chained(msg)
+
+    def end_chain(self, msg: ChainEnd) -> None:
+        """The chain ended: each listed row's committed tokens but the last are ``msg``'s, and
+        its draft KV holds them (every chained build fed the tokens before its speculation);
+        nothing is in flight. The next OUTCOME commits the last token and asks for a jit
+        draft, as after an admission."""
+        for slot, tokens in zip(msg.slots, msg.tokens):
+            self.rows[slot].restart(tokens)
+
     def send_stats(self) -> None:
         """Answer to an outcome without active rows: the counters since the last STATS."""
         self.link.send_stats(SpeculatorStats(self.stats["idle_s"], self.stats["busy_s"],
@@ -308,6 +324,15 @@ class CacheRole:
                               default=None))
         self._fanout_used = fan
         return self.builder.build(rows, fan, sampling)
+
+    def build_chained(self, msg: ChainedRound) -> None:
+        """A chained round's build (greedy): the fan-out for a verification of all K (a chained
+        round verifies them all)."""
+        fan = self.fanout()
+        self._fanout_used = fan
+        pos, rank = self.builder.branch_index(tuple(fan))
+        self.builder.tree_step.run_chained(len(msg.slots), msg.last, msg.tokens, msg.lengths,
+                                           msg.slots, pos, rank, msg.kv_len)
 
     def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered

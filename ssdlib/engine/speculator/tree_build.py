@@ -115,10 +115,11 @@ class TreeBuildStep:
         K, C = self.K, branch_top.shape[-1]
         self.C = C
         self.inputs = StaticInputs(runner.device, runner.scratch_slot, {
-            "sent": Segment(K), "lengths": Segment(1),
+            "sent": Segment(K), "lengths": Segment(1, ghost=1),
             "slots": Segment(1, ghost=runner.scratch_slot), "reuse": Segment(1, ghost=-1),
             "cand": Segment((K + 1) * C),
-            "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2)},
+            "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2),
+            "last": Segment(1)},
             all_buckets=graphs is not None and graphs.all_buckets)
         self.index = torch.zeros(2, self.B, dtype=torch.int64, device=runner.device)  # pos, rank
         self._index_src: torch.Tensor | None = None
@@ -164,6 +165,58 @@ class TreeBuildStep:
             last = torch.cat([last, last[:, -1:].expand(-1, C - self.top)], dim=1)
         cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
         cand.copy_(torch.where(hit.view(-1, 1, 1), cont, cand))
+
+    def chained_body(self, last, sent, n, slots, pos, rank, kv_len: int) -> None:
+        """A chained round's build (``run_chained``): the candidates from one draft forward
+        over the last committed token and s_1..s_K (positions n - 1 .. n + K - 1; every
+        committed token before the last is in the slot's draft KV), then :meth:`body`. The
+        draft's top candidates at each position are what a missed row's build computes
+        (``CacheBuilder._fed_candidates``); a hit's row computes them again instead of
+        continuing its branch, so that one step serves hits and misses alike with no host
+        input."""
+        r, K, C = self.runner, self.K, self.C
+        ids = torch.cat([last.view(-1, 1), sent], dim=1)                      # [rows, K+1]
+        at = (n - 1).view(-1, 1) + torch.arange(K + 1, device=n.device)     # [rows, K+1]
+        meta = AttentionMetadata(at, slots, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
+        logits = r.step_model(ids, r.cache, meta)[..., :self.vocab]         # [rows, K+1, v]
+        cand = logits.topk(self.top, dim=-1).indices
+        if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
+            cand = torch.cat([cand, cand[..., -1:].expand(-1, -1, C - self.top)], dim=-1)
+        self.body(cand, sent, n, slots, pos, rank, kv_len)
+
+    def run_chained(self, b: int, last, sent, lengths, slots: list[int], pos, rank,
+                    kv_len: int) -> None:
+        """A chained round's greedy build of ``b`` rows from device inputs (last [b], sent
+        [b, K], lengths [b]: committed) and host ``slots``; pos, rank [B] the fan-out's branch
+        index. Ghost rows past ``b`` use the scratch slot."""
+        kv_len = self.runner.kv_bucket(kv_len)
+        rows = batch_bucket(b) if self.pool is not None else b
+        width = self.inputs.fill_rows(rows)
+        inputs = self.inputs
+        inputs.put("last", width, last)
+        inputs.put("sent", width, sent, self.K)
+        inputs.put("lengths", width, lengths)
+        inputs.put("slots", width, slots)
+        inputs.upload()
+        v, K = self.inputs.view, self.K
+
+        def step(_, r):
+            self.chained_body(v("last", r), v("sent", r, K), v("lengths", r), v("slots", r),
+                              self.index[0], self.index[1], kv_len)
+        self._set_index(pos, rank)
+        if self.pool is None:
+            step(None, rows)
+            return
+        key = ("tree_chain", rows, kv_len)
+        self.graphs.capture(key, step)
+        self.pool.replay(key)
+
+    def _set_index(self, pos, rank) -> None:
+        """The fan-out's branch index into the static ``index`` (kept while it holds)."""
+        if self._index_src is not pos:
+            self.index[0].copy_(pos)
+            self.index[1].copy_(rank)
+            self._index_src = pos
 
     def _sampled_pick(self, slots, params: SamplingTensors, streams: RowStreams,
                       fan: tuple, saguaro_c: float):
@@ -241,10 +294,7 @@ class TreeBuildStep:
                       facts: SamplingFacts | None, fan: tuple, saguaro_c: float) -> None:
         """:meth:`run` with a graph pool, its inputs uploaded: the replays (captured on first
         use, for every batch bucket at once where the runner's steps are)."""
-        if self._index_src is not pos:  # the fan-out's branch index (kept while it holds)
-            self.index[0].copy_(pos)
-            self.index[1].copy_(rank)
-            self._index_src = pos
+        self._set_index(pos, rank)
         if hits:  # every bucket's continuation before any build: the build overwrites its inputs
             key = ("tree_continue", rows, kv_len)
             self.graphs.capture(key, lambda _, r: self.continue_hits(*self._views(r), kv_len))

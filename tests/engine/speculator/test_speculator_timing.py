@@ -53,7 +53,9 @@ def test_verifier_sums_the_stats_of_a_call_and_starts_afresh_after_a_read():
 
 
 @pytest.mark.parametrize("mode,extra", [("ssd", {}), ("sd", {"draft_placement": "separate"})])
-def test_run_reports_the_speculators_phases(tiny_dirs, mode, extra):
+def test_run_reports_the_speculators_phases(tiny_dirs, mode, extra, monkeypatch):
+    # plain rounds: every round an OUTCOME (chained rounds skip the speculator's round)
+    monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
                    mode=mode, k=4, max_batch=1, max_len=128, **extra) as g:
         outs = g.generate(PROMPTS, GREEDY)
@@ -79,6 +81,7 @@ def test_host_times_of_both_ranks(tiny_dirs, monkeypatch):
     speculator's (STATS -> speculator_host_ms_per_round)."""
     from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS
     monkeypatch.setenv("SSDLIB_HOST_TIMES", "1")  # inherited by the spawned ranks
+    monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")  # a plain round's segments
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
                    mode="ssd", k=4, max_batch=1, max_len=128) as g:
         g.generate(PROMPTS, GREEDY)
