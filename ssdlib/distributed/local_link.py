@@ -42,7 +42,7 @@ import time
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.protocol import (Admit, CacheRows, ChainedRound, ChainEnd, Outcome,
+from ssdlib.distributed.protocol import (Admit, CacheRows, ChainEnd, ChainStart, Outcome,
                                          Speculation, SpeculatorStats)
 from ssdlib.errors import SSDError
 
@@ -216,27 +216,28 @@ class LocalLink:
         self._run(self.speculator.shutdown)
 
     # -- chained rounds (leader side; engine/leader/chained_rounds.py) -------------------------
-    @property
-    def cache(self):
-        """The speculator's :class:`~ssdlib.engine.speculator.spec_cache.SpeculationCache`:
-        its device tensors, read on the leader's stream after :attr:`built`."""
-        return self.speculator.cache.cache
+    def chain_caches(self) -> list:
+        """The speculator's two caches of chained rounds (by round parity): device tensors,
+        read on the leader's stream after the build's event."""
+        return self.speculator.cache.chain_caches()
 
-    def build_chained(self, msg: ChainedRound, marks: tuple | None = None) -> None:
-        """Launch a chained round's build on the speculator's stream, behind the leader's
-        lookup (``msg.ready``); ``marks``: two timing events recorded around it. The device
-        tensors of ``msg`` are the leader's: marked as used on this stream too."""
+    def start_chain(self, msg: ChainStart) -> None:
+        self._run(self.speculator.start_chain, msg)
+
+    def build_chained(self, parity: int, rows: int, kv_len: int, after, done,
+                      marks: tuple | None = None) -> None:
+        """Launch chained round's build of ``parity`` on the speculator's stream once the event
+        ``after`` (the verify whose outcome it reads) has run; ``done`` is recorded after it,
+        ``marks``: two timing events around it (None on CPU)."""
         if self.cuda:
-            self.stream.wait_event(msg.ready)
-            for t in (msg.last, msg.tokens, msg.lengths):
-                t.record_stream(self.stream)
+            self.stream.wait_event(after)
             if marks is not None:
                 marks[0].record(self.stream)
-        self._run(self.speculator.build_chained, msg)
+        self._run(self.speculator.build_chained, parity, rows, kv_len)
         if self.cuda:
             if marks is not None:
                 marks[1].record(self.stream)
-            self.built.record(self.stream)
+            done.record(self.stream)
 
     def end_chain(self, msg: ChainEnd) -> None:
         self._run(self.speculator.end_chain, msg)

@@ -362,20 +362,53 @@ class Replies:
 
 
 @dataclass
-class ChainedRound:
-    """Chained rounds (stream placement, ``engine/leader/chained_rounds.py``): the leader looked
-    the next speculation up in the speculator's cache on the device, and hands it over as it is,
-    without a host round trip: the rows' slots (host), their last committed token ``last`` [b],
-    the speculation ``tokens`` [b, K] and committed lengths ``lengths`` [b] (device int64,
-    ready once ``ready`` has run on the leader's stream; None on CPU), and ``kv_len`` (host: >
-    every position the build's keys reach). In-process only: no wire layout."""
+class ChainState:
+    """Chained rounds' device state (stream placement, ``engine/leader/chained_rounds.py``),
+    shared in process by the leader's captured verify and the speculator's captured build:
+    per row of the batch bucket, at index ``r % 2`` for round r: the committed length the
+    round verified from (``n``), its outcome (``k`` accepted, ``bonus`` t*); ``real`` marks
+    the batch's rows (the others are ghost rows of a captured step). Round r + 1 reads index
+    r % 2 and writes the other. No wire layout: in process only."""
+
+    real: torch.Tensor  # [rows] bool
+    n: torch.Tensor  # [2, rows] int64
+    k: torch.Tensor  # [2, rows] int64
+    bonus: torch.Tensor  # [2, rows] int64
+    spec: torch.Tensor  # [2, rows, K] int64: the speculation the round verified
+    # [rows, max_len + 1] int64: each row's committed tokens (up to its round's n + k + 1; the
+    # last column takes the writes of tokens a round did not commit): a miss's n-gram fallback
+    history: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, k: int, max_len: int, device) -> "ChainState":
+        def table(*shape):
+            return torch.zeros(2, rows, *shape, dtype=torch.int64, device=device)
+        return cls(torch.zeros(rows, dtype=torch.bool, device=device), table(), table(),
+                   table(), table(k),
+                   torch.zeros(rows, max_len + 1, dtype=torch.int64, device=device))
+
+    def commit(self, p: int, rows: int) -> None:
+        """Write round ``p``'s committed tokens (its speculation's first k, then t*) into the
+        history at positions n .. n + k (device ops; the positions past k go to the last
+        column)."""
+        n, k = self.n[p, :rows].view(-1, 1), self.k[p, :rows].view(-1, 1)
+        K = self.spec.shape[-1]
+        i = torch.arange(K + 1, device=n.device).view(1, -1)
+        spec = self.spec[p, :rows]
+        tokens = torch.cat([spec, spec[:, :1]], dim=1)                  # [rows, K+1]
+        tokens = torch.where(i == k, self.bonus[p, :rows].view(-1, 1), tokens)
+        last = self.history.shape[1] - 1
+        at = torch.where(i <= k, (n + i).clamp(max=last), torch.full_like(i, last))
+        self.history[:rows].scatter_(1, at, tokens)
+
+
+@dataclass
+class ChainStart:
+    """A chain starts for rows ``slots`` (host; the batch's order) over ``state``: the
+    speculator's build reads it from now on, after the leader's events."""
 
     slots: list[int]
-    last: torch.Tensor
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    kv_len: int
-    ready: object = None  # torch.cuda.Event on a GPU
+    state: ChainState
 
 
 @dataclass

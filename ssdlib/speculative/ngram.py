@@ -94,3 +94,34 @@ def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, v
         tokens.append(fallback if proposal is None else proposal)
         kinds.append(RANDOM_Q if proposal is None else NGRAM_Q)
     return torch.tensor(tokens, dtype=torch.int64).reshape(b, K), DraftQ.per_row(kinds)
+
+
+def propose_ngram_device(history: torch.Tensor, lengths: torch.Tensor, K: int,
+                         max_ngram: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`propose_ngram`'s rule (``min_ngram`` 1) on the device, batched, with nothing read
+    back: history [b, H] the rows' tokens (row i's first ``lengths[i]`` are its sequence; the
+    rest any values), lengths [b] -> (tokens [b, K], found [b] bool; tokens are zeros where no
+    suffix recurs). A captured step may run it: its shapes depend on H and K only."""
+    b, H = history.shape
+    L = lengths.view(-1, 1)                                           # [b, 1]
+    start = torch.full((b,), -1, dtype=torch.int64, device=history.device)
+    for n in range(1, max_ngram + 1):  # longer suffixes win: later n overwrite
+        if n >= H:
+            break
+        # the suffix's n tokens, at positions L - n .. L - 1
+        at = (L - n + torch.arange(n, device=history.device)).clamp(min=0)  # [b, n]
+        suffix = history.gather(1, at)                                # [b, n]
+        match = torch.ones(b, H - n, dtype=torch.bool, device=history.device)
+        for t in range(n):
+            match &= history[:, t:H - n + t] == suffix[:, t:t + 1]
+        j = torch.arange(H - n, device=history.device).view(1, -1)
+        match &= j <= L - n - 1                                       # followed by a token
+        last = torch.where(match, j, torch.full_like(j, -1)).amax(dim=1)  # [b]
+        found_n = (last >= 0) & (lengths > n)
+        start = torch.where(found_n, last + n, start)
+    found = start >= 0
+    first = start.clamp(min=0).view(-1, 1)
+    period = (L - first).clamp(min=1)                                 # the copy's repeat
+    at = first + torch.arange(K, device=history.device).view(1, -1) % period  # [b, K]
+    tokens = history.gather(1, at.clamp(max=H - 1))
+    return torch.where(found.view(-1, 1), tokens, torch.zeros_like(tokens)), found

@@ -88,7 +88,7 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
                               placement, monkeypatch):
     """Greedy SSD == AR: the rank placement, the stream placement in chained rounds (the
     default for greedy rows) and in plain rounds (``SSDLIB_CHAINED_ROUNDS=0``)."""
-    chained = placement == "stream"
+    chained = placement == "stream" and tp == 1  # (chained rounds: a target on one rank)
     if placement == "stream-plain":
         monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")
         placement = "stream"
@@ -102,8 +102,8 @@ def test_ssd_greedy_equals_ar(tiny_dirs, ar_reference, fallback, fan_out, draft,
     lookups = sum(o.metrics.get("lookups", 0) for o in outs)
     assert 0 < hits < lookups, "both cache hits and misses must occur in this test"
     used = set().union(*(o.metrics.get("fallbacks", {}).keys() for o in outs))
-    if chained:  # a chained round's miss verifies placeholder tokens ("none")
-        assert used == {"none"}, used
+    if chained:  # a chained round's miss: an n-gram proposal, or placeholder tokens ("none")
+        assert used <= {"ngram", "none"} and used, used
         assert all(o.metrics["chained_rounds"] > 0 for o in outs)
     else:
         # a hit's speculation is continued from its drafted branch, not recomputed
@@ -275,10 +275,16 @@ def test_ssd_sampling_distribution(small_vocab, fallback, saguaro_c, batch, plac
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
 
 
-@pytest.mark.parametrize("placement", ["stream", "rank"])
-def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference, placement):
+@pytest.mark.parametrize("placement", ["stream", "stream-plain", "rank"])
+def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference, placement,
+                                                      monkeypatch):
     """Greedy rows keep their exact output, and accept exactly as much as when run alone, while
-    sampled rows join and leave the batch."""
+    sampled rows join and leave the batch (alone, the stream placement runs them in chained
+    rounds, whose misses take other speculations: there only the output is compared)."""
+    chained = placement == "stream"
+    if placement == "stream-plain":
+        monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "0")
+        placement = "stream"
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     prompts = [PROMPTS[0], [7, 8, 9], PROMPTS[1], [4, 5], [6, 6, 6]]
@@ -290,8 +296,10 @@ def test_ssd_mixed_greedy_and_sampled_rows_with_refill(tiny_dirs, ar_reference, 
     with Generator(max_batch=1, **kw) as g:
         alone = g.generate([PROMPTS[0], PROMPTS[1]], greedy)
     assert outs[0].token_ids == ar_reference[0] and outs[2].token_ids == ar_reference[1]
-    assert [outs[0].metrics["accepted"], outs[2].metrics["accepted"]] == \
-        [o.metrics["accepted"] for o in alone]
+    assert [o.token_ids for o in alone] == ar_reference[:2]
+    if not chained:
+        assert [outs[0].metrics["accepted"], outs[2].metrics["accepted"]] == \
+            [o.metrics["accepted"] for o in alone]
     assert all(len(outs[i].token_ids) == 6 for i in (1, 3, 4))
 
 

@@ -7,15 +7,22 @@ launches the next build, and only then does the next verify start: the host's wo
 build's tail sit between two verifies. A chained round is launched *before* the host has read
 the round it follows, and everything between two verifies happens on the device:
 
-1. the leader's stream waits for the speculator's build of the round in flight (its cache);
-2. :meth:`~ssdlib.engine.speculator.spec_cache.SpeculationCache.lookup`: each row's outcome
-   (k, t*), still on the device, against the cache: a hit's branch tokens are the next
-   speculation; a miss takes placeholder tokens (zeros: a greedy verify is exact whatever it
-   is given, and such a round still commits its bonus token); the committed length
-   n + k + 1 and the verify's ids and positions follow on the device;
-3. the speculator's build of the new speculation (``TreeBuildStep.run_chained``) is launched on
-   its stream behind that lookup, and the verify forward and the acceptance on the leader's;
-4. the round's outcome, speculation and lookup result are copied to pinned host memory.
+1. the leader's stream waits for the speculator's build of the round in flight (its cache),
+   then replays one captured step: :func:`~ssdlib.engine.speculator.spec_cache.next_speculation`
+   (each row's outcome (k, t*), still on the device, against the cache: a hit's branch tokens
+   are the next speculation; a miss takes placeholder tokens, zeros: a greedy verify is exact
+   whatever it is given, and such a round still commits its bonus token; the committed length
+   n + k + 1), the verify forward over t* and the speculation, the acceptance, and the
+   outcome written to the chain's state (``protocol.ChainState``);
+2. the speculator's stream waits for the round in flight's verify (its outcome) and replays
+   its captured build (``TreeBuildStep.run_chained``): the same lookup from the same inputs,
+   then the build of the new speculation's likely outcomes;
+3. the round's outcome, speculation and lookup result are copied to pinned host memory.
+
+Both captured steps read round r's state and cache and write round r + 1's: the state and the
+cache are double-buffered by the round's parity (the speculator's main cache and a second one),
+so the build of round r + 1 never overwrites what the verify of round r + 1 still reads. Per
+round the host makes a few driver calls (two replays, four events, one copy).
 
 The host then reads the round before (its outcome is ready or nearly so), commits it and
 returns to the scheduler, which streams the tokens and calls the next step: by then the GPU is
@@ -38,13 +45,16 @@ import numpy as np
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.protocol import ChainedRound, ChainEnd
+from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
+from ssdlib.engine.runner.static_inputs import batch_bucket
+from ssdlib.engine.speculator.spec_cache import next_speculation
+from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.speculative.acceptance import verify_greedy
 
-# A row of the chain's pinned read-back buffer: k, t*, hit, branch, then the speculation [K].
-HEAD = 4
+# A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
+HEAD = 5
 
 
 def chained_rounds_on() -> bool:
@@ -54,15 +64,11 @@ def chained_rounds_on() -> bool:
 
 @dataclass
 class Flight:
-    """A round launched and not read yet: its outcome on the device, where its read-back
-    lands and when it is there."""
+    """A round launched and not read yet."""
 
     seqs: list  # the rows (Sequence), in the round's order
-    accepted: torch.Tensor  # [b] device
-    bonus: torch.Tensor  # [b] device
-    host: torch.Tensor | None  # [b, HEAD + K] pinned read-back (None: the chain's first round)
-    ready: object  # torch.cuda.Event after the read-back's copy (None on CPU)
-    spec: list[list[int]] | None = None  # a first round's speculation, on the host already
+    parity: int  # where its state, cache and read-back are
+    chained: bool  # False: the chain's first round (a plain round; the caller reads it)
     meter: tuple | None = None  # ChainMeter events of the round
 
 
@@ -73,6 +79,7 @@ class ChainedResult:
     result: RoundResult
     hit: list[bool]  # the speculation came from the cache
     branch: list[int]  # its cache branch
+    ngram: list[bool]  # a miss's speculation was an n-gram proposal (else placeholder zeros)
 
 
 class ChainMeter:
@@ -114,19 +121,29 @@ class ChainMeter:
 
 class ChainedRounds:
     """The leader's side of chained rounds (see the module doc) over a
-    :class:`~ssdlib.distributed.local_link.LocalLink` whose speculator keeps a cache."""
+    :class:`~ssdlib.distributed.local_link.LocalLink` whose speculator keeps a cache; the
+    target runs on this rank alone (TP 1)."""
 
-    def __init__(self, target, link, k: int, device, max_batch: int, max_len: int):
+    def __init__(self, target, link, k: int, device, max_batch: int):
         self.target, self.link, self.K = target, link, k
+        self.runner = target.runner
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.max_len = max_len  # positions a verify may write (the target's KV cache)
-        self.flight: Flight | None = None
-        # two read-back buffers: round r + 1's copy is queued before round r's is read
-        self._host = [torch.zeros(max_batch, HEAD + k, dtype=torch.int64, pin_memory=self.cuda)
-                      for _ in range(2)]
-        self._turn = 0
+        self.max_len = self.runner.cache.max_len  # positions a verify may write
+        self.graphs = self.runner.graphs  # None: every step eager (CPU)
+        rows = batch_bucket(max_batch)
+        self.state = ChainState.empty(rows, k, self.max_len, self.device)
+        self.slots = torch.full((rows,), self.runner.scratch_slot, dtype=torch.int64,
+                                device=self.device)
+        self.pack = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, device=self.device)
+        self.host = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, pin_memory=self.cuda)
         self._arange = torch.arange(k + 1, device=self.device)
+        self.flight: Flight | None = None
+        self._b = self._rows = 0
+        events = (lambda: [torch.cuda.Event(), torch.cuda.Event()]) if self.cuda else \
+            (lambda: [None, None])
+        # per parity: the verify's outcome written, its read-back copied, the build done
+        self.verified, self.copied, self.built = events(), events(), events()
         self.meter = ChainMeter() if self.cuda else None
 
     # -- when a chain runs -------------------------------------------------------------------
@@ -143,55 +160,92 @@ class ChainedRounds:
             a is b for a, b in zip(seqs, self.flight.seqs))
 
     # -- a round -----------------------------------------------------------------------------
-    def first(self, seqs, outcome, spec: list[list[int]]) -> None:
-        """The chain's first round, launched as a plain round (verify of the speculation in
-        hand ``spec``, the speculator's build beside it): keep it as the round in flight."""
-        self.flight = Flight(list(seqs), outcome.accepted, outcome.bonus, None, None, spec)
+    def first(self, seqs, outcome, spec: torch.Tensor) -> None:
+        """The chain's first round was launched as a plain round (the speculation in hand
+        verified, the speculator's build into its main cache beside it): its outcome becomes
+        the state at parity 0, and the speculator starts reading the state."""
+        b = len(seqs)
+        rows = batch_bucket(b) if self.graphs is not None else b
+        st = self.state
+        self.slots.fill_(self.runner.scratch_slot)
+        self.slots[:b].copy_(slots_tensor(seqs), non_blocking=True)
+        st.real.zero_()
+        st.real[:b] = True
+        st.n[0].fill_(1)
+        st.n[0, :b].copy_(torch.tensor([len(q.tokens) for q in seqs]), non_blocking=True)
+        st.k[0].zero_()
+        st.k[0, :b] = outcome.accepted
+        st.bonus[0].zero_()
+        st.bonus[0, :b] = outcome.bonus
+        st.spec[0].zero_()
+        st.spec[0, :b].copy_(spec, non_blocking=True)
+        width = max(len(q.tokens) for q in seqs)
+        history = torch.zeros(b, width, dtype=torch.int64)
+        for i, q in enumerate(seqs):
+            history[i, :len(q.tokens)] = torch.tensor(q.tokens)
+        st.history[:b, :width].copy_(history, non_blocking=True)
+        st.commit(0, b)  # the first round's tokens, as a chained round writes its own
+        if self.cuda:
+            self.verified[0].record()
+        self.built[0] = self.link.built  # the plain build's end
+        self.link.start_chain(ChainStart([q.slot for q in seqs], st))
+        self._b, self._rows = b, rows
+        self.flight = Flight(list(seqs), 0, False)
+
+    def _verify_body(self, rows: int, p: int, kv_len: int) -> None:
+        """Round r + 1's verify (parity p) from round r's state and cache (the captured
+        step's body)."""
+        q, st, r = 1 - p, self.state, self.runner
+        slots = self.slots[:rows]
+        hit, branch, spec, n, ngram = next_speculation(self.link.chain_caches()[q], slots, st,
+                                                       q, rows)
+        ids = torch.cat([st.bonus[q, :rows].view(-1, 1), spec], dim=1)          # [rows, K+1]
+        pos = (n - 1).view(-1, 1) + self._arange                                # [rows, K+1]
+        meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=r.use_kernel)
+        logits = r.step_model(ids, r.cache, meta)                               # [rows, K+1, V]
+        out = verify_greedy(spec, logits)
+        st.k[p, :rows] = out.accepted
+        st.bonus[p, :rows] = out.bonus
+        st.n[p, :rows] = n
+        st.spec[p, :rows] = spec
+        st.commit(p, rows)  # (the next round's n-gram fallback reads them)
+        self.pack[p, :rows] = torch.cat([out.accepted.view(-1, 1), out.bonus.view(-1, 1),
+                                         hit.view(-1, 1).long(), branch.view(-1, 1).long(),
+                                         ngram.view(-1, 1).long(), spec], dim=1)
 
     def launch(self, seqs, timer) -> Flight:
-        """Launch the round after the one in flight (module doc, steps 1-4); ``seqs``' committed
-        tokens are those before the round in flight. Returns the new round (kept as the round
-        in flight by :meth:`read_previous`)."""
-        prev, link, K = self.flight, self.link, self.K
-        b = len(seqs)
-        n = np.array([len(q.tokens) for q in seqs], dtype=np.int64)
-        kv_len = int(n.max()) + 2 * K + 2  # > every position of this round and its build
-        lengths = torch.from_numpy(n).to(self.device, non_blocking=True)
-        slots = [q.slot for q in seqs]
-        slot_ids = slots_tensor(seqs)
-        rows = slot_ids.to(self.device, non_blocking=True)
+        """Launch the round after the one in flight (module doc); ``seqs``' committed tokens
+        are those before the round in flight. Returns the new round (kept in flight by
+        :meth:`read_previous`)."""
+        prev, link = self.flight, self.link
+        q = prev.parity
+        p = 1 - q
+        b, rows = self._b, self._rows
+        # > every position of this round and its build (a host bound: the lengths are the
+        # device's); the in-place attention kernel reads the whole cache's length anyway
+        kv_len = self.runner.kv_bucket(max(len(s.tokens) for s in seqs) + 2 * self.K + 2)
         timer.start()
         meter = self.meter.events() if self.meter is not None else None
-        if self.cuda:  # the cache for the round in flight's outcomes
-            torch.cuda.current_stream(self.device).wait_event(link.built)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.built[q])
             meter[0].record()
         timer.mark("cache")
-        hit, branch, tokens = link.cache.lookup(rows, prev.accepted, prev.bonus)
-        spec = torch.where(hit.view(-1, 1), tokens, torch.zeros_like(tokens))  # [b, K]
-        lengths = lengths + prev.accepted + 1                                  # committed n
-        ready = None
+        if self.graphs is None:
+            self._verify_body(rows, p, kv_len)
+        else:
+            key = ("chain_verify", rows, p, kv_len)
+            self.graphs.capture(key, lambda _, r: self._verify_body(r, p, kv_len))
+            self.graphs.pool.replay(key)
         if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        link.build_chained(ChainedRound(slots, prev.bonus, spec, lengths, kv_len, ready),
-                           meter[2:] if meter is not None else None)
-        timer.mark("lookup")
-        ids = torch.cat([prev.bonus.view(-1, 1), spec], dim=1)                 # [b, K+1]
-        pos = (lengths - 1).view(-1, 1) + self._arange                          # [b, K+1]
-        logits = self.target.forward(ids, pos, slot_ids, kv_len=kv_len)
-        outcome = verify_greedy(spec, logits)
-        host = self._host[self._turn][:b]
-        self._turn ^= 1
-        packed = torch.cat([outcome.accepted.view(-1, 1), outcome.bonus.view(-1, 1),
-                            hit.view(-1, 1).long(), branch.view(-1, 1).long(), spec], dim=1)
-        host.copy_(packed, non_blocking=self.cuda)
-        done = None
-        if self.cuda:
+            self.verified[p].record()
             meter[1].record()
-            done = torch.cuda.Event()
-            done.record()
+        self.host[p, :b].copy_(self.pack[p, :b], non_blocking=self.cuda)
+        if self.cuda:
+            self.copied[p].record()
         timer.mark("verify")
-        return Flight(list(seqs), outcome.accepted, outcome.bonus, host, done, meter=meter)
+        link.build_chained(p, rows, kv_len, self.verified[q], self.built[p],
+                           meter[2:] if meter is not None else None)
+        return Flight(list(seqs), p, True, meter)
 
     def read_previous(self, new: Flight) -> ChainedResult | None:
         """Read the round in flight back (waits for it), and keep ``new`` in flight instead.
@@ -200,12 +254,12 @@ class ChainedRounds:
         return self._read(prev)
 
     def _read(self, flight: Flight) -> ChainedResult | None:
-        if flight.host is None:
+        if not flight.chained:
             return None
-        if flight.ready is not None:
-            flight.ready.synchronize()
-        rows = flight.host.tolist()
-        K = self.K
+        p, b, K = flight.parity, len(flight.seqs), self.K
+        if self.cuda:
+            self.copied[p].synchronize()
+        rows = self.host[p, :b].tolist()
         accepted = [r[0] for r in rows]
         bonus = [r[1] for r in rows]
         spec = [r[HEAD:HEAD + K] for r in rows]
@@ -214,7 +268,8 @@ class ChainedRounds:
                              [s[:k] + [t] for s, k, t in zip(spec, accepted, bonus)])
         if flight.meter is not None:
             self.meter.read(flight.meter)
-        return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows])
+        return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
+                             [bool(r[4]) for r in rows])
 
     def end(self, seqs) -> list:
         """End the chain: the round in flight is discarded (waited for, its tokens dropped),
@@ -223,8 +278,9 @@ class ChainedRounds:
         flight, self.flight = self.flight, None
         if flight is None:
             return []
-        if flight.ready is not None:
-            flight.ready.synchronize()
+        if self.cuda:
+            self.copied[flight.parity].synchronize()
+            self.built[flight.parity].synchronize()
         if flight.meter is not None:
             self.meter.read(flight.meter)
         live = list(seqs)

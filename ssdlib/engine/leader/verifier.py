@@ -86,10 +86,9 @@ class LinkVerifier:
         # (K verified, K drafted for the next round) of the round whose phases the timer holds
         self._timed: tuple[int, int] | None = None
         # chained rounds (stream placement, greedy rows: chained_rounds.py)
-        self.chain = ChainedRounds(target, link, k, device, link.max_batch,
-                                   target.runner.cache.max_len) \
+        self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
-            else None
+            and getattr(target, "channel", None) is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
 
@@ -140,7 +139,7 @@ class LinkVerifier:
             # the next lookups are the device's: the CACHE of this build is not received
             self.replies = Replies()
             sources = [self.spec[q.slot].source for q in active]
-            chain.first(active, outcome, spec)
+            chain.first(active, outcome, tokens)
             chain.read_previous(chain.launch(active, timer))
             clock.tick("launch")
             result = read_round(tokens, outcome)
@@ -150,9 +149,11 @@ class LinkVerifier:
             self.timer.flush()
             got = chain.read_previous(flight)
             result = got.result
-            sources = ["cache" if h else "none" for h in got.hit]
-            for q, h in zip(active, got.hit):
-                record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, -1)
+            # a miss's speculation: an n-gram proposal, or placeholder tokens (-1: "none")
+            kinds = [int(QKind.ONEHOT) if g else -1 for g in got.ngram]
+            sources = [speculation_source(h, kind) for h, kind in zip(got.hit, kinds)]
+            for q, h, kind in zip(active, got.hit, kinds):
+                record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, kind)
                 q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
         clock.tick("read")
         commit_round(active, result)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ssdlib.distributed.protocol import CacheRows
+from ssdlib.speculative.ngram import propose_ngram_device
 
 
 class SpeculationCache:
@@ -67,3 +68,21 @@ class SpeculationCache:
     def gather_q(self, rows: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """q of branch ``branch`` [n] of cache rows ``rows`` [n] (device): [n, K, V]."""
         return self.q[rows, branch]
+
+
+def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int, rows: int):
+    """A chained round's next speculation, on the device (both sides of chained rounds compute
+    it, each on its stream: the same inputs give the same values): rows ``slots`` [rows] whose
+    round (index ``q`` of ``state``, a ``protocol.ChainState``) verified n committed tokens +
+    its speculation and ended with outcome (k, t*) -> (hit [rows], branch [rows], speculation
+    [rows, K], committed length n + k + 1 [rows], n-gram [rows]: a miss's speculation is an
+    n-gram proposal). A hit's speculation is the cache's branch;
+    a miss's the n-gram proposal over the committed tokens (``ngram.propose_ngram_device``;
+    zeros where no suffix recurs: a greedy verify is exact whatever it is given). Rows not
+    ``real``, the ghost rows of a captured step, keep length 1."""
+    k, n = state.k[q, :rows], state.n[q, :rows]
+    hit, branch, tokens = cache.lookup(slots, k, state.bonus[q, :rows])
+    length = torch.where(state.real[:rows], n + k + 1, torch.ones_like(n))
+    fallback, found = propose_ngram_device(state.history[:rows, :-1], length, cache.K)
+    spec = torch.where(hit.view(-1, 1), tokens, fallback)
+    return hit, branch, spec, length, found & ~hit

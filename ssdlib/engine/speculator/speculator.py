@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainedRound,
-                                         ChainEnd, Op, Outcome, SpeculatorStats)
+from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainEnd,
+                                         ChainStart, Op, Outcome, SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
@@ -178,12 +178,15 @@ class Speculator:
         self.rounds += 1
 
     # -- chained rounds (stream placement: engine/leader/chained_rounds.py) -------------------
-    def build_chained(self, msg: ChainedRound) -> None:
-        """A chained round: build the cache for the speculation the leader looked up on the
-        device (``msg``), with no answer and no push (the leader's next lookup reads the cache
-        where it is). The rows' host state is not kept up to date while the chain runs:
-        :meth:`end_chain` sets it."""
-        self.cache.build_chained(msg)
+    def start_chain(self, msg: ChainStart) -> None:
+        """Chained rounds start for ``msg``'s rows: the builds read the chain's state from now
+        on, and the rows' host state is not kept up to date until :meth:`end_chain`."""
+        self.cache.start_chain(msg)
+
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
+        """A chained round's build (no answer, no push: the leader's next lookup reads the
+        cache where it is)."""
+        self.cache.build_chained(parity, rows, kv_len)
 
     def end_chain(self, msg: ChainEnd) -> None:
         """The chain ended: each listed row's committed tokens but the last are ``msg``'s, and
@@ -262,6 +265,8 @@ class CacheRole:
                               f"{self.B} branches")
         self._fanout_used = self.fanout()
         self._push_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._second: SpeculationCache | None = None  # chained rounds' second cache
+        self._chain = None  # the running chain's ChainState
 
     def fanout(self, limit: int | None = None) -> list[int]:
         """The fan-out in use: a fixed --fan-out as given, else the estimate for a verification
@@ -325,14 +330,26 @@ class CacheRole:
         self._fanout_used = fan
         return self.builder.build(rows, fan, sampling)
 
-    def build_chained(self, msg: ChainedRound) -> None:
-        """A chained round's build (greedy): the fan-out for a verification of all K (a chained
-        round verifies them all)."""
+    def chain_caches(self) -> list[SpeculationCache]:
+        """The caches of chained rounds, by round parity: the main one and a second (allocated
+        on the first chain)."""
+        if self._second is None:
+            c = self.cache
+            self._second = SpeculationCache(c.ready.shape[0], c.B, c.K, c.V, c.device)
+        return [self.cache, self._second]
+
+    def start_chain(self, msg: ChainStart) -> None:
+        self._chain = msg.state
+        self.builder.tree_step.start_chain(msg.slots)
+
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
+        """A chained round's build (greedy) into the cache of ``parity``, with the fan-out for
+        a verification of all K (a chained round verifies them all)."""
         fan = self.fanout()
         self._fanout_used = fan
         pos, rank = self.builder.branch_index(tuple(fan))
-        self.builder.tree_step.run_chained(len(msg.slots), msg.last, msg.tokens, msg.lengths,
-                                           msg.slots, pos, rank, msg.kv_len)
+        self.builder.tree_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
+                                           rank, kv_len)
 
     def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered

@@ -38,6 +38,7 @@ import torch
 
 from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW
+from ssdlib.engine.speculator.spec_cache import next_speculation
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
@@ -118,15 +119,17 @@ class TreeBuildStep:
             "sent": Segment(K), "lengths": Segment(1, ghost=1),
             "slots": Segment(1, ghost=runner.scratch_slot), "reuse": Segment(1, ghost=-1),
             "cand": Segment((K + 1) * C),
-            "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2),
-            "last": Segment(1)},
+            "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2)},
             all_buckets=graphs is not None and graphs.all_buckets)
         self.index = torch.zeros(2, self.B, dtype=torch.int64, device=runner.device)  # pos, rank
         self._index_src: torch.Tensor | None = None
 
-    def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None) -> None:
+    def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None,
+             cache=None) -> None:
         """The build after the candidates, on device tensors (the captured function's body);
-        ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build."""
+        ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build; ``cache``
+        the speculation cache it stores into (default the speculator's)."""
+        cache = self.cache if cache is None else cache
         K = self.K
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
@@ -134,8 +137,8 @@ class TreeBuildStep:
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
                                    kv_len, r.use_kernel, pick)
         self.branch_top[slots, :, :, :tops.shape[-1]] = tops
-        self.cache.tokens[slots] = tokens
-        self.cache.store_keys(slots, fork, first)
+        cache.tokens[slots] = tokens
+        cache.store_keys(slots, fork, first)
 
     def continue_hits(self, cand, sent, n, slots, reuse, kv_len: int) -> None:
         """Rows answered from the cache (``reuse`` [rows]: their branch, -1 elsewhere) continue
@@ -166,15 +169,20 @@ class TreeBuildStep:
         cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
         cand.copy_(torch.where(hit.view(-1, 1, 1), cont, cand))
 
-    def chained_body(self, last, sent, n, slots, pos, rank, kv_len: int) -> None:
-        """A chained round's build (``run_chained``): the candidates from one draft forward
-        over the last committed token and s_1..s_K (positions n - 1 .. n + K - 1; every
-        committed token before the last is in the slot's draft KV), then :meth:`body`. The
-        draft's top candidates at each position are what a missed row's build computes
-        (``CacheBuilder._fed_candidates``); a hit's row computes them again instead of
-        continuing its branch, so that one step serves hits and misses alike with no host
-        input."""
-        r, K, C = self.runner, self.K, self.C
+    def chained_body(self, state, rows: int, p: int, caches, pos, rank, kv_len: int) -> None:
+        """Chained round r + 1's build (parity ``p``; ``state`` a ``protocol.ChainState``,
+        ``caches`` the two caches by parity): the speculation the leader verifies now, from
+        round r's outcome and cache (``spec_cache.next_speculation``, the leader's own lookup
+        repeated on this stream), then the candidates from one draft forward over t* and
+        s_1..s_K (positions n - 1 .. n + K - 1; every committed token before t* is in the
+        slot's draft KV), then :meth:`body` into the cache of parity ``p``. The draft's top
+        candidates are what a missed row's build computes (``CacheBuilder._fed_candidates``); a
+        hit's row computes them again instead of continuing its branch, so that one step
+        serves hits and misses alike, with no host input."""
+        r, K, C, q = self.runner, self.K, self.C, 1 - p
+        slots = self.inputs.view("slots", rows)
+        last = state.bonus[q, :rows]
+        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows)
         ids = torch.cat([last.view(-1, 1), sent], dim=1)                      # [rows, K+1]
         at = (n - 1).view(-1, 1) + torch.arange(K + 1, device=n.device)     # [rows, K+1]
         meta = AttentionMetadata(at, slots, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
@@ -182,33 +190,27 @@ class TreeBuildStep:
         cand = logits.topk(self.top, dim=-1).indices
         if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
             cand = torch.cat([cand, cand[..., -1:].expand(-1, -1, C - self.top)], dim=-1)
-        self.body(cand, sent, n, slots, pos, rank, kv_len)
+        self.body(cand, sent, n, slots, pos, rank, kv_len, cache=caches[p])
 
-    def run_chained(self, b: int, last, sent, lengths, slots: list[int], pos, rank,
-                    kv_len: int) -> None:
-        """A chained round's greedy build of ``b`` rows from device inputs (last [b], sent
-        [b, K], lengths [b]: committed) and host ``slots``; pos, rank [B] the fan-out's branch
-        index. Ghost rows past ``b`` use the scratch slot."""
+    def start_chain(self, slots: list[int]) -> None:
+        """A chain starts for rows ``slots``: their slots in the static inputs (ghost rows: the
+        scratch slot) for every chained build until it ends."""
+        width = self.inputs.fill_rows(batch_bucket(len(slots)) if self.pool is not None
+                                      else len(slots))
+        self.inputs.put("slots", width, slots)
+        self.inputs.upload()
+
+    def run_chained(self, state, rows: int, p: int, caches, pos, rank, kv_len: int) -> None:
+        """Chained round r + 1's build (:meth:`chained_body`) over ``rows`` rows (the batch
+        bucket, ghost rows past the batch); pos, rank [B] the fan-out's branch index."""
         kv_len = self.runner.kv_bucket(kv_len)
-        rows = batch_bucket(b) if self.pool is not None else b
-        width = self.inputs.fill_rows(rows)
-        inputs = self.inputs
-        inputs.put("last", width, last)
-        inputs.put("sent", width, sent, self.K)
-        inputs.put("lengths", width, lengths)
-        inputs.put("slots", width, slots)
-        inputs.upload()
-        v, K = self.inputs.view, self.K
-
-        def step(_, r):
-            self.chained_body(v("last", r), v("sent", r, K), v("lengths", r), v("slots", r),
-                              self.index[0], self.index[1], kv_len)
         self._set_index(pos, rank)
         if self.pool is None:
-            step(None, rows)
+            self.chained_body(state, rows, p, caches, self.index[0], self.index[1], kv_len)
             return
-        key = ("tree_chain", rows, kv_len)
-        self.graphs.capture(key, step)
+        key = ("tree_chain", rows, p, kv_len)
+        self.graphs.capture(key, lambda _, r: self.chained_body(
+            state, r, p, caches, self.index[0], self.index[1], kv_len))
         self.pool.replay(key)
 
     def _set_index(self, pos, rank) -> None:
