@@ -162,7 +162,7 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
     cache = SpeculationCache(b + 1, B, K, V, dev)
     top = torch.zeros(b + 1, B, K, C, dtype=torch.int64, device=dev)
     build = TreeBuildStep(dr, cache, top, C, V)
-    index = CacheBuilder._branch_index(SimpleNamespace(_index_cache={}, V=V, K=K, device=dev),
+    index = CacheBuilder.branch_index(SimpleNamespace(_index_cache={}, V=V, K=K, device=dev),
                                        fan)
     cand = torch.randint(0, V, (b, K + 1, C), device=dev)
     sent = torch.randint(0, V, (b, K)).tolist()

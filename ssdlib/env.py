@@ -88,6 +88,9 @@ SWITCHES: tuple[Switch, ...] = (
            "SSD's stream placement runs greedy rows in chained rounds: the next verify and build "
            "launched before the host reads the round in flight, the cache looked up on the "
            "device (ssdlib.engine.leader.chained_rounds); 0: every round through the host"),
+    Switch("SSDLIB_CHAIN_NGRAM", "flag", True,
+           "a chained round's miss verifies the device n-gram proposal (0: placeholder zeros; "
+           "ssdlib.engine.speculator.spec_cache.next_speculation)"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "

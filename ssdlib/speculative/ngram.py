@@ -101,27 +101,35 @@ def propose_ngram_device(history: torch.Tensor, lengths: torch.Tensor, K: int,
     """:func:`propose_ngram`'s rule (``min_ngram`` 1) on the device, batched, with nothing read
     back: history [b, H] the rows' tokens (row i's first ``lengths[i]`` are its sequence; the
     rest any values), lengths [b] -> (tokens [b, K], found [b] bool; tokens are zeros where no
-    suffix recurs). A captured step may run it: its shapes depend on H and K only."""
+    suffix recurs). Every n at once, in a fixed number of kernels (a chained round runs it in
+    its captured steps): its shapes depend on b, H and K only."""
     b, H = history.shape
+    N = min(max_ngram, H - 1)
+    dev = history.device
     L = lengths.view(-1, 1)                                           # [b, 1]
-    start = torch.full((b,), -1, dtype=torch.int64, device=history.device)
-    for n in range(1, max_ngram + 1):  # longer suffixes win: later n overwrite
-        if n >= H:
-            break
-        # the suffix's n tokens, at positions L - n .. L - 1
-        at = (L - n + torch.arange(n, device=history.device)).clamp(min=0)  # [b, n]
-        suffix = history.gather(1, at)                                # [b, n]
-        match = torch.ones(b, H - n, dtype=torch.bool, device=history.device)
-        for t in range(n):
-            match &= history[:, t:H - n + t] == suffix[:, t:t + 1]
-        j = torch.arange(H - n, device=history.device).view(1, -1)
-        match &= j <= L - n - 1                                       # followed by a token
-        last = torch.where(match, j, torch.full_like(j, -1)).amax(dim=1)  # [b]
-        found_n = (last >= 0) & (lengths > n)
-        start = torch.where(found_n, last + n, start)
-    found = start >= 0
-    first = start.clamp(min=0).view(-1, 1)
+    # the suffix's last N tokens, newest first: suffix[:, t] = token at L - 1 - t
+    back = (L - 1 - torch.arange(N, device=dev)).clamp(min=0)         # [b, N]
+    suffix = history.gather(1, back)
+    # eq[:, t, j]: token j equals the suffix's t-th newest
+    eq = history.unsqueeze(1) == suffix.unsqueeze(-1)                 # [b, N, H]
+    j = torch.arange(H, device=dev)
+    # match[:, n - 1, j]: the n tokens at j .. j + n - 1 are the suffix's n last, i.e. token
+    # j + n - 1 - t is the t-th newest: match_n[j] = eq[n - 1, j] & match_{n-1}[j + 1] (the
+    # shift wraps at the end, where no window of n fits: masked below)
+    match = torch.empty(b, N, H, dtype=torch.bool, device=dev)
+    match[:, 0] = eq[:, 0]
+    for n in range(2, N + 1):
+        match[:, n - 1] = eq[:, n - 1] & torch.roll(match[:, n - 2], -1, dims=1)
+    ns = torch.arange(1, N + 1, device=dev).view(1, -1, 1)            # [1, N, 1]
+    valid = (j.view(1, 1, -1) <= L.view(-1, 1, 1) - ns - 1) & (L.view(-1, 1, 1) > ns)
+    last = torch.where(match & valid, j.view(1, 1, -1), -1).amax(dim=2)  # [b, N]
+    # the longest n that recurs
+    has = last >= 0                                                   # [b, N]
+    n_best = (has * ns.view(1, -1)).amax(dim=1)                       # [b]; 0: none
+    found = n_best > 0
+    at_n = last.gather(1, (n_best - 1).clamp(min=0).view(-1, 1))      # [b, 1]
+    first = (at_n + n_best.view(-1, 1)).clamp(min=0)                  # first copied position
     period = (L - first).clamp(min=1)                                 # the copy's repeat
-    at = first + torch.arange(K, device=history.device).view(1, -1) % period  # [b, K]
+    at = first + torch.arange(K, device=dev).view(1, -1) % period     # [b, K]
     tokens = history.gather(1, at.clamp(max=H - 1))
     return torch.where(found.view(-1, 1), tokens, torch.zeros_like(tokens)), found

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib import env
 from ssdlib.distributed.protocol import CacheRows
 from ssdlib.speculative.ngram import propose_ngram_device
 
@@ -83,6 +84,9 @@ def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int
     k, n = state.k[q, :rows], state.n[q, :rows]
     hit, branch, tokens = cache.lookup(slots, k, state.bonus[q, :rows])
     length = torch.where(state.real[:rows], n + k + 1, torch.ones_like(n))
-    fallback, found = propose_ngram_device(state.history[:rows, :-1], length, cache.K)
+    if env.flag("SSDLIB_CHAIN_NGRAM"):
+        fallback, found = propose_ngram_device(state.history[:rows, :-1], length, cache.K)
+    else:
+        fallback, found = torch.zeros_like(tokens), torch.zeros_like(hit)
     spec = torch.where(hit.view(-1, 1), tokens, fallback)
     return hit, branch, spec, length, found & ~hit
