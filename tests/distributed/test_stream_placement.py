@@ -32,9 +32,10 @@ def test_auto_placement_and_world_size(tiny_dirs):
         EngineConfig(**kw, speculator_placement="gpu")
 
 
-def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch):
-    """An exception inside the in-process speculator ends the generate call with that error;
-    the Generator closes cleanly."""
+@pytest.mark.parametrize("step", ["finish_round", "build_chained"])
+def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch, step):
+    """An exception inside the in-process speculator (a plain round's build, or a chained
+    round's) ends the generate call with that error; the Generator closes cleanly."""
     from ssdlib.engine.speculator.speculator import Speculator
 
     def broken(self, *args):
@@ -43,12 +44,32 @@ def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch):
     gen = Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
                     mode="ssd", k=3, max_len=64, speculator_placement="stream")
     # broken once built: on a GPU the constructor's warm-up runs rounds of its own
-    monkeypatch.setattr(Speculator, "finish_round", broken)
+    monkeypatch.setattr(Speculator, step, broken)
     try:
         with pytest.raises(Exception, match="speculator exploded"):
             gen.generate(PROMPTS, GREEDY)
     finally:
         gen.close()
+
+
+def test_chained_rounds_only_for_small_greedy_batches(tiny_dirs, monkeypatch):
+    """Chained rounds run while a batch has at most MAX_ROWS rows: above it every round goes
+    through the host, and the rows that remain once the others end run chained (the tokens
+    equal AR's either way)."""
+    from ssdlib.engine.leader import chained_rounds
+
+    monkeypatch.setattr(chained_rounds, "MAX_ROWS", 1)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, ignore_eos=True)]
+    with Generator(target=tiny_dirs["smol_heads"], max_batch=2, max_len=128) as g:
+        ar = [o.token_ids for o in g.generate(PROMPTS, params)]
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                   mode="ssd", k=3, max_batch=2, max_len=128,
+                   speculator_placement="stream") as g:
+        outs = g.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == ar
+    assert outs[0].metrics.get("chained_rounds", 0) == 0  # never alone in the batch
+    assert outs[1].metrics["chained_rounds"] > 0  # alone once the first ended
 
 
 def _tokens(tiny_dirs, **kw):
