@@ -463,25 +463,24 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         cells += f" {device_sum:8.3f} {fmt(b.get('wall_ms_per_round'), '.3f', 8)}" + "".join(
             f" {fmt((sms or {}).get(p[5:]), '.3f', len(p) + 3)}" for p in spec)
         print(f"{b['mode']:12} {b['rounds']:7d} {fmt(b['tokens_per_round'], '.2f', 7)}{cells}")
-    overlaps = [b for b in breakdowns if "stream_overlap" in b]
-    if overlaps:
-        print("\nspeculator on its own stream (mean ms per round): verify span (OUTCOME to the "
-              "verify's end), build span, build hidden under the verify")
-        for b in overlaps:
-            o = b["stream_overlap"]
+    for key, title in (
+            ("stream_overlap", "speculator on its own stream (mean ms per round): verify span "
+                               "(OUTCOME to the verify's end), build span, build hidden under "
+                               "the verify"),
+            ("chain_overlap", "chained rounds (mean ms per chained round): the verify stream's "
+                              "round (from the build it waited for to the acceptance), build "
+                              "span, build hidden under it")):
+        rows = [b for b in breakdowns if key in b]
+        if rows:
+            print(f"\n{title}")
+        for b in rows:
+            o = b[key]
             share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
-            print(f"{b['mode']:12} verify {o['verify_ms']:.3f}  build {o['build_ms']:.3f}  "
-                  f"hidden {o['hidden_ms']:.3f} ({100 * share:.0f}% of the build)")
-    chains = [b for b in breakdowns if "chain_overlap" in b]
-    if chains:
-        print("\nchained rounds (mean ms per chained round): the verify stream's round (from the "
-              "build it waited for to the acceptance), build span, build hidden under it")
-        for b in chains:
-            o = b["chain_overlap"]
-            share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
-            print(f"{b['mode']:12} chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds  "
-                  f"verify {o['verify_ms']:.3f}  build {o['build_ms']:.3f}  "
-                  f"hidden {o['hidden_ms']:.3f} ({100 * share:.0f}% of the build)")
+            count = f"chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds  " \
+                if key == "chain_overlap" else ""
+            print(f"{b['mode']:12} {count}verify {o['verify_ms']:.3f}  "
+                  f"build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
+                  f"({100 * share:.0f}% of the build)")
 
 
 def parse_args(argv):

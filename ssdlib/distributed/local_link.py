@@ -32,6 +32,12 @@ at 21e017b, removed since) hid all of the build, but the verify waited for the s
 work (0.91x SD against 0.97x). (Confining the speculator to a CUDA green context of 32 or 66 of the
 H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with the
 SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing overlaps).
+
+Chained rounds (greedy rows, ``engine/leader/chained_rounds.py``) use the link differently: no
+OUTCOME, SPEC or CACHE while a chain runs; the leader hands the speculator the chain's device
+state once (``start_chain``), then each round launches its captured build behind an event of the
+leader's (``build_chained``), and ``end_chain`` sets the speculator's rows back to the committed
+tokens.
 """
 
 from __future__ import annotations
@@ -294,8 +300,13 @@ class OverlapMeter:
         if not (self._verify and self._build):
             return
         self._verify = self._build = False
-        v0, v1, b0, b1 = self._events
+        self.add(self._events)
+
+    def add(self, events) -> None:
+        """One round's four events (verify start and end, build start and end), done or not."""
+        v0, v1, b0, b1 = events
         b1.synchronize()
+        v1.synchronize()
         ms = v0.elapsed_time  # ms from v0 to the argument (CUDA events of one device)
         verify, start, end = ms(v1), ms(b0), ms(b1)
         self.rounds += 1

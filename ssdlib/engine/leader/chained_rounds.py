@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from ssdlib import env
+from ssdlib.distributed.local_link import OverlapMeter
 from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
@@ -89,41 +90,24 @@ class ChainedResult:
     ngram: list[bool]  # a miss's speculation was an n-gram proposal (else placeholder zeros)
 
 
-class ChainMeter:
+class ChainMeter(OverlapMeter):
     """Per chained round, on the GPU: the leader's stream from the round's start (the build it
     waited for is done) to the end of its acceptance, and the speculator's build span; their
-    intersection is the build time the verify hides. Read when the round is read."""
+    intersection is the build time the verify hides (``OverlapMeter``'s sums, one set of
+    events per round in flight). Read when the round is read."""
 
     def __init__(self):
+        super().__init__()
         self._free: list[tuple] = []
-        self.rounds = 0
-        self.build_s = self.verify_s = self.hidden_s = 0.0
 
     def events(self) -> tuple:
         if self._free:
             return self._free.pop()
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
 
-    def read(self, events: tuple) -> None:
-        v0, v1, b0, b1 = events
-        b1.synchronize()
-        v1.synchronize()
-        ms = v0.elapsed_time
-        verify, start, end = ms(v1), ms(b0), ms(b1)
-        self.rounds += 1
-        self.verify_s += verify / 1e3
-        self.build_s += (end - start) / 1e3
-        self.hidden_s += max(0.0, min(verify, end) - max(0.0, start)) / 1e3
+    def read_round(self, events: tuple) -> None:
+        self.add(events)
         self._free.append(events)
-
-    def take(self) -> dict:
-        """Mean ms per measured round since the last take (as ``OverlapMeter.take``)."""
-        n = self.rounds
-        out = {"rounds": n, "verify_ms": 1e3 * self.verify_s / n if n else 0.0,
-               "build_ms": 1e3 * self.build_s / n if n else 0.0,
-               "hidden_ms": 1e3 * self.hidden_s / n if n else 0.0}
-        self.rounds, self.build_s, self.verify_s, self.hidden_s = 0, 0.0, 0.0, 0.0
-        return out
 
 
 class ChainedRounds:
@@ -274,7 +258,7 @@ class ChainedRounds:
         result = RoundResult(accepted, bonus, mask,
                              [s[:k] + [t] for s, k, t in zip(spec, accepted, bonus)])
         if flight.meter is not None:
-            self.meter.read(flight.meter)
+            self.meter.read_round(flight.meter)
         return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
                              [bool(r[4]) for r in rows])
 
@@ -289,7 +273,7 @@ class ChainedRounds:
             self.copied[flight.parity].synchronize()
             self.built[flight.parity].synchronize()
         if flight.meter is not None:
-            self.meter.read(flight.meter)
+            self.meter.read_round(flight.meter)
         live = list(seqs)
         self.link.end_chain(ChainEnd([q.slot for q in live], [list(q.tokens[:-1]) for q in live]))
         return live

@@ -6,7 +6,10 @@ the *next* round: building overwrites.
 
 The lookup happens on the leader (``cache_mirror.py``): after each build the speculator pushes
 the built rows' keys and tokens (:meth:`SpeculationCache.pushed_rows`, the CACHE message); q
-stays here and travels only for a hit row of a sampling exchange.
+stays here and travels only for a hit row of a sampling exchange. Chained rounds (the stream
+placement, ``engine/leader/chained_rounds.py``) look up on the device instead
+(:meth:`SpeculationCache.lookup`, :func:`next_speculation`), in two caches that alternate by
+round parity.
 """
 
 from __future__ import annotations
