@@ -361,6 +361,14 @@ class Replies:
         return cls(msg.slots if want_q else None, msg.slots if pushes_cache else None)
 
 
+# Chained rounds run for batches of at most this many rows. On one H200 (SmolLM2-135M + the
+# default draft, K = 3, 16 HumanEval prompts): b = 1 1.35x plain SSD rounds, b = 4 1.12x,
+# b = 8 0.91x (a row that ends or joins ends the chain, which restarts with a jit draft and a
+# plain round: at b = 8 that happens every few rounds; docs/BENCHMARKS.md, 2026-12-03). Their
+# captured steps exist for these batch buckets only.
+CHAIN_MAX_ROWS = 4
+
+
 @dataclass
 class ChainState:
     """Chained rounds' device state (stream placement, ``engine/leader/chained_rounds.py``),

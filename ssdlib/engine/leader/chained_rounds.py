@@ -30,8 +30,8 @@ busy with the chained round, and the host enqueues the one after it. Per step th
 round r and launches round r + 1, so the GPU never waits for the host's Python in steady
 state; what bounds a round is the longer of the verify and the build, beside each other.
 
-A chain runs while its rows stay the same, at most ``MAX_ROWS`` of them, and all of them are
-greedy. Any change (a row
+A chain runs while its rows stay the same, at most ``protocol.CHAIN_MAX_ROWS`` of them, and
+all of them are greedy. Any change (a row
 finishes or is cancelled, a row joins, sampling) ends it: the round in flight is discarded
 (read and dropped: a greedy verification repeated later gives the same tokens) and the
 speculator's rows are reset to the committed tokens (``ChainEnd``); the next exchange asks it
@@ -47,6 +47,7 @@ import torch
 
 from ssdlib import env
 from ssdlib.distributed.local_link import OverlapMeter
+from ssdlib.distributed import protocol
 from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
@@ -54,12 +55,6 @@ from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.speculator.spec_cache import next_speculation
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.speculative.acceptance import verify_greedy
-
-# Chained rounds run for batches of at most this many rows. On one H200 (SmolLM2-135M + the
-# default draft, K = 3, 16 HumanEval prompts): b = 1 1.35x plain SSD rounds, b = 4 1.12x,
-# b = 8 0.91x (a row that ends or joins ends the chain, which restarts with a jit draft and a
-# plain round: at b = 8 that happens every few rounds; docs/BENCHMARKS.md, 2026-12-03).
-MAX_ROWS = 4
 
 # A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
 HEAD = 5
@@ -139,10 +134,11 @@ class ChainedRounds:
 
     # -- when a chain runs -------------------------------------------------------------------
     def fits(self, seqs) -> bool:
-        """Whether rows ``seqs`` may run chained rounds: at most MAX_ROWS, all greedy, and two
+        """Whether rows ``seqs`` may run chained rounds: at most ``protocol.CHAIN_MAX_ROWS``,
+        all greedy, and two
         rounds' positions past each row's committed tokens fit its KV cache (a chained round is
         launched before the round it follows is read)."""
-        return len(seqs) <= MAX_ROWS and all(q.params.greedy and len(q.tokens) + 2 * self.K + 2 <= self.max_len
+        return len(seqs) <= protocol.CHAIN_MAX_ROWS and all(q.params.greedy and len(q.tokens) + 2 * self.K + 2 <= self.max_len
                    for q in seqs)
 
     def continues(self, seqs) -> bool:
@@ -189,7 +185,7 @@ class ChainedRounds:
         q, st, r = 1 - p, self.state, self.runner
         slots = self.slots[:rows]
         hit, branch, spec, n, ngram = next_speculation(self.link.chain_caches()[q], slots, st,
-                                                       q, rows)
+                                                       q, rows, r.step_model is not r.model)
         ids = torch.cat([st.bonus[q, :rows].view(-1, 1), spec], dim=1)          # [rows, K+1]
         pos = (n - 1).view(-1, 1) + self._arange                                # [rows, K+1]
         meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=r.use_kernel)
@@ -225,7 +221,8 @@ class ChainedRounds:
             self._verify_body(rows, p, kv_len)
         else:
             key = ("chain_verify", rows, p, kv_len)
-            self.graphs.capture(key, lambda _, r: self._verify_body(r, p, kv_len))
+            self.graphs.capture(key, lambda _, r: self._verify_body(r, p, kv_len),
+                                max_rows=protocol.CHAIN_MAX_ROWS)
             self.graphs.pool.replay(key)
         if self.cuda:
             self.verified[p].record()

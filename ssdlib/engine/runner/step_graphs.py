@@ -151,13 +151,16 @@ class StepGraphs:
         self.pool.replay(key)
         return self.outputs[key]
 
-    def capture(self, key: tuple, run) -> None:
+    def capture(self, key: tuple, run, max_rows: int | None = None) -> None:
         """Capture ``run(key, rows)`` under ``key`` (a step key: its batch bucket ``key[1]``)
         unless it is captured, with ``all_buckets`` under the same key for every other batch
-        bucket too (the first rows of the inputs in hand, ghost rows past them)."""
+        bucket too (the first rows of the inputs in hand, ghost rows past them), up to
+        ``max_rows`` rows where given (a step that never runs larger batches)."""
         if self.pool.has(key):
             return
         for rows in self.inputs.capture_buckets(key[1]):
+            if max_rows is not None and rows > batch_bucket(max_rows) and rows != key[1]:
+                continue
             other = key[:1] + (rows,) + key[2:]
             if not self.pool.has(other):
                 self.pool.capture(other, lambda k=other, r=rows: run(k, r))

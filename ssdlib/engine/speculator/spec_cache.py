@@ -63,33 +63,56 @@ class SpeculationCache:
         rows, k, bonus [n] (device int64) -> (hit [n] bool, branch [n]: the first branch
         assuming the outcome, 0 on a miss, tokens [n, K]: that branch's, any on a miss).
         Nothing is read back."""
-        match = (self.fork[rows] == k.view(-1, 1)) & (self.bonus[rows] == bonus.view(-1, 1))
-        match &= self.ready[rows].view(-1, 1)                            # [n, B]
-        hit = match.any(-1)
-        branch = match.to(torch.uint8).argmax(-1)  # the first match (argmax: first maximum)
-        return hit, branch, self.tokens[rows, branch]
+        return _lookup(self.fork, self.bonus, self.tokens, self.ready, rows, k, bonus)
 
     def gather_q(self, rows: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """q of branch ``branch`` [n] of cache rows ``rows`` [n] (device): [n, K, V]."""
         return self.q[rows, branch]
 
 
-def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int, rows: int):
+def _lookup(fork, keys, tokens, ready, rows, k, bonus):
+    """:meth:`SpeculationCache.lookup` on the cache's tensors."""
+    match = (fork[rows] == k.view(-1, 1)) & (keys[rows] == bonus.view(-1, 1))
+    match &= ready[rows].view(-1, 1)                                  # [n, B]
+    hit = match.any(-1)
+    branch = match.to(torch.uint8).argmax(-1)  # the first match (argmax: first maximum)
+    return hit, branch, tokens[rows, branch]
+
+
+def _next_speculation(fork, keys, tokens, ready, slots, k, bonus, n, real, history,
+                      ngram: bool):
+    """:func:`next_speculation` on tensors (``ngram``: a miss's fallback is the n-gram
+    proposal, else zeros)."""
+    hit, branch, cached = _lookup(fork, keys, tokens, ready, slots, k, bonus)
+    length = torch.where(real, n + k + 1, torch.ones_like(n))
+    if ngram:
+        fallback, found = propose_ngram_device(history, length, tokens.shape[-1])
+    else:
+        fallback, found = torch.zeros_like(cached), torch.zeros_like(hit)
+    spec = torch.where(hit.view(-1, 1), cached, fallback)
+    return hit, branch, spec, length, found & ~hit
+
+
+_compiled: list = []  # torch.compile of _next_speculation, made on first use
+
+
+def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int, rows: int,
+                     compiled: bool = False):
     """A chained round's next speculation, on the device (both sides of chained rounds compute
     it, each on its stream: the same inputs give the same values): rows ``slots`` [rows] whose
     round (index ``q`` of ``state``, a ``protocol.ChainState``) verified n committed tokens +
     its speculation and ended with outcome (k, t*) -> (hit [rows], branch [rows], speculation
     [rows, K], committed length n + k + 1 [rows], n-gram [rows]: a miss's speculation is an
-    n-gram proposal). A hit's speculation is the cache's branch;
-    a miss's the n-gram proposal over the committed tokens (``ngram.propose_ngram_device``;
-    zeros where no suffix recurs: a greedy verify is exact whatever it is given). Rows not
-    ``real``, the ghost rows of a captured step, keep length 1."""
-    k, n = state.k[q, :rows], state.n[q, :rows]
-    hit, branch, tokens = cache.lookup(slots, k, state.bonus[q, :rows])
-    length = torch.where(state.real[:rows], n + k + 1, torch.ones_like(n))
-    if env.flag("SSDLIB_CHAIN_NGRAM"):
-        fallback, found = propose_ngram_device(state.history[:rows, :-1], length, cache.K)
-    else:
-        fallback, found = torch.zeros_like(tokens), torch.zeros_like(hit)
-    spec = torch.where(hit.view(-1, 1), tokens, fallback)
-    return hit, branch, spec, length, found & ~hit
+    n-gram proposal). A hit's speculation is the cache's branch; a miss's the n-gram proposal
+    over the committed tokens (``ngram.propose_ngram_device``; zeros where no suffix recurs,
+    or with ``SSDLIB_CHAIN_NGRAM=0``: a greedy verify is exact whatever it is given). Rows not
+    ``real``, the ghost rows of a captured step, keep length 1. ``compiled``: through
+    ``torch.compile`` (the ~50 small kernels fused; the runners' steps compile on CUDA)."""
+    fn = _next_speculation
+    if compiled:
+        if not _compiled:
+            _compiled.append(torch.compile(_next_speculation, dynamic=False))
+        fn = _compiled[0]
+    return fn(cache.fork, cache.bonus, cache.tokens, cache.ready, slots, state.k[q, :rows],
+              state.bonus[q, :rows], state.n[q, :rows], state.real[:rows],
+              state.history[:rows, :-1], env.flag("SSDLIB_CHAIN_NGRAM"))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.distributed.protocol import CHAIN_MAX_ROWS
 from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW
 from ssdlib.engine.speculator.spec_cache import next_speculation
@@ -182,7 +183,8 @@ class TreeBuildStep:
         r, K, C, q = self.runner, self.K, self.C, 1 - p
         slots = self.inputs.view("slots", rows)
         last = state.bonus[q, :rows]
-        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows)
+        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows,
+                                            r.step_model is not r.model)
         ids = torch.cat([last.view(-1, 1), sent], dim=1)                      # [rows, K+1]
         at = (n - 1).view(-1, 1) + torch.arange(K + 1, device=n.device)     # [rows, K+1]
         meta = AttentionMetadata(at, slots, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
@@ -210,7 +212,8 @@ class TreeBuildStep:
             return
         key = ("tree_chain", rows, p, kv_len)
         self.graphs.capture(key, lambda _, r: self.chained_body(
-            state, r, p, caches, self.index[0], self.index[1], kv_len))
+            state, r, p, caches, self.index[0], self.index[1], kv_len),
+            max_rows=CHAIN_MAX_ROWS)
         self.pool.replay(key)
 
     def _set_index(self, pos, rank) -> None:
