@@ -106,10 +106,11 @@ def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int
     n-gram proposal). A hit's speculation is the cache's branch; a miss's the n-gram proposal
     over the committed tokens (``ngram.propose_ngram_device``; zeros where no suffix recurs,
     or with ``SSDLIB_CHAIN_NGRAM=0``: a greedy verify is exact whatever it is given). Rows not
-    ``real``, the ghost rows of a captured step, keep length 1. ``compiled``: through
-    ``torch.compile`` (the ~50 small kernels fused; the runners' steps compile on CUDA)."""
+    ``real``, the ghost rows of a captured step, keep length 1. ``compiled`` (where the
+    runners' steps compile) with ``SSDLIB_CHAIN_COMPILE=1``: through ``torch.compile`` (its ~50
+    small kernels fused; equal to the eager result on a CPU, not yet measured on a GPU)."""
     fn = _next_speculation
-    if compiled:
+    if compiled and env.flag("SSDLIB_CHAIN_COMPILE"):
         if not _compiled:
             _compiled.append(torch.compile(_next_speculation, dynamic=False))
         fn = _compiled[0]
