@@ -42,12 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.local_link import OverlapMeter
 from ssdlib.distributed import protocol
+from ssdlib.distributed.local_link import OverlapMeter
 from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
