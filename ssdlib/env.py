@@ -91,10 +91,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_CHAIN_NGRAM", "flag", True,
            "a chained round's miss verifies the device n-gram proposal (0: placeholder zeros; "
            "ssdlib.engine.speculator.spec_cache.next_speculation)"),
-    Switch("SSDLIB_CHAIN_COMPILE", "flag", False,
+    Switch("SSDLIB_CHAIN_COMPILE", "flag", True,
            "chained rounds' next speculation (device lookup and n-gram, ~50 small kernels a "
-           "side) through torch.compile where the steps compile "
-           "(ssdlib.engine.speculator.spec_cache.next_speculation)", experiment=True),
+           "side) through torch.compile where the steps compile; 0: eager "
+           "(ssdlib.engine.speculator.spec_cache.next_speculation)"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "
