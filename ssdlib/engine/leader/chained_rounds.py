@@ -52,7 +52,6 @@ from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.speculator.spec_cache import next_speculation
-from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.speculative.acceptance import verify_greedy
 
 # A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
@@ -122,9 +121,7 @@ class ChainedRounds:
                                 device=self.device)
         self.pack = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, pin_memory=self.cuda)
-        self._arange = torch.arange(k + 1, device=self.device)
         self.flight: Flight | None = None
-        self._b = self._rows = 0
         events = (lambda: [torch.cuda.Event(), torch.cuda.Event()]) if self.cuda else \
             (lambda: [None, None])
         # per parity: the verify's outcome written, its read-back copied, the build done
@@ -134,11 +131,10 @@ class ChainedRounds:
     # -- when a chain runs -------------------------------------------------------------------
     def fits(self, seqs) -> bool:
         """Whether rows ``seqs`` may run chained rounds: at most ``protocol.CHAIN_MAX_ROWS``,
-        all greedy, and two
-        rounds' positions past each row's committed tokens fit its KV cache (a chained round is
-        launched before the round it follows is read)."""
-        return len(seqs) <= protocol.CHAIN_MAX_ROWS and all(q.params.greedy and len(q.tokens) + 2 * self.K + 2 <= self.max_len
-                   for q in seqs)
+        all greedy, and two rounds' positions past each row's committed tokens fit its KV
+        cache (a chained round is launched before the round it follows is read)."""
+        return len(seqs) <= protocol.CHAIN_MAX_ROWS and all(
+            q.params.greedy and len(q.tokens) + 2 * self.K + 2 <= self.max_len for q in seqs)
 
     def continues(self, seqs) -> bool:
         """Whether the round in flight is for exactly these rows."""
@@ -151,7 +147,6 @@ class ChainedRounds:
         verified, the speculator's build into its main cache beside it): its outcome becomes
         the state at parity 0, and the speculator starts reading the state."""
         b = len(seqs)
-        rows = batch_bucket(b) if self.graphs is not None else b
         st = self.state
         self.slots.fill_(self.runner.scratch_slot)
         self.slots[:b].copy_(slots_tensor(seqs), non_blocking=True)
@@ -175,7 +170,6 @@ class ChainedRounds:
             self.verified[0].record()
         self.built[0] = self.link.built  # the plain build's end
         self.link.start_chain(ChainStart([q.slot for q in seqs], st))
-        self._b, self._rows = b, rows
         self.flight = Flight(list(seqs), 0, False)
 
     def _verify_body(self, rows: int, p: int, kv_len: int) -> None:
@@ -184,11 +178,8 @@ class ChainedRounds:
         q, st, r = 1 - p, self.state, self.runner
         slots = self.slots[:rows]
         hit, branch, spec, n, ngram = next_speculation(self.link.chain_caches()[q], slots, st,
-                                                       q, rows, r.step_model is not r.model)
-        ids = torch.cat([st.bonus[q, :rows].view(-1, 1), spec], dim=1)          # [rows, K+1]
-        pos = (n - 1).view(-1, 1) + self._arange                                # [rows, K+1]
-        meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=r.use_kernel)
-        logits = r.step_model(ids, r.cache, meta)                               # [rows, K+1, V]
+                                                       q, rows, r.compiles)
+        logits = r.speculation_step(st.bonus[q, :rows], spec, n, slots, kv_len)  # [rows, K+1, V]
         out = verify_greedy(spec, logits)
         st.k[p, :rows] = out.accepted
         st.bonus[p, :rows] = out.bonus
@@ -206,7 +197,8 @@ class ChainedRounds:
         prev, link = self.flight, self.link
         q = prev.parity
         p = 1 - q
-        b, rows = self._b, self._rows
+        b = len(seqs)
+        rows = batch_bucket(b) if self.graphs is not None else b  # a captured step's bucket
         # > every position of this round and its build (a host bound: the lengths are the
         # device's); the in-place attention kernel reads the whole cache's length anyway
         kv_len = self.runner.kv_bucket(max(len(s.tokens) for s in seqs) + 2 * self.K + 2)

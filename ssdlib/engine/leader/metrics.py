@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from ssdlib.speculative.acceptance import QKind
 
-# (-1: a chained round's miss, which verified placeholder tokens: engine/leader/chained_rounds.py)
+# The kind of a chained round's miss that verified placeholder tokens (no speculation:
+# engine/leader/chained_rounds.py), beside the QKinds of the fallbacks.
+PLACEHOLDER = -1
 FALLBACK_NAMES = {int(QKind.DENSE): "jit", int(QKind.ONEHOT): "ngram", int(QKind.UNIFORM): "random",
-                  -1: "none"}
+                  PLACEHOLDER: "none"}
 
 
 def record_acceptance(seqs, result, limits: list[int], k_max: int,

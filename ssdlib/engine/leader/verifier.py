@@ -30,8 +30,8 @@ from ssdlib.distributed.protocol import Admit, AdmitRow, Choice, Outcome, Replie
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.chained_rounds import ChainedRounds, chained_rounds_on
-from ssdlib.engine.leader.metrics import (record_acceptance, record_lookup, record_source,
-                                          speculation_source)
+from ssdlib.engine.leader.metrics import (PLACEHOLDER, record_acceptance, record_lookup,
+                                          record_source, speculation_source)
 from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
 from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
 from ssdlib.engine.runner.model_runner import captures_steps
@@ -149,8 +149,8 @@ class LinkVerifier:
             self.timer.flush()
             got = chain.read_previous(flight)
             result = got.result
-            # a miss's speculation: an n-gram proposal, or placeholder tokens (-1: "none")
-            kinds = [int(QKind.ONEHOT) if g else -1 for g in got.ngram]
+            # a miss's speculation: an n-gram proposal, or placeholder tokens ("none")
+            kinds = [int(QKind.ONEHOT) if g else PLACEHOLDER for g in got.ngram]
             sources = [speculation_source(h, kind) for h, kind in zip(got.hit, kinds)]
             for q, h, kind in zip(active, got.hit, kinds):
                 record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, kind)

@@ -349,6 +349,21 @@ class ModelRunner:
             out.append(tok)
         return torch.stack(out, dim=1)
 
+    @property
+    def compiles(self) -> bool:
+        """Whether the captured steps run a torch.compile'd model (``compile``; CUDA)."""
+        return self.step_model is not self.model
+
+    def speculation_step(self, last, spec, n, slots, kv_len: int) -> torch.Tensor:
+        """A chained round's forward (both sides: the target's verify, the draft's candidates;
+        device tensors, inside a captured step): the last committed token ``last`` [b] and the
+        speculation ``spec`` [b, K] at positions n - 1 .. n + K - 1 (``n`` [b] committed
+        tokens, all but the last already in the slot's KV) -> logits [b, K + 1, V]."""
+        ids = torch.cat([last.view(-1, 1), spec], dim=1)                       # [b, K+1]
+        pos = (n - 1).view(-1, 1) + torch.arange(spec.shape[1] + 1, device=n.device)
+        meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=self.use_kernel)
+        return self.step_model(ids, self.cache, meta)
+
     def tree_body(self, tok, kv_limit, full_mask, slots, depth: int, top: int, vocab: int,
                   kv_len: int, use_kernel: bool, pick=None):
         """All ``depth`` tree-decode steps of the branches (the body of the speculator's

@@ -163,10 +163,7 @@ class TreeBuildStep:
         at = (n + K - 1).view(-1, 1)
         meta = AttentionMetadata(at, hslot, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
         logits = r.step_model(sent[:, K - 1:K], kv, meta)[:, 0, :self.vocab]   # [rows, v]
-        last = logits.topk(self.top, dim=-1).indices                            # [rows, top]
-        C = cand.shape[-1]
-        if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
-            last = torch.cat([last, last[:, -1:].expand(-1, C - self.top)], dim=1)
+        last = self._top_c(logits)                                              # [rows, C]
         cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
         cand.copy_(torch.where(hit.view(-1, 1, 1), cont, cand))
 
@@ -180,19 +177,21 @@ class TreeBuildStep:
         candidates are what a missed row's build computes (``CacheBuilder._fed_candidates``); a
         hit's row computes them again instead of continuing its branch, so that one step
         serves hits and misses alike, with no host input."""
-        r, K, C, q = self.runner, self.K, self.C, 1 - p
+        r, q = self.runner, 1 - p
         slots = self.inputs.view("slots", rows)
         last = state.bonus[q, :rows]
-        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows,
-                                            r.step_model is not r.model)
-        ids = torch.cat([last.view(-1, 1), sent], dim=1)                      # [rows, K+1]
-        at = (n - 1).view(-1, 1) + torch.arange(K + 1, device=n.device)     # [rows, K+1]
-        meta = AttentionMetadata(at, slots, kv_len, kv_limit=at + 1, use_kernel=r.use_kernel)
-        logits = r.step_model(ids, r.cache, meta)[..., :self.vocab]         # [rows, K+1, v]
-        cand = logits.topk(self.top, dim=-1).indices
-        if self.top < C:  # a vocabulary smaller than C: repeat the last kept candidate
-            cand = torch.cat([cand, cand[..., -1:].expand(-1, -1, C - self.top)], dim=-1)
-        self.body(cand, sent, n, slots, pos, rank, kv_len, cache=caches[p])
+        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows, r.compiles)
+        logits = r.speculation_step(last, sent, n, slots, kv_len)[..., :self.vocab]
+        self.body(self._top_c(logits), sent, n, slots, pos, rank, kv_len, cache=caches[p])
+
+    def _top_c(self, logits: torch.Tensor) -> torch.Tensor:
+        """The C candidates after each position of ``logits`` [..., v]: its top tokens (a
+        vocabulary smaller than C repeats the last kept candidate) -> [..., C]."""
+        top = logits.topk(self.top, dim=-1).indices
+        if self.top < self.C:
+            top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], self.C - self.top)],
+                            dim=-1)
+        return top
 
     def start_chain(self, slots: list[int]) -> None:
         """A chain starts for rows ``slots``: their slots in the static inputs (ghost rows: the
