@@ -7,6 +7,8 @@
 #            and SD / SSD == AR on the inflated pair)
 #   call 4: STEP=bench bash dev/gpu_inflated.sh   carry .snap .stage/HumanEval.jsonl.gz
 #           (bf16: b = 1 and b = 8, greedy and T = 0.7, AR / SD / SSD, per-round breakdown)
+#   or, in one call: STEP=quick bash dev/gpu_inflated.sh (the bf16 pair only, then b = 1 greedy
+#           AR / SD / SSD on N_PROMPTS prompts)
 #
 # The checkpoints are written to /tmp/inflated on the device and never come back.
 set -uo pipefail
@@ -19,6 +21,13 @@ export PYTHONUNBUFFERED=1 SSDLIB_MODEL_DIRS=/tmp PYTHONPATH=$ROOT/.snap:/tmp/sit
 cd .snap
 [ -f COMMIT ] && export SSDLIB_COMMIT=$(cat COMMIT)
 F="grep -v ^\[rank\|WARN"
+if [ "$STEP" = quick ]; then
+  python3 tools/inflate.py smollm2-135m $W/t8b --like llama-3.1-8b --device cuda --dtype bfloat16 2>&1 | grep -v "it/s\]\|B/s\]" | tail -2
+  python3 tools/inflate.py smollm2-135m-draft $W/d1b --target smollm2-135m --like llama-3.2-1b --device cuda --dtype bfloat16 2>&1 | grep -v "it/s\]\|B/s\]" | tail -2
+  timeout 300 python3 tools/bench.py --target $W/t8b --draft $W/d1b --device cuda --humaneval $ROOT/.stage/HumanEval.jsonl.gz \
+      --max-new-tokens 256 --k $K --modes ar,sd,ssd --n-prompts $N --json "$OUT/infl_quick.json" 2>&1 | $F | tail -16
+  exit 0
+fi
 if [ "$STEP" = make ]; then
   df -h /tmp | tail -1
   for dt in bfloat16 float32; do

@@ -27,6 +27,8 @@
 # chat1 / chat07: b = 1 greedy / T = 0.7 on the 24 held-out chat prompts
 # (tools/distill/heldout_chat.jsonl, never trained on): AR (chat1 only), SD, and SD with each
 # draft in CANDS (one GPU; CANDS="$PWD/.stage/cand/v4", carried, compares the previous default).
+# chain1 / chain07: b = 1, 16 prompts, AR / SD / SSD greedy / T = 0.7 (the SSD on one GPU
+# targets); chainfp32: fp32 greedy AR, SSD with the stream placement and with the rank one.
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -95,6 +97,10 @@ for b in ${BENCHES:-b1}; do
       # speculator shares it through a gloo link, a correctness run, not SSD's speed)
       timeout 150 $B --modes ar,sd,ssd --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 \
           --json "$OUT/exact1.json" 2>&1 | $F | tail -6 ;;
+    chain1) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --k 3 --json "$OUT/chain1.json" 2>&1 | $F | tail -16 ;;
+    chain07) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --k 3 --temperature 0.7 --json "$OUT/chain07.json" 2>&1 | $F | tail -16 ;;
+    chainfp32) timeout 200 $B --modes ar,ssd,ssd:placement=rank --n-prompts 4 --max-new-tokens 128 --dtype float32 --k 3 \
+          --json "$OUT/chainfp32.json" 2>&1 | $F | tail -8 ;;
     sd1) timeout 150 $B --modes ar,sd --n-prompts 4 --k 3 --json "$OUT/sd1.json" 2>&1 | $F | tail -10 ;;
     chat1) timeout 240 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --modes "ar,sd$(cand_modes sd)" --n-prompts 24 --k 3 --json "$OUT/chat1.json" 2>&1 | $F | tail -12 ;;
     chat07) timeout 240 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --modes "sd$(cand_modes sd)" --n-prompts 24 --k 3 --temperature 0.7 --json "$OUT/chat07.json" 2>&1 | $F | tail -12 ;;
