@@ -85,9 +85,13 @@ SWITCHES: tuple[Switch, ...] = (
            "1: the speculator sends a sampling SPEC's q after launching the cache build instead "
            "of before it (ssdlib.engine.speculator.outcomes)", experiment=True),
     Switch("SSDLIB_CHAINED_ROUNDS", "flag", True,
-           "SSD's stream placement runs greedy rows in chained rounds: the next verify and build "
+           "SSD's stream placement runs small batches in chained rounds: the next verify and build "
            "launched before the host reads the round in flight, the cache looked up on the "
            "device (ssdlib.engine.leader.chained_rounds); 0: every round through the host"),
+    Switch("SSDLIB_CHAIN_SAMPLED", "flag", True,
+           "chained rounds take sampling rows too (temperature > 0: the exact acceptance, the "
+           "cache's q and the rows' random streams on the device); 0: greedy rows only "
+           "(ssdlib.engine.leader.chained_rounds)"),
     Switch("SSDLIB_CHAIN_NGRAM", "flag", True,
            "a chained round's miss verifies the device n-gram proposal (0: placeholder zeros; "
            "ssdlib.engine.speculator.spec_cache.next_speculation)"),

@@ -386,6 +386,12 @@ class ChainState:
     # [rows, max_len + 1] int64: each row's committed tokens (up to its round's n + k + 1; the
     # last column takes the writes of tokens a round did not commit): a miss's n-gram fallback
     history: torch.Tensor
+    # sampling rows' random streams (``speculative/rng.py``), column 0 the verifier's, column 1
+    # the speculator's: keys [rows, 2], and at index r % 2 the first draw after round r
+    # [2, rows, 2] (round r + 1's verify draws from column 0's K + 1, its build from column
+    # 1's K * B: each side advances its own column, the host mirrors it)
+    keys: torch.Tensor
+    draws: torch.Tensor
 
     @classmethod
     def empty(cls, rows: int, k: int, max_len: int, device) -> "ChainState":
@@ -393,7 +399,8 @@ class ChainState:
             return torch.zeros(2, rows, *shape, dtype=torch.int64, device=device)
         return cls(torch.zeros(rows, dtype=torch.bool, device=device), table(), table(),
                    table(), table(k),
-                   torch.zeros(rows, max_len + 1, dtype=torch.int64, device=device))
+                   torch.zeros(rows, max_len + 1, dtype=torch.int64, device=device),
+                   torch.zeros(rows, 2, dtype=torch.int64, device=device), table(2))
 
     def commit(self, p: int, rows: int) -> None:
         """Write round ``p``'s committed tokens (its speculation's first k, then t*) into the
@@ -413,10 +420,12 @@ class ChainState:
 @dataclass
 class ChainStart:
     """A chain starts for rows ``slots`` (host; the batch's order) over ``state``: the
-    speculator's build reads it from now on, after the leader's events."""
+    speculator's build reads it from now on, after the leader's events; ``sampling``: some row
+    samples (the speculator fills its column of ``state.keys`` and ``state.draws``)."""
 
     slots: list[int]
     state: ChainState
+    sampling: bool = False
 
 
 @dataclass

@@ -30,10 +30,15 @@ busy with the chained round, and the host enqueues the one after it. Per step th
 round r and launches round r + 1, so the GPU never waits for the host's Python in steady
 state; what bounds a round is the longer of the verify and the build, beside each other.
 
-A chain runs while its rows stay the same, at most ``protocol.CHAIN_MAX_ROWS`` of them, and
-all of them are greedy. Any change (a row
-finishes or is cancelled, a row joins, sampling) ends it: the round in flight is discarded
-(read and dropped: a greedy verification repeated later gives the same tokens) and the
+A chain runs while its rows stay the same, at most ``protocol.CHAIN_MAX_ROWS`` of them, all
+greedy or, with ``SSDLIB_CHAIN_SAMPLED`` (default on), some sampling: their acceptance is then
+exact speculative sampling on the device, a hit's q read from the cache (the build stores the
+q each branch token was drawn from), a miss's proposal deterministic (ONEHOT), the draws taken
+from each row's stream at a position kept in the state (``ChainState.draws``; the host reserves
+the same draws, so that the streams go on where the chain leaves them). Any change (a row
+finishes or is cancelled, a row joins) ends it: the round in flight is discarded (read and
+dropped: the decision to end never depends on that round's draws, so verifying its rows again
+later is exact; a greedy one gives the same tokens) and the
 speculator's rows are reset to the committed tokens (``ChainEnd``); the next exchange asks it
 for a just-in-time draft, as after an admission. Off with ``SSDLIB_CHAINED_ROUNDS=0``.
 """
@@ -51,8 +56,13 @@ from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
+from ssdlib.engine.runner.step_graphs import GHOST_ROW
 from ssdlib.engine.speculator.spec_cache import next_speculation
-from ssdlib.speculative.acceptance import verify_greedy
+from ssdlib.sampling import SamplingParams, SamplingTensors, target_distributions
+from ssdlib.speculative.acceptance import DraftQ, QKind, verify_greedy, verify_sampled
+from ssdlib.speculative.rng import RowStreams
+
+GHOST_PARAMS = SamplingParams()  # a captured step's ghost rows: greedy (GHOST_ROW)
 
 # A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
 HEAD = 5
@@ -61,6 +71,22 @@ HEAD = 5
 def chained_rounds_on() -> bool:
     """``SSDLIB_CHAINED_ROUNDS`` (default on)."""
     return env.flag("SSDLIB_CHAINED_ROUNDS")
+
+
+def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
+                   q_cached: torch.Tensor | None, table: torch.Tensor | None, facts,
+                   streams: RowStreams | None):
+    """A chained round's acceptance on the device: greedy (``facts`` None) or exact
+    speculative sampling of speculation ``spec`` [rows, K] against ``logits`` [rows, K+1, V]:
+    a hit's tokens were drawn from the cache's q (``q_cached`` [rows, K, V], DENSE), a miss's
+    are a deterministic proposal (the n-gram's or placeholder zeros: ONEHOT); the rows'
+    parameters from ``table`` [rows, 4] (``SamplingTensors.host_table``), the draws from
+    ``streams`` (K + 1 a row)."""
+    if facts is None:
+        return verify_greedy(spec, logits)
+    p = target_distributions(logits, SamplingTensors.from_table(table, facts))
+    kinds = torch.where(hit, int(QKind.DENSE), int(QKind.ONEHOT))
+    return verify_sampled(spec, DraftQ(kinds, q_cached), p, generators=streams)
 
 
 @dataclass
@@ -119,6 +145,10 @@ class ChainedRounds:
         self.state = ChainState.empty(rows, k, self.max_len, self.device)
         self.slots = torch.full((rows,), self.runner.scratch_slot, dtype=torch.int64,
                                 device=self.device)
+        # sampling rows' parameters (greedy ghost rows past the batch) and what the host knows
+        # of them (None: a greedy chain)
+        self.table = torch.tensor(GHOST_ROW, device=self.device).repeat(rows, 1)
+        self.facts = None
         self.pack = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(2, rows, HEAD + k, dtype=torch.int64, pin_memory=self.cuda)
         self.flight: Flight | None = None
@@ -131,10 +161,13 @@ class ChainedRounds:
     # -- when a chain runs -------------------------------------------------------------------
     def fits(self, seqs) -> bool:
         """Whether rows ``seqs`` may run chained rounds: at most ``protocol.CHAIN_MAX_ROWS``,
-        all greedy, and two rounds' positions past each row's committed tokens fit its KV
-        cache (a chained round is launched before the round it follows is read)."""
+        all greedy unless ``SSDLIB_CHAIN_SAMPLED`` (default on), and two rounds' positions past
+        each row's committed tokens fit its KV cache (a chained round is launched before the
+        round it follows is read)."""
+        sampled = env.flag("SSDLIB_CHAIN_SAMPLED")
         return len(seqs) <= protocol.CHAIN_MAX_ROWS and all(
-            q.params.greedy and len(q.tokens) + 2 * self.K + 2 <= self.max_len for q in seqs)
+            (sampled or s.params.greedy) and len(s.tokens) + 2 * self.K + 2 <= self.max_len
+            for s in seqs)
 
     def continues(self, seqs) -> bool:
         """Whether the round in flight is for exactly these rows."""
@@ -145,42 +178,64 @@ class ChainedRounds:
     def first(self, seqs, outcome, spec: torch.Tensor) -> None:
         """The chain's first round was launched as a plain round (the speculation in hand
         verified, the speculator's build into its main cache beside it): its outcome becomes
-        the state at parity 0, and the speculator starts reading the state."""
+        the state at parity 0, and the speculator starts reading the state. Sampling rows:
+        their parameters, and their streams where the first round left them."""
         b = len(seqs)
         st = self.state
+        sampling = not all(s.params.greedy for s in seqs)
+        self.facts = None
+        if sampling:
+            params = [s.params for s in seqs]
+            # a greedy ghost row always counted: one key for every batch bucket's capture
+            self.facts = SamplingTensors.host_facts(params + [GHOST_PARAMS])
+            self.table[b:] = torch.tensor(GHOST_ROW, device=self.device)
+            self.table[:b].copy_(SamplingTensors.host_table(params), non_blocking=True)
+            streams = torch.tensor([[s.stream.key, s.stream.counter] for s in seqs],
+                                   dtype=torch.int64)
+            st.keys[:b, 0].copy_(streams[:, 0], non_blocking=True)
+            st.draws[0, :b, 0].copy_(streams[:, 1], non_blocking=True)
+            # (the speculator allocates the caches' q at the chain's start, before any capture)
         self.slots.fill_(self.runner.scratch_slot)
         self.slots[:b].copy_(slots_tensor(seqs), non_blocking=True)
         st.real.zero_()
         st.real[:b] = True
         st.n[0].fill_(1)
-        st.n[0, :b].copy_(torch.tensor([len(q.tokens) for q in seqs]), non_blocking=True)
+        st.n[0, :b].copy_(torch.tensor([len(s.tokens) for s in seqs]), non_blocking=True)
         st.k[0].zero_()
         st.k[0, :b] = outcome.accepted
         st.bonus[0].zero_()
         st.bonus[0, :b] = outcome.bonus
         st.spec[0].zero_()
         st.spec[0, :b].copy_(spec, non_blocking=True)
-        width = max(len(q.tokens) for q in seqs)
+        width = max(len(s.tokens) for s in seqs)
         history = torch.zeros(b, width, dtype=torch.int64)
-        for i, q in enumerate(seqs):
-            history[i, :len(q.tokens)] = torch.tensor(q.tokens)
+        for i, s in enumerate(seqs):
+            history[i, :len(s.tokens)] = torch.tensor(s.tokens)
         st.history[:b, :width].copy_(history, non_blocking=True)
         st.commit(0, b)  # the first round's tokens, as a chained round writes its own
         if self.cuda:
             self.verified[0].record()
         self.built[0] = self.link.built  # the plain build's end
-        self.link.start_chain(ChainStart([q.slot for q in seqs], st))
+        self.link.start_chain(ChainStart([s.slot for s in seqs], st, sampling))
         self.flight = Flight(list(seqs), 0, False)
 
     def _verify_body(self, rows: int, p: int, kv_len: int) -> None:
         """Round r + 1's verify (parity p) from round r's state and cache (the captured
         step's body)."""
-        q, st, r = 1 - p, self.state, self.runner
+        before, st, r, K = 1 - p, self.state, self.runner, self.K
         slots = self.slots[:rows]
-        hit, branch, spec, n, ngram = next_speculation(self.link.chain_caches()[q], slots, st,
-                                                       q, rows, r.compiles)
-        logits = r.speculation_step(st.bonus[q, :rows], spec, n, slots, kv_len)  # [rows, K+1, V]
-        out = verify_greedy(spec, logits)
+        cache = self.link.chain_caches()[before]
+        hit, branch, spec, n, ngram = next_speculation(cache, slots, st, before, rows,
+                                                       r.compiles)
+        logits = r.speculation_step(st.bonus[before, :rows], spec, n, slots, kv_len)
+        if self.facts is None:  # [rows, K+1, V]
+            out = verify_greedy(spec, logits)
+        else:
+            draws = st.draws[before, :rows, 0]
+            streams = RowStreams(st.keys[:rows, 0], draws, K + 1)
+            out = verify_chained(spec, logits, hit, cache.q[slots, branch], self.table[:rows],
+                                 self.facts, streams)
+            st.draws[p, :rows, 0] = draws + K + 1
         st.k[p, :rows] = out.accepted
         st.bonus[p, :rows] = out.bonus
         st.n[p, :rows] = n
@@ -195,8 +250,8 @@ class ChainedRounds:
         are those before the round in flight. Returns the new round (kept in flight by
         :meth:`read_previous`)."""
         prev, link = self.flight, self.link
-        q = prev.parity
-        p = 1 - q
+        before = prev.parity
+        p = 1 - before
         b = len(seqs)
         rows = batch_bucket(b) if self.graphs is not None else b  # a captured step's bucket
         # > every position of this round and its build (a host bound: the lengths are the
@@ -205,13 +260,13 @@ class ChainedRounds:
         timer.start()
         meter = self.meter.events() if self.meter is not None else None
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.built[q])
+            torch.cuda.current_stream(self.device).wait_event(self.built[before])
             meter[0].record()
         timer.mark("cache")
         if self.graphs is None:
             self._verify_body(rows, p, kv_len)
         else:
-            key = ("chain_verify", rows, p, kv_len)
+            key = ("chain_verify", rows, p, kv_len, self.facts)
             self.graphs.capture(key, lambda _, r: self._verify_body(r, p, kv_len),
                                 max_rows=protocol.CHAIN_MAX_ROWS)
             self.graphs.pool.replay(key)
@@ -222,7 +277,10 @@ class ChainedRounds:
         if self.cuda:
             self.copied[p].record()
         timer.mark("verify")
-        link.build_chained(p, rows, kv_len, self.verified[q], self.built[p],
+        if self.facts is not None:  # the draws the verify took: the host's streams go on after
+            for s in seqs:
+                s.stream.reserve(self.K + 1)
+        link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
                            meter[2:] if meter is not None else None)
         return Flight(list(seqs), p, True, meter)
 
@@ -263,5 +321,5 @@ class ChainedRounds:
         if flight.meter is not None:
             self.meter.read_round(flight.meter)
         live = list(seqs)
-        self.link.end_chain(ChainEnd([q.slot for q in live], [list(q.tokens[:-1]) for q in live]))
+        self.link.end_chain(ChainEnd([s.slot for s in live], [list(s.tokens[:-1]) for s in live]))
         return live

@@ -134,8 +134,11 @@ class LinkVerifier:
         if not chain.continues(active):
             spec = [self.spec[q.slot].tokens[:K] for q in active]
             tokens = torch.tensor(spec, dtype=torch.int64).view(len(active), K)
-            outcome = verify_round(self.target, active, tokens, None, self.device,
-                                   after_launch=self._after_launch)
+            # (sampling rows: the speculation's q, and each row's K: a jit draft may be shorter)
+            limits = [self.limits.get(q.slot, K) for q in active]
+            outcome = verify_round(self.target, active, tokens,
+                                   lambda: self._draft_q(active, K), self.device,
+                                   after_launch=self._after_launch, limits=limits)
             # the next lookups are the device's: the CACHE of this build is not received
             self.replies = Replies()
             sources = [self.spec[q.slot].source for q in active]

@@ -181,7 +181,7 @@ class Speculator:
     def start_chain(self, msg: ChainStart) -> None:
         """Chained rounds start for ``msg``'s rows: the builds read the chain's state from now
         on, and the rows' host state is not kept up to date until :meth:`end_chain`."""
-        self.cache.start_chain(msg)
+        self.cache.start_chain(msg, [self.rows[s] for s in msg.slots])
 
     def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
         """A chained round's build (no answer, no push: the leader's next lookup reads the
@@ -267,6 +267,8 @@ class CacheRole:
         self._push_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._second: SpeculationCache | None = None  # chained rounds' second cache
         self._chain = None  # the running chain's ChainState
+        self._chain_rows: list[SpecRow] | None = None  # its rows, when some samples
+        self._chain_facts = None  # their sampled builds' facts (None: greedy builds)
 
     def fanout(self, limit: int | None = None) -> list[int]:
         """The fan-out in use: a fixed --fan-out as given, else the estimate for a verification
@@ -338,18 +340,36 @@ class CacheRole:
             self._second = SpeculationCache(c.ready.shape[0], c.B, c.K, c.V, c.device)
         return [self.cache, self._second]
 
-    def start_chain(self, msg: ChainStart) -> None:
+    def start_chain(self, msg: ChainStart, rows: list[SpecRow]) -> None:
+        """Chained builds for ``rows`` (``msg``'s) from now on; where some row samples, their
+        parameters for the sampled builds, and in the state's column 1 their streams' keys and
+        first draws (the chain's first build draws from there)."""
         self._chain = msg.state
-        self.builder.tree_step.start_chain(msg.slots)
+        self._chain_rows = rows if msg.sampling else None
+        params = [r.params for r in rows] if msg.sampling else None
+        self._chain_facts = self.builder.tree_step.start_chain(msg.slots, params)
+        if msg.sampling:
+            b = len(rows)
+            streams = torch.tensor([[r.stream.key, r.stream.counter] for r in rows],
+                                   dtype=torch.int64)
+            msg.state.keys[:b, 1].copy_(streams[:, 0], non_blocking=True)
+            msg.state.draws[0, :b, 1].copy_(streams[:, 1], non_blocking=True)
+            for cache in self.chain_caches():
+                cache.q  # allocated now, not inside a capture
 
     def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
-        """A chained round's build (greedy) into the cache of ``parity``, with the fan-out for
-        a verification of all K (a chained round verifies them all)."""
+        """A chained round's build into the cache of ``parity``, with the fan-out for a
+        verification of all K (a chained round verifies them all); sampled where the chain's
+        rows sample (its draws reserved on the rows' host streams too)."""
         fan = self.fanout()
         self._fanout_used = fan
         pos, rank = self.builder.branch_index(tuple(fan))
+        if self._chain_rows is not None:
+            for r in self._chain_rows:
+                r.stream.reserve(self.K * self.B)
         self.builder.tree_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
-                                           rank, kv_len)
+                                           rank, kv_len, self._chain_facts, tuple(fan),
+                                           self.builder.saguaro_c)
 
     def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered

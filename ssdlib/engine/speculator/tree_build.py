@@ -134,7 +134,7 @@ class TreeBuildStep:
         K = self.K
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
-        pick = None if sampler is None else self._sampled_pick(slots, *sampler)
+        pick = None if sampler is None else self._sampled_pick(slots, *sampler, cache=cache)
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
                                    kv_len, r.use_kernel, pick)
         self.branch_top[slots, :, :, :tops.shape[-1]] = tops
@@ -167,9 +167,13 @@ class TreeBuildStep:
         cont = torch.cat([self.branch_top[slots, br], last.unsqueeze(1)], dim=1)  # [rows, K+1, C]
         cand.copy_(torch.where(hit.view(-1, 1, 1), cont, cand))
 
-    def chained_body(self, state, rows: int, p: int, caches, pos, rank, kv_len: int) -> None:
+    def chained_body(self, state, rows: int, p: int, caches, pos, rank, kv_len: int,
+                     sampling: tuple | None = None) -> None:
         """Chained round r + 1's build (parity ``p``; ``state`` a ``protocol.ChainState``,
-        ``caches`` the two caches by parity): the speculation the leader verifies now, from
+        ``caches`` the two caches by parity; ``sampling`` = (facts, fan-out, C) for a sampled
+        build: the rows' parameters are the static table :meth:`start_chain` filled, their
+        draws K * B of each row's stream from ``state.draws``, whose column 1 it advances):
+        the speculation the leader verifies now, from
         round r's outcome and cache (``spec_cache.next_speculation``, the leader's own lookup
         repeated on this stream), then the candidates from one draft forward over t* and
         s_1..s_K (positions n - 1 .. n + K - 1; every committed token before t* is in the
@@ -177,12 +181,22 @@ class TreeBuildStep:
         candidates are what a missed row's build computes (``CacheBuilder._fed_candidates``); a
         hit's row computes them again instead of continuing its branch, so that one step
         serves hits and misses alike, with no host input."""
-        r, q = self.runner, 1 - p
+        r, before = self.runner, 1 - p
         slots = self.inputs.view("slots", rows)
-        last = state.bonus[q, :rows]
-        _, _, sent, n, _ = next_speculation(caches[q], slots, state, q, rows, r.compiles)
+        last = state.bonus[before, :rows]
+        _, _, sent, n, _ = next_speculation(caches[before], slots, state, before, rows,
+                                            r.compiles)
         logits = r.speculation_step(last, sent, n, slots, kv_len)[..., :self.vocab]
-        self.body(self._top_c(logits), sent, n, slots, pos, rank, kv_len, cache=caches[p])
+        sampler = None
+        if sampling is not None:
+            facts, fan, saguaro_c = sampling
+            width = self.K * self.B
+            draws = state.draws[before, :rows, 1]
+            sampler = (SamplingTensors.from_table(self.inputs.view("params", rows, 4), facts),
+                       RowStreams(state.keys[:rows, 1], draws, width), fan, saguaro_c)
+            state.draws[p, :rows, 1] = draws + width
+        self.body(self._top_c(logits), sent, n, slots, pos, rank, kv_len, sampler,
+                  cache=caches[p])
 
     def _top_c(self, logits: torch.Tensor) -> torch.Tensor:
         """The C candidates after each position of ``logits`` [..., v]: its top tokens (a
@@ -193,25 +207,41 @@ class TreeBuildStep:
                             dim=-1)
         return top
 
-    def start_chain(self, slots: list[int]) -> None:
+    def start_chain(self, slots: list[int], params=None) -> SamplingFacts | None:
         """A chain starts for rows ``slots``: their slots in the static inputs (ghost rows: the
-        scratch slot) for every chained build until it ends."""
+        scratch slot) for every chained build until it ends, and where some row samples its
+        ``params`` (one per row; ghost rows greedy). Returns the sampled builds' facts (None:
+        greedy builds)."""
         width = self.inputs.fill_rows(batch_bucket(len(slots)) if self.pool is not None
                                       else len(slots))
         self.inputs.put("slots", width, slots)
+        facts = None
+        if params is not None:
+            self.inputs.put("params", width, SamplingTensors.host_table(params), 4)
+            # a greedy ghost row always counted: one key for every batch bucket's capture
+            facts = SamplingTensors.host_facts(list(params) + [GHOST_PARAMS])
         self.inputs.upload()
+        return facts
 
-    def run_chained(self, state, rows: int, p: int, caches, pos, rank, kv_len: int) -> None:
+    @torch.inference_mode()
+    def run_chained(self, state, rows: int, p: int, caches, pos, rank, kv_len: int,
+                    facts: SamplingFacts | None = None, fan: tuple = (),
+                    saguaro_c: float = 1.0) -> None:
         """Chained round r + 1's build (:meth:`chained_body`) over ``rows`` rows (the batch
-        bucket, ghost rows past the batch); pos, rank [B] the fan-out's branch index."""
+        bucket, ghost rows past the batch); pos, rank [B] the fan-out's branch index;
+        ``facts`` (those :meth:`start_chain` returned) for a sampled build, with the fan-out
+        and Saguaro's C."""
         kv_len = self.runner.kv_bucket(kv_len)
         self._set_index(pos, rank)
+        sampling = None if facts is None else (facts, tuple(fan), saguaro_c)
         if self.pool is None:
-            self.chained_body(state, rows, p, caches, self.index[0], self.index[1], kv_len)
+            self.chained_body(state, rows, p, caches, self.index[0], self.index[1], kv_len,
+                              sampling)
             return
-        key = ("tree_chain", rows, p, kv_len)
+        key = ("tree_chain", rows, p, kv_len) + build_key(rows, kv_len, facts, fan,
+                                                          saguaro_c)[3:]  # (its sampling)
         self.graphs.capture(key, lambda _, r: self.chained_body(
-            state, r, p, caches, self.index[0], self.index[1], kv_len),
+            state, r, p, caches, self.index[0], self.index[1], kv_len, sampling),
             max_rows=CHAIN_MAX_ROWS)
         self.pool.replay(key)
 
@@ -223,10 +253,12 @@ class TreeBuildStep:
             self._index_src = pos
 
     def _sampled_pick(self, slots, params: SamplingTensors, streams: RowStreams,
-                      fan: tuple, saguaro_c: float):
+                      fan: tuple, saguaro_c: float, cache=None):
         """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
-        of its stream per depth, in branch order); the q each was drawn from goes to the cache."""
-        B, V = self.B, self.cache.V
+        of its stream per depth, in branch order); the q each was drawn from goes to ``cache``
+        (default the speculator's)."""
+        cache = self.cache if cache is None else cache
+        B, V = self.B, cache.V
         # every depth's draws at once (one chain of hash kernels, not one per depth): the
         # same values, draw j of the call is j whichever way they are computed
         u_all = streams.uniforms(self.K * B)  # [b, K * B]
@@ -238,7 +270,7 @@ class TreeBuildStep:
             u = u_all[:, d * B:(d + 1) * B]  # [b, B]
             tok, q = sample_branches(logits, params, u, fan[d] if d < len(fan) else 0,
                                      saguaro_c)
-            self.cache.q[slots, :, d] = q
+            cache.q[slots, :, d] = q
             return tok
         return pick
 

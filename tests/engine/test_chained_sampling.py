@@ -1,0 +1,95 @@
+"""Sampled chained rounds (``engine/leader/chained_rounds.py``): whole sequences drawn by SSD
+in chained rounds follow the target's distribution.
+
+The first tokens' joint (``test_speculative_exact``) mostly comes from a chain's first round,
+a plain one; the chained rounds commit the tokens after it. So the test here is over every
+token of longer sequences: the randomized probability integral transform of token t_i,
+u_i = F_i(t_i - 1) + U * p_i(t_i) (F_i the CDF of the exact AR distribution given the prefix,
+U uniform), is uniform on [0, 1) and independent across positions and sequences exactly when the
+sequences are drawn from the AR distribution (Rosenblatt's transform). A chi-square test of the
+pooled values' histogram against the uniform is then an exact test of the sequences' law.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdlib import Generator, SamplingParams
+from ssdlib.sampling import target_probs
+from tests.speculative.spec_stats import chi2_test
+
+PROMPT = [3, 1, 4]
+N_SEQS, NEW, BINS = 320, 10, 16
+TEMPERATURE, TOP_P = 0.9, 0.95
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    from tests.tiny import make_noisy_draft, make_tiny_llama
+
+    root = tmp_path_factory.mktemp("chained_sampling")
+    # spread-out distributions and a draft that differs: a wrong q shows (the power test)
+    t = make_tiny_llama(str(root / "t"), "gqa", scale=4.0, vocab_size=8)
+    d = make_noisy_draft(t, str(root / "d"), 0.5)
+    return t, d
+
+
+def pit_values(target_dir, sequences: list[list[int]], seed: int = 0) -> torch.Tensor:
+    """The randomized PIT of every generated token under the exact AR distribution."""
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.models.llama import LlamaForCausalLM
+
+    ck = load_checkpoint(target_dir)
+    m = LlamaForCausalLM(ck.config, None, 64)
+    m.load_weights(ck.weights)
+    ids = torch.tensor([PROMPT + s for s in sequences])                       # [N, P + NEW]
+    with torch.no_grad():
+        logits = m.forward_full(ids)[:, len(PROMPT) - 1:-1]                   # [N, NEW, V]
+    p = target_probs(logits.reshape(-1, logits.shape[-1]), TEMPERATURE, 0, TOP_P).double()
+    tok = ids[:, len(PROMPT):].reshape(-1, 1)
+    below = (p.cumsum(-1) - p).gather(1, tok).squeeze(1)                      # F(t - 1)
+    at = p.gather(1, tok).squeeze(1)
+    u = torch.rand(at.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return below + u * at
+
+
+def uniform_p_value(u: torch.Tensor) -> float:
+    counts = torch.histc(u.float(), bins=BINS, min=0.0, max=1.0)
+    return chi2_test(counts, torch.full((BINS,), 1.0 / BINS))
+
+
+def sample_chained(target, draft, **kw):
+    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, seed=5,
+                            ignore_eos=True)
+    with Generator(target=target, draft=draft, mode="ssd", k=3, max_batch=4, max_len=64,
+                   fan_out="2,1,1,2", speculator_placement="stream", **kw) as g:
+        outs = g.generate([PROMPT] * N_SEQS, params)
+    chained = sum(o.metrics.get("chained_rounds", 0) for o in outs)
+    rounds = sum(o.metrics["rounds"] for o in outs)
+    return [o.token_ids for o in outs], chained / rounds
+
+
+@pytest.mark.parametrize("saguaro_c", [1.0, 0.5])
+def test_sampled_chained_rounds_follow_the_target(small_vocab, saguaro_c):
+    t, d = small_vocab
+    seqs, share = sample_chained(t, d, saguaro_c=saguaro_c)
+    assert share > 0.4  # most rounds were chained
+    assert uniform_p_value(pit_values(t, seqs)) > 1e-3
+
+
+def test_a_chained_verify_that_ignores_the_cached_q_is_detected(small_vocab, monkeypatch):
+    """Verifying a hit's tokens against a flat q instead of the one they were drawn from (the
+    cache's) must fail the same test (the test has power)."""
+    import ssdlib.engine.leader.chained_rounds as chained
+
+    real = chained.verify_chained
+
+    def flat_q(spec, logits, hit, q_cached, table, facts, streams):
+        return real(spec, logits, hit, torch.ones_like(q_cached), table, facts, streams)
+
+    monkeypatch.setattr(chained, "verify_chained", flat_q)
+    t, d = small_vocab
+    seqs, share = sample_chained(t, d)
+    assert share > 0.4
+    assert uniform_p_value(pit_values(t, seqs)) < 1e-3
