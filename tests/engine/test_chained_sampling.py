@@ -59,11 +59,12 @@ def uniform_p_value(u: torch.Tensor) -> float:
     return chi2_test(counts, torch.full((BINS,), 1.0 / BINS))
 
 
-def sample_chained(target, draft, **kw):
+def sample_chained(target, draft, device="cpu", **kw):
     params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, seed=5,
                             ignore_eos=True)
     with Generator(target=target, draft=draft, mode="ssd", k=3, max_batch=4, max_len=64,
-                   fan_out="2,1,1,2", speculator_placement="stream", **kw) as g:
+                   fan_out="2,1,1,2", speculator_placement="stream", device=device,
+                   dtype="float32", **kw) as g:
         outs = g.generate([PROMPT] * N_SEQS, params)
     chained = sum(o.metrics.get("chained_rounds", 0) for o in outs)
     rounds = sum(o.metrics["rounds"] for o in outs)
@@ -75,6 +76,16 @@ def test_sampled_chained_rounds_follow_the_target(small_vocab, saguaro_c):
     t, d = small_vocab
     seqs, share = sample_chained(t, d, saguaro_c=saguaro_c)
     assert share > 0.4  # most rounds were chained
+    assert uniform_p_value(pit_values(t, seqs)) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampled_chained_rounds_follow_the_target(small_vocab):
+    """The same on a GPU: the chained verify and build as captured steps on two streams."""
+    t, d = small_vocab
+    seqs, share = sample_chained(t, d, device="cuda", saguaro_c=0.5)
+    assert share > 0.4
     assert uniform_p_value(pit_values(t, seqs)) > 1e-3
 
 
