@@ -33,7 +33,7 @@ work (0.91x SD against 0.97x). (Confining the speculator to a CUDA green context
 H200's 132 SMs was tried: the verify slowed more, 2.11 and 2.16 ms a round against 1.70 with the
 SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (nothing overlaps).
 
-Chained rounds (greedy rows, ``engine/leader/chained_rounds.py``) use the link differently: no
+Chained rounds (``engine/leader/chained_rounds.py``) use the link differently: no
 OUTCOME, SPEC or CACHE while a chain runs; the leader hands the speculator the chain's device
 state once (``start_chain``), then each round launches its captured build behind an event of the
 leader's (``build_chained``), and ``end_chain`` sets the speculator's rows back to the committed

@@ -1,5 +1,5 @@
 """Chained rounds: SSD on one GPU with the host a round behind the device (stream placement,
-greedy rows).
+at most ``protocol.CHAIN_MAX_ROWS`` rows).
 
 In a plain SSD round the host reads the verify's outcome (k, t*), waits for the cache build,
 looks the next speculation up in its copy of the cache, sends the OUTCOME, the speculator

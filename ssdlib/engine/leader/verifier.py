@@ -85,7 +85,7 @@ class LinkVerifier:
         self._drafted = 0  # tokens a row the speculator drafts for the next round (jit source)
         # (K verified, K drafted for the next round) of the round whose phases the timer holds
         self._timed: tuple[int, int] | None = None
-        # chained rounds (stream placement, greedy rows: chained_rounds.py)
+        # chained rounds (stream placement, small batches: chained_rounds.py)
         self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
             and getattr(target, "channel", None) is None else None
