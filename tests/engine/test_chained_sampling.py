@@ -35,7 +35,8 @@ def small_vocab(tmp_path_factory):
     return t, d
 
 
-def pit_values(target_dir, sequences: list[list[int]], seed: int = 0) -> torch.Tensor:
+def pit_values(target_dir, sequences: list[list[int]], top_k: int = 0,
+               seed: int = 0) -> torch.Tensor:
     """The randomized PIT of every generated token under the exact AR distribution."""
     from ssdlib.loading import load_checkpoint
     from ssdlib.models.llama import LlamaForCausalLM
@@ -46,7 +47,7 @@ def pit_values(target_dir, sequences: list[list[int]], seed: int = 0) -> torch.T
     ids = torch.tensor([PROMPT + s for s in sequences])                       # [N, P + NEW]
     with torch.no_grad():
         logits = m.forward_full(ids)[:, len(PROMPT) - 1:-1]                   # [N, NEW, V]
-    p = target_probs(logits.reshape(-1, logits.shape[-1]), TEMPERATURE, 0, TOP_P).double()
+    p = target_probs(logits.reshape(-1, logits.shape[-1]), TEMPERATURE, top_k, TOP_P).double()
     tok = ids[:, len(PROMPT):].reshape(-1, 1)
     below = (p.cumsum(-1) - p).gather(1, tok).squeeze(1)                      # F(t - 1)
     at = p.gather(1, tok).squeeze(1)
@@ -59,9 +60,9 @@ def uniform_p_value(u: torch.Tensor) -> float:
     return chi2_test(counts, torch.full((BINS,), 1.0 / BINS))
 
 
-def sample_chained(target, draft, device="cpu", **kw):
-    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, seed=5,
-                            ignore_eos=True)
+def sample_chained(target, draft, device="cpu", top_k: int = 0, **kw):
+    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, top_k=top_k,
+                            seed=5, ignore_eos=True)
     with Generator(target=target, draft=draft, mode="ssd", k=3, max_batch=4, max_len=64,
                    fan_out="2,1,1,2", speculator_placement="stream", device=device,
                    dtype="float32", **kw) as g:
@@ -71,12 +72,12 @@ def sample_chained(target, draft, device="cpu", **kw):
     return [o.token_ids for o in outs], chained / rounds
 
 
-@pytest.mark.parametrize("saguaro_c", [1.0, 0.5])
-def test_sampled_chained_rounds_follow_the_target(small_vocab, saguaro_c):
+@pytest.mark.parametrize("saguaro_c,top_k", [(1.0, 0), (0.5, 5)])
+def test_sampled_chained_rounds_follow_the_target(small_vocab, saguaro_c, top_k):
     t, d = small_vocab
-    seqs, share = sample_chained(t, d, saguaro_c=saguaro_c)
+    seqs, share = sample_chained(t, d, top_k=top_k, saguaro_c=saguaro_c)
     assert share > 0.4  # most rounds were chained
-    assert uniform_p_value(pit_values(t, seqs)) > 1e-3
+    assert uniform_p_value(pit_values(t, seqs, top_k)) > 1e-3
 
 
 @pytest.mark.gpu
