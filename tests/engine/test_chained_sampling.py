@@ -105,3 +105,27 @@ def test_a_chained_verify_that_ignores_the_cached_q_is_detected(small_vocab, mon
     seqs, share = sample_chained(t, d)
     assert share > 0.4
     assert uniform_p_value(pit_values(t, seqs)) < 1e-3
+
+
+def test_hostile_sampling_values_in_chained_rounds(tiny_dirs):
+    """Extreme parameters through the chained steps: a top_p of 1e-300 keeps only the most
+    likely token (the output is greedy AR's), a huge temperature and top_k run and give tokens
+    of the vocabulary."""
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41]]
+    kw = dict(target=tiny_dirs["smol_heads"], max_batch=4, max_len=128)
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, greedy)]
+        vocab = g.model_config.vocab_size
+    nucleus = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=1e-300, seed=1,
+                             ignore_eos=True)
+    wild = SamplingParams(max_new_tokens=16, temperature=1e4, top_k=2**40, seed=2,
+                          ignore_eos=True)
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        outs = g.generate(prompts, nucleus)
+        assert sum(o.metrics.get("chained_rounds", 0) for o in outs) > 0
+        assert [o.token_ids for o in outs] == ar
+        outs = g.generate(prompts, wild)
+    assert all(len(o.token_ids) == 16 and all(0 <= t < vocab for t in o.token_ids)
+               for o in outs)
