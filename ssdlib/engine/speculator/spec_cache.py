@@ -96,11 +96,11 @@ def _next_speculation(fork, keys, tokens, ready, slots, k, bonus, n, real, histo
 _compiled: list = []  # torch.compile of _next_speculation, made on first use
 
 
-def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int, rows: int,
+def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, before: int, rows: int,
                      compiled: bool = False):
     """A chained round's next speculation, on the device (both sides of chained rounds compute
     it, each on its stream: the same inputs give the same values): rows ``slots`` [rows] whose
-    round (index ``q`` of ``state``, a ``protocol.ChainState``) verified n committed tokens +
+    round (index ``before`` of ``state``, a ``protocol.ChainState``) verified n committed tokens +
     its speculation and ended with outcome (k, t*) -> (hit [rows], branch [rows], speculation
     [rows, K], committed length n + k + 1 [rows], n-gram [rows]: a miss's speculation is an
     n-gram proposal). A hit's speculation is the cache's branch; a miss's the n-gram proposal
@@ -115,6 +115,6 @@ def next_speculation(cache: SpeculationCache, slots: torch.Tensor, state, q: int
         if not _compiled:
             _compiled.append(torch.compile(_next_speculation, dynamic=False))
         fn = _compiled[0]
-    return fn(cache.fork, cache.bonus, cache.tokens, cache.ready, slots, state.k[q, :rows],
-              state.bonus[q, :rows], state.n[q, :rows], state.real[:rows],
+    return fn(cache.fork, cache.bonus, cache.tokens, cache.ready, slots, state.k[before, :rows],
+              state.bonus[before, :rows], state.n[before, :rows], state.real[:rows],
               state.history[:rows, :-1], env.flag("SSDLIB_CHAIN_NGRAM"))
