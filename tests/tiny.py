@@ -68,3 +68,10 @@ def make_noisy_draft(target_dir: str, directory: str, noise: float, seed: int = 
           for k, v in sd.items()}
     save_file(sd, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def make_small_vocab_pair(root: str, scale: float, noise: float) -> tuple[str, str]:
+    """A target of 8 tokens (``scale``: how peaked its distributions are) and a noisy draft of
+    it, for the distribution tests: (target dir, draft dir) under ``root``."""
+    t = make_tiny_llama(os.path.join(root, "t"), "gqa", scale=scale, vocab_size=8)
+    return t, make_noisy_draft(t, os.path.join(root, "d"), noise)

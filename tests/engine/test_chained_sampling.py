@@ -26,13 +26,10 @@ TEMPERATURE, TOP_P = 0.9, 0.95
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    from tests.tiny import make_noisy_draft, make_tiny_llama
+    from tests.tiny import make_small_vocab_pair
 
-    root = tmp_path_factory.mktemp("chained_sampling")
     # spread-out distributions and a draft that differs: a wrong q shows (the power test)
-    t = make_tiny_llama(str(root / "t"), "gqa", scale=4.0, vocab_size=8)
-    d = make_noisy_draft(t, str(root / "d"), 0.5)
-    return t, d
+    return make_small_vocab_pair(str(tmp_path_factory.mktemp("chained_sampling")), 4.0, 0.5)
 
 
 def pit_values(target_dir, sequences: list[list[int]], top_k: int = 0,

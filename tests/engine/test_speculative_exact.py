@@ -197,12 +197,9 @@ PROMPT = [3, 1, 4]
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    from tests.tiny import make_noisy_draft, make_tiny_llama
+    from tests.tiny import make_small_vocab_pair
 
-    root = tmp_path_factory.mktemp("small_vocab")
-    t = make_tiny_llama(str(root / "t"), "gqa", scale=12.0, vocab_size=8)
-    d = make_noisy_draft(t, str(root / "d"), 0.15)
-    return t, d
+    return make_small_vocab_pair(str(tmp_path_factory.mktemp("small_vocab")), 12.0, 0.15)
 
 
 def exact_joint(target_dir, temperature, top_p):
