@@ -402,6 +402,14 @@ class ChainState:
                    torch.zeros(rows, max_len + 1, dtype=torch.int64, device=device),
                    torch.zeros(rows, 2, dtype=torch.int64, device=device), table(2))
 
+    def start_streams(self, column: int, streams: torch.Tensor) -> None:
+        """A chain's first rows' streams in ``column`` (0: the verifier's, 1: the
+        speculator's): ``streams`` [b, 2] (key, next draw) on the host
+        (``RowStreams.reserve_host``), the next draw as round 0's."""
+        b = streams.shape[0]
+        self.keys[:b, column].copy_(streams[:, 0], non_blocking=True)
+        self.draws[0, :b, column].copy_(streams[:, 1], non_blocking=True)
+
     def commit(self, p: int, rows: int) -> None:
         """Write round ``p``'s committed tokens (its speculation's first k, then t*) into the
         history at positions n .. n + k (device ops; the positions past k go to the last

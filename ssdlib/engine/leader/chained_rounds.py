@@ -56,13 +56,11 @@ from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
-from ssdlib.engine.runner.step_graphs import GHOST_ROW
+from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.speculator.spec_cache import next_speculation
-from ssdlib.sampling import SamplingParams, SamplingTensors, target_distributions
+from ssdlib.sampling import SamplingTensors, target_distributions
 from ssdlib.speculative.acceptance import DraftQ, QKind, verify_greedy, verify_sampled
 from ssdlib.speculative.rng import RowStreams
-
-GHOST_PARAMS = SamplingParams()  # a captured step's ghost rows: greedy (GHOST_ROW)
 
 # A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
 HEAD = 5
@@ -74,16 +72,14 @@ def chained_rounds_on() -> bool:
 
 
 def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
-                   q_cached: torch.Tensor | None, table: torch.Tensor | None, facts,
-                   streams: RowStreams | None):
-    """A chained round's acceptance on the device: greedy (``facts`` None) or exact
-    speculative sampling of speculation ``spec`` [rows, K] against ``logits`` [rows, K+1, V]:
+                   q_cached: torch.Tensor, table: torch.Tensor, facts, streams: RowStreams):
+    """A chained round's acceptance on the device where some row samples (a greedy chain
+    takes ``verify_greedy``): exact speculative sampling of speculation ``spec`` [rows, K]
+    against ``logits`` [rows, K+1, V]:
     a hit's tokens were drawn from the cache's q (``q_cached`` [rows, K, V], DENSE), a miss's
     are a deterministic proposal (the n-gram's or placeholder zeros: ONEHOT); the rows'
     parameters from ``table`` [rows, 4] (``SamplingTensors.host_table``), the draws from
     ``streams`` (K + 1 a row)."""
-    if facts is None:
-        return verify_greedy(spec, logits)
     p = target_distributions(logits, SamplingTensors.from_table(table, facts))
     kinds = torch.where(hit, int(QKind.DENSE), int(QKind.ONEHOT))
     return verify_sampled(spec, DraftQ(kinds, q_cached), p, generators=streams)
@@ -186,14 +182,10 @@ class ChainedRounds:
         self.facts = None
         if sampling:
             params = [s.params for s in seqs]
-            # a greedy ghost row always counted: one key for every batch bucket's capture
-            self.facts = SamplingTensors.host_facts(params + [GHOST_PARAMS])
+            self.facts = any_bucket_facts(params)
             self.table[b:] = torch.tensor(GHOST_ROW, device=self.device)
             self.table[:b].copy_(SamplingTensors.host_table(params), non_blocking=True)
-            streams = torch.tensor([[s.stream.key, s.stream.counter] for s in seqs],
-                                   dtype=torch.int64)
-            st.keys[:b, 0].copy_(streams[:, 0], non_blocking=True)
-            st.draws[0, :b, 0].copy_(streams[:, 1], non_blocking=True)
+            st.start_streams(0, RowStreams.reserve_host([s.stream for s in seqs], 0))
             # (the speculator allocates the caches' q at the chain's start, before any capture)
         self.slots.fill_(self.runner.scratch_slot)
         self.slots[:b].copy_(slots_tensor(seqs), non_blocking=True)

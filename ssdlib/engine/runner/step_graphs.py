@@ -21,10 +21,17 @@ import torch
 from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
 from ssdlib.engine.sampled_chain import sampled_chain_body
 from ssdlib.layers.attention import AttentionMetadata
-from ssdlib.sampling import SamplingParams, SamplingTensors
+from ssdlib.sampling import SamplingFacts, SamplingParams, SamplingTensors
 
-# A ghost row's sampling parameters: a greedy row of SamplingTensors.host_table.
-GHOST_ROW = SamplingTensors.host_table([SamplingParams()])[0].numpy()
+# A ghost row's sampling parameters (greedy), and its row of SamplingTensors.host_table.
+GHOST_PARAMS = SamplingParams()
+GHOST_ROW = SamplingTensors.host_table([GHOST_PARAMS])[0].numpy()
+
+
+def any_bucket_facts(params) -> SamplingFacts:
+    """What the host knows of rows ``params`` for a step captured for every batch bucket at
+    once: a greedy ghost row always counted, so that one key serves every bucket."""
+    return SamplingTensors.host_facts(list(params) + [GHOST_PARAMS])
 
 
 class StepGraphs:

@@ -36,6 +36,7 @@ from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
+from ssdlib.speculative.rng import RowStreams
 
 
 class Speculator:
@@ -349,11 +350,7 @@ class CacheRole:
         params = [r.params for r in rows] if msg.sampling else None
         self._chain_facts = self.builder.tree_step.start_chain(msg.slots, params)
         if msg.sampling:
-            b = len(rows)
-            streams = torch.tensor([[r.stream.key, r.stream.counter] for r in rows],
-                                   dtype=torch.int64)
-            msg.state.keys[:b, 1].copy_(streams[:, 0], non_blocking=True)
-            msg.state.draws[0, :b, 1].copy_(streams[:, 1], non_blocking=True)
+            msg.state.start_streams(1, RowStreams.reserve_host([r.stream for r in rows], 0))
             for cache in self.chain_caches():
                 cache.q  # allocated now, not inside a capture
 

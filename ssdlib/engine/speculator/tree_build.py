@@ -38,15 +38,14 @@ import torch
 
 from ssdlib.distributed.protocol import CHAIN_MAX_ROWS
 from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
-from ssdlib.engine.runner.step_graphs import GHOST_ROW
+from ssdlib.engine.runner.step_graphs import GHOST_PARAMS, GHOST_ROW, any_bucket_facts
 from ssdlib.engine.speculator.spec_cache import next_speculation
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.tree_mask import tree_mask_full
-from ssdlib.sampling import SamplingFacts, SamplingParams, SamplingTensors
+from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
-GHOST_PARAMS = SamplingParams()  # ghost rows of a sampled build: greedy (GHOST_ROW's table row)
 
 
 def branch_outcomes(cand: torch.Tensor, sent: torch.Tensor, pos: torch.Tensor,
@@ -134,7 +133,7 @@ class TreeBuildStep:
         K = self.K
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
-        pick = None if sampler is None else self._sampled_pick(slots, *sampler, cache=cache)
+        pick = None if sampler is None else self._sampled_pick(slots, cache, *sampler)
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
                                    kv_len, r.use_kernel, pick)
         self.branch_top[slots, :, :, :tops.shape[-1]] = tops
@@ -190,11 +189,11 @@ class TreeBuildStep:
         sampler = None
         if sampling is not None:
             facts, fan, saguaro_c = sampling
-            width = self.K * self.B
+            taken = self.K * self.B  # draws of a row's stream
             draws = state.draws[before, :rows, 1]
             sampler = (SamplingTensors.from_table(self.inputs.view("params", rows, 4), facts),
-                       RowStreams(state.keys[:rows, 1], draws, width), fan, saguaro_c)
-            state.draws[p, :rows, 1] = draws + width
+                       RowStreams(state.keys[:rows, 1], draws, taken), fan, saguaro_c)
+            state.draws[p, :rows, 1] = draws + taken
         self.body(self._top_c(logits), sent, n, slots, pos, rank, kv_len, sampler,
                   cache=caches[p])
 
@@ -218,8 +217,7 @@ class TreeBuildStep:
         facts = None
         if params is not None:
             self.inputs.put("params", width, SamplingTensors.host_table(params), 4)
-            # a greedy ghost row always counted: one key for every batch bucket's capture
-            facts = SamplingTensors.host_facts(list(params) + [GHOST_PARAMS])
+            facts = any_bucket_facts(params)
         self.inputs.upload()
         return facts
 
@@ -252,12 +250,11 @@ class TreeBuildStep:
             self.index[1].copy_(rank)
             self._index_src = pos
 
-    def _sampled_pick(self, slots, params: SamplingTensors, streams: RowStreams,
-                      fan: tuple, saguaro_c: float, cache=None):
+    def _sampled_pick(self, slots, cache, params: SamplingTensors, streams: RowStreams,
+                      fan: tuple, saguaro_c: float):
         """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
-        of its stream per depth, in branch order); the q each was drawn from goes to ``cache``
-        (default the speculator's)."""
-        cache = self.cache if cache is None else cache
+        of its stream per depth, in branch order); the q each was drawn from goes to
+        ``cache``."""
         B, V = self.B, cache.V
         # every depth's draws at once (one chain of hash kernels, not one per depth): the
         # same values, draw j of the call is j whichever way they are computed
