@@ -88,6 +88,10 @@ SWITCHES: tuple[Switch, ...] = (
            "SSD's stream placement runs small batches in chained rounds: the next verify and build "
            "launched before the host reads the round in flight, the cache looked up on the "
            "device (ssdlib.engine.leader.chained_rounds); 0: every round through the host"),
+    Switch("SSDLIB_CHAIN_MAX_ROWS", "int", 4,
+           "chained rounds run for batches of at most this many rows; larger batches take "
+           "every round through the host (ssdlib.distributed.protocol.chain_max_rows)",
+           minimum=1),
     Switch("SSDLIB_CHAIN_SAMPLED", "flag", True,
            "chained rounds take sampling rows too (temperature > 0: the exact acceptance, the "
            "cache's q and the rows' random streams on the device); 0: greedy rows only "

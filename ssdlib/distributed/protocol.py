@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from ssdlib import env
 from ssdlib.sampling import SamplingParams
 
 
@@ -361,12 +362,13 @@ class Replies:
         return cls(msg.slots if want_q else None, msg.slots if pushes_cache else None)
 
 
-# Chained rounds run for batches of at most this many rows. On one H200 (SmolLM2-135M + the
-# default draft, K = 3, 16 HumanEval prompts): b = 1 1.35x plain SSD rounds, b = 4 1.12x,
-# b = 8 0.91x (a row that ends or joins ends the chain, which restarts with a jit draft and a
-# plain round: at b = 8 that happens every few rounds; docs/BENCHMARKS.md, 2026-12-03). Their
-# captured steps exist for these batch buckets only.
-CHAIN_MAX_ROWS = 4
+def chain_max_rows() -> int:
+    """The largest batch that runs chained rounds (``SSDLIB_CHAIN_MAX_ROWS``, default 4; their
+    captured steps exist for these batch buckets only). On one H200 (SmolLM2-135M + the
+    default draft, K = 3, 16 HumanEval prompts): b = 1 1.35x plain SSD rounds, b = 4 1.12x,
+    b = 8 0.91x (a row that ends or joins ends the chain, which restarts with a jit draft and
+    a plain round: at b = 8 that happens every few rounds; docs/BENCHMARKS.md, 2026-12-03)."""
+    return env.integer("SSDLIB_CHAIN_MAX_ROWS")
 
 
 @dataclass

@@ -53,12 +53,10 @@ def test_a_speculator_error_is_the_jobs_error(tiny_dirs, monkeypatch, step):
 
 
 def test_chained_rounds_only_for_small_greedy_batches(tiny_dirs, monkeypatch):
-    """Chained rounds run while a batch has at most CHAIN_MAX_ROWS rows: above it every round
-    goes through the host, and the rows that remain once the others end run chained (the
+    """Chained rounds run while a batch has at most SSDLIB_CHAIN_MAX_ROWS rows: above it every
+    round goes through the host, and the rows that remain once the others end run chained (the
     tokens equal AR's either way)."""
-    from ssdlib.distributed import protocol
-
-    monkeypatch.setattr(protocol, "CHAIN_MAX_ROWS", 1)
+    monkeypatch.setenv("SSDLIB_CHAIN_MAX_ROWS", "1")
     params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
               SamplingParams(max_new_tokens=24, ignore_eos=True)]
     with Generator(target=tiny_dirs["smol_heads"], max_batch=2, max_len=128) as g:

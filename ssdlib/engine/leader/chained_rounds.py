@@ -1,5 +1,5 @@
 """Chained rounds: SSD on one GPU with the host a round behind the device (stream placement,
-at most ``protocol.CHAIN_MAX_ROWS`` rows).
+at most ``protocol.chain_max_rows()`` rows).
 
 In a plain SSD round the host reads the verify's outcome (k, t*), waits for the cache build,
 looks the next speculation up in its copy of the cache, sends the OUTCOME, the speculator
@@ -30,7 +30,7 @@ busy with the chained round, and the host enqueues the one after it. Per step th
 round r and launches round r + 1, so the GPU never waits for the host's Python in steady
 state; what bounds a round is the longer of the verify and the build, beside each other.
 
-A chain runs while its rows stay the same, at most ``protocol.CHAIN_MAX_ROWS`` of them, all
+A chain runs while its rows stay the same, at most ``protocol.chain_max_rows()`` of them, all
 greedy or, with ``SSDLIB_CHAIN_SAMPLED`` (default on), some sampling: their acceptance is then
 exact speculative sampling on the device, a hit's q read from the cache (the build stores the
 q each branch token was drawn from), a miss's proposal deterministic (ONEHOT), the draws taken
@@ -109,11 +109,13 @@ class ChainMeter(OverlapMeter):
     """Per chained round, on the GPU: the leader's stream from the round's start (the build it
     waited for is done) to the end of its acceptance, and the speculator's build span; their
     intersection is the build time the verify hides (``OverlapMeter``'s sums, one set of
-    events per round in flight). Read when the round is read."""
+    events per round in flight). Read when the round is read. ``chains``: how many chains
+    started (each start costs a jit draft and a plain round)."""
 
     def __init__(self):
         super().__init__()
         self._free: list[tuple] = []
+        self.chains = 0
 
     def events(self) -> tuple:
         if self._free:
@@ -123,6 +125,11 @@ class ChainMeter(OverlapMeter):
     def read_round(self, events: tuple) -> None:
         self.add(events)
         self._free.append(events)
+
+    def take(self) -> dict:
+        out = super().take()
+        out["chains"], self.chains = self.chains, 0
+        return out
 
 
 class ChainedRounds:
@@ -156,12 +163,12 @@ class ChainedRounds:
 
     # -- when a chain runs -------------------------------------------------------------------
     def fits(self, seqs) -> bool:
-        """Whether rows ``seqs`` may run chained rounds: at most ``protocol.CHAIN_MAX_ROWS``,
+        """Whether rows ``seqs`` may run chained rounds: at most ``protocol.chain_max_rows()``,
         all greedy unless ``SSDLIB_CHAIN_SAMPLED`` (default on), and two rounds' positions past
         each row's committed tokens fit its KV cache (a chained round is launched before the
         round it follows is read)."""
         sampled = env.flag("SSDLIB_CHAIN_SAMPLED")
-        return len(seqs) <= protocol.CHAIN_MAX_ROWS and all(
+        return len(seqs) <= protocol.chain_max_rows() and all(
             (sampled or s.params.greedy) and len(s.tokens) + 2 * self.K + 2 <= self.max_len
             for s in seqs)
 
@@ -210,6 +217,8 @@ class ChainedRounds:
         self.built[0] = self.link.built  # the plain build's end
         self.link.start_chain(ChainStart([s.slot for s in seqs], st, sampling))
         self.flight = Flight(list(seqs), 0, False)
+        if self.meter is not None:
+            self.meter.chains += 1
 
     def _verify_body(self, rows: int, p: int, kv_len: int) -> None:
         """Round r + 1's verify (parity p) from round r's state and cache (the captured
@@ -260,7 +269,7 @@ class ChainedRounds:
         else:
             key = ("chain_verify", rows, p, kv_len, self.facts)
             self.graphs.capture(key, lambda _, r: self._verify_body(r, p, kv_len),
-                                max_rows=protocol.CHAIN_MAX_ROWS)
+                                max_rows=protocol.chain_max_rows())
             self.graphs.pool.replay(key)
         if self.cuda:
             self.verified[p].record()

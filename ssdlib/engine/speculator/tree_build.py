@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib.distributed.protocol import CHAIN_MAX_ROWS
+from ssdlib.distributed.protocol import chain_max_rows
 from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_PARAMS, GHOST_ROW, any_bucket_facts
 from ssdlib.engine.speculator.spec_cache import next_speculation
@@ -240,7 +240,7 @@ class TreeBuildStep:
                                                           saguaro_c)[3:]  # (its sampling)
         self.graphs.capture(key, lambda _, r: self.chained_body(
             state, r, p, caches, self.index[0], self.index[1], kv_len, sampling),
-            max_rows=CHAIN_MAX_ROWS)
+            max_rows=chain_max_rows())
         self.pool.replay(key)
 
     def _set_index(self, pos, rank) -> None:
