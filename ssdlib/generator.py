@@ -538,7 +538,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     so is ``speculator_host_ms_per_round`` (its host-clock segments, ``SSDLIB_HOST_TIMES=1``),
     and ``stream_overlap`` (the stream placement on a GPU: mean ms per round of the verify's
     span, the build's span and the part of the build the verify hides; ``chain_overlap`` the
-    same over chained rounds, ``chained_rounds`` how many rounds were chained).
+    same over chained rounds, ``chained_rounds`` how many rounds were chained, ``chain_counts``
+    how many chains started and how many rows joined a running one).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -579,7 +580,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
     for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round",
-                "stream_overlap", "chain_overlap", "k_costs"):
+                "stream_overlap", "chain_overlap", "chain_counts", "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

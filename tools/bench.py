@@ -279,6 +279,8 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
             out[key] = dict(run[key])
     if "chained_rounds" in run:
         out["chained_rounds"] = run["chained_rounds"]
+    if "chain_counts" in run:
+        out["chain_counts"] = dict(run["chain_counts"])
     return out
 
 
@@ -480,8 +482,10 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
         for b in rows:
             o = b[key]
             share = o["hidden_ms"] / o["build_ms"] if o["build_ms"] else 0.0
-            count = f"chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds in " \
-                f"{o.get('chains', 0)} chains  " if key == "chain_overlap" else ""
+            counts = b.get("chain_counts", {})
+            count = f"chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds, " \
+                f"{counts.get('chains', 0)} chains, {counts.get('joins', 0)} joins  " \
+                if key == "chain_overlap" else ""
             print(f"{b['mode']:12} {count}verify {o['verify_ms']:.3f}  "
                   f"build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
                   f"({100 * share:.0f}% of the build)")

@@ -36,7 +36,8 @@ SMs shared; docs/BENCHMARKS.md.) On CPU the same code runs with no streams (noth
 Chained rounds (``engine/leader/chained_rounds.py``) use the link differently: no
 OUTCOME, SPEC or CACHE while a chain runs; the leader hands the speculator the chain's device
 state once (``start_chain``), then each round launches its captured build behind an event of the
-leader's (``build_chained``), and ``end_chain`` sets the speculator's rows back to the committed
+leader's (``build_chained``), ``regroup_chain`` tells it of rows that ended or joined
+between two rounds, and ``end_chain`` sets the speculator's rows back to the committed
 tokens.
 """
 
@@ -48,8 +49,8 @@ import time
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.protocol import (Admit, CacheRows, ChainEnd, ChainStart, Outcome,
-                                         Speculation, SpeculatorStats)
+from ssdlib.distributed.protocol import (Admit, CacheRows, ChainEnd, ChainRegroup, ChainStart,
+                                         Outcome, Speculation, SpeculatorStats)
 from ssdlib.errors import SSDError
 
 
@@ -229,6 +230,11 @@ class LocalLink:
 
     def start_chain(self, msg: ChainStart) -> None:
         self._run(self.speculator.start_chain, msg)
+
+    def regroup_chain(self, msg: ChainRegroup) -> None:
+        """The running chain's rows change; the speculator's updates go to its stream, before
+        the next build."""
+        self._run(self.speculator.regroup_chain, msg)
 
     def build_chained(self, parity: int, rows: int, kv_len: int, after, done,
                       marks: tuple | None = None) -> None:

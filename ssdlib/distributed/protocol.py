@@ -412,6 +412,12 @@ class ChainState:
         self.keys[:b, column].copy_(streams[:, 0], non_blocking=True)
         self.draws[0, :b, column].copy_(streams[:, 1], non_blocking=True)
 
+    def set_stream(self, column: int, parity: int, row: int, key: int, draw: int) -> None:
+        """Row ``row`` (a row joining a running chain) draws from stream ``key`` at ``draw``
+        on, in ``column``, from the round that reads index ``parity``."""
+        self.keys[row, column] = key
+        self.draws[parity, row, column] = draw
+
     def commit(self, p: int, rows: int) -> None:
         """Write round ``p``'s committed tokens (its speculation's first k, then t*) into the
         history at positions n .. n + k (device ops; the positions past k go to the last
@@ -436,6 +442,19 @@ class ChainStart:
     slots: list[int]
     state: ChainState
     sampling: bool = False
+
+
+@dataclass
+class ChainRegroup:
+    """A running chain's rows change before its next round (which reads index ``parity`` of
+    the state): ``slots`` per row of the chain (-1: a ghost row, a sequence that ended), and
+    ``joined`` the rows that are new sequences (admitted since, their draft prefilled; the
+    speculator fills their column of ``state.keys`` and ``state.draws`` where the chain
+    samples). In-process only."""
+
+    slots: list[int]
+    joined: list[int]
+    parity: int
 
 
 @dataclass

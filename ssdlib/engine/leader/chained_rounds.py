@@ -52,7 +52,7 @@ import torch
 from ssdlib import env
 from ssdlib.distributed import protocol
 from ssdlib.distributed.local_link import OverlapMeter
-from ssdlib.distributed.protocol import ChainEnd, ChainStart, ChainState
+from ssdlib.distributed.protocol import ChainEnd, ChainRegroup, ChainStart, ChainState
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
@@ -89,7 +89,7 @@ def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
 class Flight:
     """A round launched and not read yet."""
 
-    seqs: list  # the rows (Sequence), in the round's order
+    seqs: list  # the chain's rows (Sequence; None: a ghost row), in the round's order
     parity: int  # where its state, cache and read-back are
     chained: bool  # False: the chain's first round (a plain round; the caller reads it)
     meter: tuple | None = None  # ChainMeter events of the round
@@ -109,13 +109,11 @@ class ChainMeter(OverlapMeter):
     """Per chained round, on the GPU: the leader's stream from the round's start (the build it
     waited for is done) to the end of its acceptance, and the speculator's build span; their
     intersection is the build time the verify hides (``OverlapMeter``'s sums, one set of
-    events per round in flight). Read when the round is read. ``chains``: how many chains
-    started (each start costs a jit draft and a plain round)."""
+    events per round in flight). Read when the round is read."""
 
     def __init__(self):
         super().__init__()
         self._free: list[tuple] = []
-        self.chains = 0
 
     def events(self) -> tuple:
         if self._free:
@@ -125,11 +123,6 @@ class ChainMeter(OverlapMeter):
     def read_round(self, events: tuple) -> None:
         self.add(events)
         self._free.append(events)
-
-    def take(self) -> dict:
-        out = super().take()
-        out["chains"], self.chains = self.chains, 0
-        return out
 
 
 class ChainedRounds:
@@ -160,6 +153,9 @@ class ChainedRounds:
         # per parity: the verify's outcome written, its read-back copied, the build done
         self.verified, self.copied, self.built = events(), events(), events()
         self.meter = ChainMeter() if self.cuda else None
+        # since the last read: chains started (each after a jit draft and a plain round), rows
+        # that joined a running chain
+        self.counts = {"chains": 0, "joins": 0}
 
     # -- when a chain runs -------------------------------------------------------------------
     def fits(self, seqs) -> bool:
@@ -176,6 +172,57 @@ class ChainedRounds:
         """Whether the round in flight is for exactly these rows."""
         return self.flight is not None and len(seqs) == len(self.flight.seqs) and all(
             a is b for a, b in zip(seqs, self.flight.seqs))
+
+    def _facts_of(self, params) -> object:
+        """The chain's sampling kind for rows of ``params``: None when every row is greedy."""
+        return None if all(p.greedy for p in params) else any_bucket_facts(params)
+
+    def may_join(self, seqs, joining) -> bool:
+        """Whether new sequences ``seqs`` (admitted, not yet stepped) may join the running
+        chain, beside the rows ``joining`` already waiting to: the chain's rows still running
+        and those fit its largest batch, every row's sampling kind is the chain's, and their
+        positions fit the KV cache."""
+        if self.flight is None:
+            return False
+        rows = [s for s in self.flight.seqs if s is not None and not s.finished]
+        rows += list(joining) + list(seqs)
+        return (len(rows) <= protocol.chain_max_rows() and self.fits(rows)
+                and self._facts_of([s.params for s in rows]) == self.facts)
+
+    def regroup(self, active, joining) -> list | None:
+        """The chain's rows for its next round when the batch ``active`` differs from the
+        round in flight's rows only by rows that ended (their places become ghost rows) and
+        rows of ``joining`` (new sequences: they take the ghost places first, then places
+        after the last). None when the chain cannot go on with them."""
+        if self.flight is None:
+            return None
+        live = {id(s) for s in active}
+        rows = [s if s is not None and id(s) in live else None for s in self.flight.seqs]
+        kept = {id(s) for s in rows if s is not None}
+        waiting = {id(s) for s in joining}
+        for s in active:
+            if id(s) in kept:
+                continue
+            if id(s) not in waiting:
+                return None
+            if None in rows:
+                rows[rows.index(None)] = s
+            else:
+                rows.append(s)
+        while rows and rows[-1] is None:
+            rows.pop()
+        if not rows or len(rows) > protocol.chain_max_rows():
+            return None
+        if self._facts_of([s.params for s in rows if s is not None]) != self.facts:
+            return None
+        return rows
+
+    def settle_flight(self) -> None:
+        """Wait (on the host) until the round in flight and its build have run (before an
+        admission's prefill while the chain goes on)."""
+        if self.cuda and self.flight is not None:
+            self.copied[self.flight.parity].synchronize()
+            self.built[self.flight.parity].synchronize()
 
     # -- a round -----------------------------------------------------------------------------
     def first(self, seqs, outcome, spec: torch.Tensor) -> None:
@@ -217,8 +264,7 @@ class ChainedRounds:
         self.built[0] = self.link.built  # the plain build's end
         self.link.start_chain(ChainStart([s.slot for s in seqs], st, sampling))
         self.flight = Flight(list(seqs), 0, False)
-        if self.meter is not None:
-            self.meter.chains += 1
+        self.counts["chains"] += 1
 
     def _verify_body(self, rows: int, p: int, kv_len: int) -> None:
         """Round r + 1's verify (parity p) from round r's state and cache (the captured
@@ -246,14 +292,57 @@ class ChainedRounds:
                                          hit.view(-1, 1).long(), branch.view(-1, 1).long(),
                                          ngram.view(-1, 1).long(), spec], dim=1)
 
-    def launch(self, seqs, timer) -> Flight:
-        """Launch the round after the one in flight (module doc); ``seqs``' committed tokens
-        are those before the round in flight. Returns the new round (kept in flight by
+    def _regroup_state(self, old: list, new: list, before: int) -> bool:
+        """Between two rounds (on the leader's stream, after the round in flight and its
+        build): rows of ``old`` not in ``new`` become ghost rows, new sequences in ``new`` join
+        at index ``before`` of the state as if their last round had accepted nothing and
+        ended with their first token (committed length = prompt + 1; their caches hold
+        nothing, so their first speculation is the n-gram proposal over the prompt). Tells the
+        speculator. Returns whether anything changed."""
+        st, scratch = self.state, self.runner.scratch_slot
+        width = max(len(old), len(new))
+        old = old + [None] * (width - len(old))
+        new = new + [None] * (width - len(new))
+        gone = [i for i in range(width) if old[i] is not None and new[i] is not old[i]]
+        joined = [i for i in range(width) if new[i] is not None and new[i] is not old[i]]
+        if not gone and not joined:
+            return False
+        for i in gone:
+            st.real[i] = False
+            self.slots[i] = scratch
+            self.table[i] = torch.tensor(GHOST_ROW, device=self.device)
+        caches = self.link.chain_caches()
+        for i in joined:
+            s = new[i]
+            n = len(s.tokens) - 1
+            st.real[i] = True
+            self.slots[i] = s.slot
+            st.n[before, i] = n
+            st.k[before, i] = 0
+            st.bonus[before, i] = s.tokens[-1]
+            st.history[i, :n + 1].copy_(torch.tensor(s.tokens), non_blocking=True)
+            for cache in caches:  # (the speculator's admission cleared them on its stream)
+                cache.ready[s.slot] = False
+            if self.facts is not None:
+                self.table[i].copy_(SamplingTensors.host_table([s.params])[0],
+                                    non_blocking=True)
+                key, draw = RowStreams.reserve_host([s.stream], 0)[0].tolist()
+                st.set_stream(0, before, i, key, draw)
+        self.link.regroup_chain(ChainRegroup(
+            [s.slot if s is not None else -1 for s in new[:len(new)]], joined, before))
+        self.counts["joins"] += len(joined)
+        return True
+
+    def launch(self, rows_of: list, timer) -> Flight:
+        """Launch the round after the one in flight (module doc) for the chain's rows
+        ``rows_of`` (the flight's, or :meth:`regroup`'s); their committed tokens are those
+        before the round in flight. Returns the new round (kept in flight by
         :meth:`read_previous`)."""
         prev, link = self.flight, self.link
         before = prev.parity
         p = 1 - before
-        b = len(seqs)
+        seqs = [s for s in rows_of if s is not None]
+        b = len(rows_of)
         rows = batch_bucket(b) if self.graphs is not None else b  # a captured step's bucket
         # > every position of this round and its build (a host bound: the lengths are the
         # device's); the in-place attention kernel reads the whole cache's length anyway
@@ -263,6 +352,8 @@ class ChainedRounds:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.built[before])
             meter[0].record()
+        if self._regroup_state(prev.seqs, list(rows_of), before) and self.cuda:
+            self.verified[before].record()  # the build reads the rows' new state after it
         timer.mark("cache")
         if self.graphs is None:
             self._verify_body(rows, p, kv_len)
@@ -283,7 +374,7 @@ class ChainedRounds:
                 s.stream.reserve(self.K + 1)
         link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
                            meter[2:] if meter is not None else None)
-        return Flight(list(seqs), p, True, meter)
+        return Flight(list(rows_of), p, True, meter)
 
     def read_previous(self, new: Flight) -> ChainedResult | None:
         """Read the round in flight back (waits for it), and keep ``new`` in flight instead.
@@ -321,6 +412,6 @@ class ChainedRounds:
             self.built[flight.parity].synchronize()
         if flight.meter is not None:
             self.meter.read_round(flight.meter)
-        live = list(seqs)
+        live = [s for s in seqs if s is not None]
         self.link.end_chain(ChainEnd([s.slot for s in live], [list(s.tokens[:-1]) for s in live]))
         return live

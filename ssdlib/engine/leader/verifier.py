@@ -90,11 +90,18 @@ class LinkVerifier:
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
             and getattr(target, "channel", None) is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
+        self._joining: list = []  # admitted into a running chain, not launched in it yet
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
 
     def admit(self, seqs) -> None:
         self.clock.admitted()
-        self._end_chain()
+        # new rows join a running chain where it has room (no jit draft, no restart: their
+        # first speculation is the n-gram's over the prompt); otherwise it ends here
+        join = self.chain is not None and self.chain.may_join(seqs, self._joining)
+        if join:
+            self.chain.settle_flight()  # nothing of the chain runs beside the prefills
+        else:
+            self._end_chain()
         self._take_replies()  # the link's order: what is owed before a new message
         # a slot that left and is taken again needs no leaving notice: ADMIT replaces its row
         taken = {q.slot for q in seqs}
@@ -106,6 +113,9 @@ class LinkVerifier:
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
         admit_with_first_token(self.target, seqs, self.device)
+        if join:
+            self._joining += list(seqs)
+            return
         # (the rows of a chain that ended ask for a new speculation too)
         restart, self._restart = [q for q in self._restart if self._alive(q)], []
         both = list(seqs) + restart
@@ -116,8 +126,10 @@ class LinkVerifier:
         """End a running chain (``chained_rounds.py``): its round in flight is dropped, its
         rows still running ask for a jit draft at the next exchange."""
         if self.chain is not None and self.chain.flight is not None:
-            live = [q for q in self.chain.flight.seqs if not q.finished]
-            self._restart += self.chain.end(live)
+            live = [q for q in self.chain.flight.seqs if q is not None and not q.finished]
+            # rows admitted to join it ask for their first speculation, as after an admission
+            self._restart += self.chain.end(live) + self._joining
+            self._joining = []
 
     def _restart_rows(self, active) -> None:
         """Rows of an ended chain take a fresh speculation (a jit draft) before their round."""
@@ -125,13 +137,15 @@ class LinkVerifier:
         if restart:
             self._exchange(restart, [(0, q.tokens[-1]) for q in restart], first=True)
 
-    def _chain_step(self, active) -> None:
-        """One step of chained rounds: launch the round after the one in flight, read that one
-        back and commit it (the chain's first step verifies the speculation in hand as a
-        plain round first)."""
+    def _chain_step(self, active, rows_of: list | None) -> None:
+        """One step of chained rounds: launch the round after the one in flight (for the
+        chain's rows ``rows_of``: :meth:`ChainedRounds.regroup`'s; None: the chain starts), read
+        that one back and commit it (the chain's first step verifies the speculation in hand as
+        a plain round first). Rows that joined since get their first tokens at the next step;
+        rows that end stay in the round in flight and leave the chain at the next launch."""
         chain, timer, clock, K = self.chain, self.timer, self.clock, self.k
         clock.start()
-        if not chain.continues(active):
+        if rows_of is None:
             spec = [self.spec[q.slot].tokens[:K] for q in active]
             tokens = torch.tensor(spec, dtype=torch.int64).view(len(active), K)
             # (sampling rows: the speculation's q, and each row's K: a jit draft may be shorter)
@@ -146,39 +160,42 @@ class LinkVerifier:
             chain.read_previous(chain.launch(active, timer))
             clock.tick("launch")
             result = read_round(tokens, outcome)
+            done = list(active)
         else:
-            flight = chain.launch(active, timer)
+            before = chain.flight.seqs
+            joined = {id(q) for q in self._joining}
+            self._joining = [q for q in self._joining if not any(q is r for r in rows_of)]
+            flight = chain.launch(rows_of, timer)
             clock.tick("launch")
             self.timer.flush()
             got = chain.read_previous(flight)
-            result = got.result
+            # the rows the round read back verified and that still run (not those that ended
+            # in it or joined after it)
+            live = {id(q) for q in active}
+            at = [j for j, q in enumerate(before)
+                  if q is not None and id(q) in live and id(q) not in joined]
+            done = [before[j] for j in at]
+            result = got.result.rows(at)
             # a miss's speculation: an n-gram proposal, or placeholder tokens ("none")
-            kinds = [int(QKind.ONEHOT) if g else PLACEHOLDER for g in got.ngram]
-            sources = [speculation_source(h, kind) for h, kind in zip(got.hit, kinds)]
-            for q, h, kind in zip(active, got.hit, kinds):
+            kinds = [int(QKind.ONEHOT) if got.ngram[j] else PLACEHOLDER for j in at]
+            hits = [got.hit[j] for j in at]
+            sources = [speculation_source(h, kind) for h, kind in zip(hits, kinds)]
+            for q, h, kind in zip(done, hits, kinds):
                 record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, kind)
                 q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
         clock.tick("read")
-        commit_round(active, result)
-        keys = [q.slot for q in active]
-        limits = [K] * len(active)
-        greedy = [False] * len(active)
+        commit_round(done, result)
+        keys = [q.slot for q in done]
+        limits = [K] * len(done)
+        greedy = [False] * len(done)
         self.policy.observe(keys, limits, result.accepted, greedy)
-        record_acceptance(active, result, limits, K, [self.policy.alpha(i) for i in keys])
-        for q, source, accepted in zip(active, sources, result.accepted):
+        record_acceptance(done, result, limits, K, [self.policy.alpha(i) for i in keys])
+        for q, source, accepted in zip(done, sources, result.accepted):
             record_source(q.metrics, source, accepted)
             self._chain_k[q.slot] = accepted
         clock.tick("commit")
-        if not all(self._alive(q) for q in active):
-            # a row ended: the chain ends here (the round in flight dropped), the ended rows
-            # leave the speculator and the others ask for a fresh speculation, as a plain
-            # round's exchange does
-            timer.add_to(active)
-            self._end_chain()
-            self._restart = []
-            self._exchange(active, [(0, q.tokens[-1]) for q in active], first=True)
-        else:
-            timer.add_to(active, defer=True)
+        # (a row that ended stays in the round in flight: the next launch makes it a ghost)
+        timer.add_to(active, defer=True)
         clock.add_to(active)
 
     def _alive(self, q) -> bool:
@@ -319,11 +336,13 @@ class LinkVerifier:
 
     def step(self, active) -> None:
         if self.chain is not None:
-            if self.chain.flight is not None and not self.chain.continues(active):
+            chained = self.chain.fits(active) and not self.policy.schedule  # (a schedule: tests)
+            rows_of = self.chain.regroup(active, self._joining) if chained else None
+            if self.chain.flight is not None and rows_of is None:
                 self._end_chain()
             self._restart_rows(active)
-            if self.chain.fits(active) and not self.policy.schedule:  # (a schedule: tests)
-                self._chain_step(active)
+            if chained:
+                self._chain_step(active, rows_of)
                 return
         timer, clock = self.timer, self.clock
         clock.start()
@@ -368,8 +387,10 @@ class LinkVerifier:
         clock.add_to(active)
 
     def release(self, seq) -> None:
-        self._end_chain()
+        # (a running chain goes on: the row's place in it becomes a ghost row at the next
+        # launch, and its slot is not taken again before that launch or the chain's end)
         self._restart = [q for q in self._restart if q is not seq]
+        self._joining = [q for q in self._joining if q is not seq]
         self._chain_k.pop(seq.slot, None)
         self.source.release_row(seq.slot)
         self.policy.release(seq.slot)
@@ -389,8 +410,12 @@ class LinkVerifier:
         afresh); a copy per call, its dicts too."""
         self._stats_read = True
         stats = self._stats
+        chain = {}
+        if self.chain is not None and self.chain.counts["chains"]:
+            chain = {"chain_counts": dict(self.chain.counts)}
+            self.chain.counts = dict.fromkeys(self.chain.counts, 0)
         if stats is None:
-            return {"k_costs": self.policy.costs.snapshot()}
+            return {"k_costs": self.policy.costs.snapshot(), **chain}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
 
         def ms_per_round(seconds: dict) -> dict:
@@ -401,7 +426,7 @@ class LinkVerifier:
             # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
             "speculator_rounds": rounds,
             "speculator_ms_per_round": ms_per_round(stats.phase_s),
-            "k_costs": self.policy.costs.snapshot()}
+            "k_costs": self.policy.costs.snapshot(), **chain}
         if any(stats.host_s.values()):  # SSDLIB_HOST_TIMES=1 on the speculator rank
             out["speculator_host_ms_per_round"] = ms_per_round(stats.host_s)
         overlap = self.link.overlap  # the stream placement on a GPU

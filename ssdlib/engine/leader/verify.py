@@ -64,6 +64,11 @@ class RoundResult:
     accepted_mask: list[list[int]]  # [b][K] 1 on the accepted prefix
     tokens: list[list[int]]  # s_1..s_k + t* per row
 
+    def rows(self, at: list[int]) -> "RoundResult":
+        """The result of rows ``at`` only, in that order."""
+        return RoundResult([self.accepted[j] for j in at], [self.bonus[j] for j in at],
+                           [self.accepted_mask[j] for j in at], [self.tokens[j] for j in at])
+
 
 def read_round(draft_tokens: torch.Tensor, outcome: VerifyOutcome) -> RoundResult:
     """The round's outcome on the host: its only device-to-host synchronisation."""

@@ -20,11 +20,13 @@ import time
 import torch
 
 from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainEnd,
-                                         ChainStart, Op, Outcome, SpeculatorStats)
+                                         ChainRegroup, ChainStart, Op, Outcome,
+                                         SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
 from ssdlib.engine.speculator.outcomes import Answer, Fallbacks, answer_jit, q_after_build
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
@@ -184,6 +186,11 @@ class Speculator:
         on, and the rows' host state is not kept up to date until :meth:`end_chain`."""
         self.cache.start_chain(msg, [self.rows[s] for s in msg.slots])
 
+    def regroup_chain(self, msg: ChainRegroup) -> None:
+        """The running chain's rows change (``msg``): the builds from now on are for its
+        rows, the joined ones read from the state like the others."""
+        self.cache.regroup_chain(msg, [self.rows[s] if s >= 0 else None for s in msg.slots])
+
     def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
         """A chained round's build (no answer, no push: the leader's next lookup reads the
         cache where it is)."""
@@ -279,7 +286,11 @@ class CacheRole:
         return self.estimator.allocation(limit)
 
     def invalidate(self, slots: list[int]) -> None:
+        """New sequences in ``slots``: no cache (of chained rounds too) holds anything for
+        them."""
         self.cache.invalidate(slots)
+        if self._second is not None:
+            self._second.invalidate(slots)
 
     def observe(self, row: SpecRow, k: int, limit: int) -> None:
         """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
@@ -354,6 +365,23 @@ class CacheRole:
             for cache in self.chain_caches():
                 cache.q  # allocated now, not inside a capture
 
+    def regroup_chain(self, msg: ChainRegroup, rows: list[SpecRow | None]) -> None:
+        """The running chain's rows become ``rows`` (None: a ghost row, its slot the scratch
+        slot); where it samples, each joined row's stream goes on from where its host stream
+        is (column 1 of the state, at the index the next build reads). The rows' sampling
+        kind is the chain's (the leader checks it), so the builds' graphs stay the same."""
+        step = self.builder.tree_step
+        slots = [s if s >= 0 else self.builder.runner.scratch_slot for s in msg.slots]
+        sampling = self._chain_rows is not None
+        params = [r.params if r is not None else GHOST_PARAMS for r in rows] \
+            if sampling else None
+        step.start_chain(slots, params)
+        if sampling:
+            self._chain_rows = rows
+            for i in msg.joined:
+                key, draw = RowStreams.reserve_host([rows[i].stream], 0)[0].tolist()
+                self._chain.set_stream(1, msg.parity, i, key, draw)
+
     def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
         """A chained round's build into the cache of ``parity``, with the fan-out for a
         verification of all K (a chained round verifies them all); sampled where the chain's
@@ -363,7 +391,8 @@ class CacheRole:
         pos, rank = self.builder.branch_index(tuple(fan))
         if self._chain_rows is not None:
             for r in self._chain_rows:
-                r.stream.reserve(self.K * self.B)
+                if r is not None:  # (None: a ghost row)
+                    r.stream.reserve(self.K * self.B)
         self.builder.tree_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
                                            rank, kv_len, self._chain_facts, tuple(fan),
                                            self.builder.saguaro_c)
