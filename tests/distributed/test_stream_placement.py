@@ -70,6 +70,46 @@ def test_chained_rounds_only_for_small_greedy_batches(tiny_dirs, monkeypatch):
     assert outs[1].metrics["chained_rounds"] > 0  # alone once the first ended
 
 
+def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
+    """Continuous batching in chained rounds: rows that end leave the chain as ghost rows and
+    new sequences join it between two rounds, so one chain serves the whole call; the tokens
+    equal AR's."""
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+              for n in (5, 17, 9, 30, 3, 12, 20, 7, 1, 14)]
+    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128)
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, params)]
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        outs = g.generate(prompts, params)
+        run = g.last_run_metrics
+    assert [o.token_ids for o in outs] == ar
+    # 10 prompts, 3 at the start; the one of max_new_tokens=1 ends at admission, unjoined
+    assert run["chain_counts"] == {"chains": 1, "joins": 6}
+    assert run["chained_rounds"] > 0.9 * run["rounds"]
+
+
+def test_a_joining_row_of_another_sampling_kind_ends_the_chain(tiny_dirs):
+    """A sampling row cannot join a greedy chain (its graphs are greedy): the chain ends and
+    a new one starts with the row; greedy rows still give AR's tokens."""
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(6)]
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    params = [greedy, greedy, sampled, greedy, sampled, greedy]
+    kw = dict(target=tiny_dirs["smol_heads"], max_batch=2, max_len=128)
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, greedy)]
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        outs = g.generate(prompts, params)
+        run = g.last_run_metrics
+    assert [o.token_ids for o, p in zip(outs, params) if p is greedy] == \
+        [t for t, p in zip(ar, params) if p is greedy]
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert run["chain_counts"]["chains"] > 1
+
+
 def _tokens(tiny_dirs, **kw):
     with Generator(target=tiny_dirs["smol_heads"], max_len=64, max_batch=2, k=3,
                    **kw) as g:
