@@ -128,6 +128,26 @@ def test_cuda_fp32_greedy_ssd_equals_ar(tiny_dirs, placement):
 
 
 @cuda
+def test_cuda_fp32_chain_through_ends_and_admissions_equals_ar(tiny_dirs):
+    """On the GPU (captured steps, two streams): one chain through rows that end and join
+    between its rounds, the tokens AR's."""
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+              for n in (5, 17, 9, 30, 3, 12, 20, 7, 2, 14)]
+    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128, device="cuda",
+              dtype="float32")
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, params)]
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        g.generate(prompts[:3], params[:3])  # capture before the measured call
+        outs = g.generate(prompts, params)
+        run = g.last_run_metrics
+    assert [o.token_ids for o in outs] == ar
+    assert run["chain_counts"]["joins"] == 7 and run["chain_overlap"]["rounds"] > 0
+
+
+@cuda
 def test_cuda_stream_captured_equals_eager(tiny_dirs):
     """The speculator's captured steps on its stream give the eager tokens."""
     kw = dict(mode="ssd", device="cuda", dtype="float32", draft=tiny_dirs["smol_heads_draft"],
