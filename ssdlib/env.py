@@ -88,7 +88,7 @@ SWITCHES: tuple[Switch, ...] = (
            "SSD's stream placement runs small batches in chained rounds: the next verify and build "
            "launched before the host reads the round in flight, the cache looked up on the "
            "device (ssdlib.engine.leader.chained_rounds); 0: every round through the host"),
-    Switch("SSDLIB_CHAIN_MAX_ROWS", "int", 4,
+    Switch("SSDLIB_CHAIN_MAX_ROWS", "int", 8,
            "chained rounds run for batches of at most this many rows; larger batches take "
            "every round through the host (ssdlib.distributed.protocol.chain_max_rows)",
            minimum=1),

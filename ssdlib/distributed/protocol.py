@@ -363,11 +363,11 @@ class Replies:
 
 
 def chain_max_rows() -> int:
-    """The largest batch that runs chained rounds (``SSDLIB_CHAIN_MAX_ROWS``, default 4; their
+    """The largest batch that runs chained rounds (``SSDLIB_CHAIN_MAX_ROWS``, default 8; their
     captured steps exist for these batch buckets only). On one H200 (SmolLM2-135M + the
-    default draft, K = 3, 16 HumanEval prompts): b = 1 1.35x plain SSD rounds, b = 4 1.12x,
-    b = 8 0.91x (a row that ends or joins ends the chain, which restarts with a jit draft and
-    a plain round: at b = 8 that happens every few rounds; docs/BENCHMARKS.md, 2026-12-03)."""
+    default draft, K = 3, 16 HumanEval prompts, b = 8 greedy, one invocation): SD 5605.8
+    tok/s, SSD with chains up to 4 rows (every round through the host) 5304.6, up to 8 rows
+    7002.9 (docs/BENCHMARKS.md, 2026-12-03). Larger batches are not measured."""
     return env.integer("SSDLIB_CHAIN_MAX_ROWS")
 
 

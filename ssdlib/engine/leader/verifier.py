@@ -194,8 +194,16 @@ class LinkVerifier:
             record_source(q.metrics, source, accepted)
             self._chain_k[q.slot] = accepted
         clock.tick("commit")
-        # (a row that ended stays in the round in flight: the next launch makes it a ghost)
-        timer.add_to(active, defer=True)
+        if not any(self._alive(q) for q in active):
+            # the batch has ended: so does the chain (the round in flight dropped), and the
+            # rows leave the speculator, which answers with its STATS
+            timer.add_to(active)
+            self._end_chain()
+            self._restart = []
+            self._exchange(active, [(0, q.tokens[-1]) for q in active], first=True)
+        else:
+            # (a row that ended stays in the round in flight: the next launch makes it a ghost)
+            timer.add_to(active, defer=True)
         clock.add_to(active)
 
     def _alive(self, q) -> bool:
@@ -410,10 +418,13 @@ class LinkVerifier:
         afresh); a copy per call, its dicts too."""
         self._stats_read = True
         stats = self._stats
-        chain = {}
-        if self.chain is not None and self.chain.counts["chains"]:
-            chain = {"chain_counts": dict(self.chain.counts)}
+        chain = {}  # chained rounds' counts and (GPU) overlap, whether STATS came or not
+        if self.chain is not None and any(self.chain.counts.values()):
+            chain["chain_counts"] = dict(self.chain.counts)
             self.chain.counts = dict.fromkeys(self.chain.counts, 0)
+        meter = self.chain.meter if self.chain is not None else None
+        if meter is not None and meter.rounds:
+            chain["chain_overlap"] = meter.take()
         if stats is None:
             return {"k_costs": self.policy.costs.snapshot(), **chain}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds
@@ -432,9 +443,6 @@ class LinkVerifier:
         overlap = self.link.overlap  # the stream placement on a GPU
         if overlap is not None and overlap.rounds:
             out["stream_overlap"] = overlap.take()
-        meter = self.chain.meter if self.chain is not None else None
-        if meter is not None and meter.rounds:
-            out["chain_overlap"] = meter.take()
         return out
 
     def close(self) -> None:
