@@ -579,7 +579,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
         if vals:
             out[key] = sum(vals) / len(vals)
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
-    for key in ("speculator_rounds", "speculator_ms_per_round", "speculator_host_ms_per_round",
+    for key in ("speculator_rounds", "speculator_rows_held", "speculator_ms_per_round",
+                "speculator_host_ms_per_round",
                 "stream_overlap", "chain_overlap", "chain_counts", "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:

@@ -295,10 +295,11 @@ SPEC_HOST_SEGMENTS = ("commit", "answer", "send", "build", "push", "end")
 @dataclass
 class SpeculatorStats:
     """STATS (S -> L), the answer to an OUTCOME with no active row; counters since the last
-    STATS. float64 [6 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)] = (idle s, busy s, cache
+    STATS. float64 [7 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)] = (idle s, busy s, cache
     hits, cache lookups, hits whose branch KV was reused, OUTCOME rounds answered with SPEC, then
     seconds per phase of those rounds in ``SPEC_PHASES`` order, then seconds per host segment
-    in ``SPEC_HOST_SEGMENTS`` order)."""
+    in ``SPEC_HOST_SEGMENTS`` order, then the rows the speculator still holds: none once every
+    row has left, which a test checks)."""
 
     idle_s: float
     busy_s: float
@@ -308,8 +309,9 @@ class SpeculatorStats:
     rounds: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)  # missing phases: 0
     host_s: dict[str, float] = field(default_factory=dict)  # missing segments: 0
+    held: int = 0  # rows held when sent (not a counter)
 
-    SIZE: ClassVar[int] = 6 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)
+    SIZE: ClassVar[int] = 7 + len(SPEC_PHASES) + len(SPEC_HOST_SEGMENTS)
 
     def __post_init__(self):
         for what, got, names in (("phases", self.phase_s, SPEC_PHASES),
@@ -326,20 +328,23 @@ class SpeculatorStats:
                                self.hits + other.hits, self.lookups + other.lookups,
                                self.reused + other.reused, self.rounds + other.rounds,
                                {p: self.phase_s[p] + other.phase_s[p] for p in SPEC_PHASES},
-                               {p: self.host_s[p] + other.host_s[p] for p in SPEC_HOST_SEGMENTS})
+                               {p: self.host_s[p] + other.host_s[p] for p in SPEC_HOST_SEGMENTS},
+                               other.held)
 
     def pack(self) -> torch.Tensor:
         return torch.tensor([self.idle_s, self.busy_s, float(self.hits), float(self.lookups),
                              float(self.reused), float(self.rounds),
                              *(self.phase_s[p] for p in SPEC_PHASES),
-                             *(self.host_s[p] for p in SPEC_HOST_SEGMENTS)], dtype=torch.float64)
+                             *(self.host_s[p] for p in SPEC_HOST_SEGMENTS), float(self.held)],
+                            dtype=torch.float64)
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "SpeculatorStats":
-        idle, busy, hits, lookups, reused, rounds, *times = buf.tolist()
+        idle, busy, hits, lookups, reused, rounds, *times, held = buf.tolist()
         n = len(SPEC_PHASES)
         return cls(idle, busy, int(hits), int(lookups), int(reused), int(rounds),
-                   dict(zip(SPEC_PHASES, times[:n])), dict(zip(SPEC_HOST_SEGMENTS, times[n:])))
+                   dict(zip(SPEC_PHASES, times[:n])), dict(zip(SPEC_HOST_SEGMENTS, times[n:])),
+                   int(held))
 
 
 @dataclass

@@ -244,17 +244,18 @@ def test_stats_pack_unpack():
     phases = {"commit": 0.01, "fallback": 0.5, "send": 0.03, "build": 1.25, "push": 0.02}
     host = {"commit": 0.125, "answer": 0.25, "send": 0.0, "build": 0.5, "push": 0.0625,
             "end": 1.0}
-    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases, host)
+    msg = SpeculatorStats(1.5, 0.25, 7, 9, 6, 40, phases, host, 3)
     t = msg.pack()
     assert SPEC_PHASES == ("commit", "fallback", "send", "build", "push")
     assert SPEC_HOST_SEGMENTS == ("commit", "answer", "send", "build", "push", "end")
-    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (17,)
+    assert t.dtype == torch.float64 and t.shape == (SpeculatorStats.SIZE,) == (18,)
     # the layout of docs/PROTOCOL.md: counters, rounds, then seconds in SPEC_PHASES order, then
-    # host seconds in SPEC_HOST_SEGMENTS order
+    # host seconds in SPEC_HOST_SEGMENTS order, then the rows held
     assert t.tolist() == [1.5, 0.25, 7, 9, 6, 40, 0.01, 0.5, 0.03, 1.25, 0.02,
-                          0.125, 0.25, 0.0, 0.5, 0.0625, 1.0]
+                          0.125, 0.25, 0.0, 0.5, 0.0625, 1.0, 3]
     back = SpeculatorStats.unpack(t)
     assert back == msg and back.rounds == 40 and back.phase_s == phases and back.host_s == host
+    assert back.held == 3
     # a STATS without rounds (no OUTCOME answered since the last) has every phase at 0
     empty = SpeculatorStats(0.5, 0.0, 0, 0, 0)
     assert empty.phase_s == dict.fromkeys(SPEC_PHASES, 0.0)
@@ -266,12 +267,12 @@ def test_stats_pack_unpack():
         SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {}, {"between": 1.0})
 
 
-def test_stats_plus_sums_every_field():
-    a = SpeculatorStats(1.0, 2.0, 3, 4, 1, 5, {"push": 0.5, "build": 1.0})
+def test_stats_plus_sums_every_counter():
+    a = SpeculatorStats(1.0, 2.0, 3, 4, 1, 5, {"push": 0.5, "build": 1.0}, held=2)
     b = SpeculatorStats(0.5, 1.0, 1, 2, 0, 3, {"build": 0.25, "send": 0.125})
-    total = a.plus(b)
+    total = a.plus(b)  # (the rows held: the later STATS')
     assert total == SpeculatorStats(1.5, 3.0, 4, 6, 1, 8,
-                                    {"push": 0.5, "build": 1.25, "send": 0.125})
+                                    {"push": 0.5, "build": 1.25, "send": 0.125}, held=0)
     c = SpeculatorStats(0.0, 0.0, 0, 0, 0, 1, {}, {"end": 0.5})
     assert c.plus(c).host_s["end"] == 1.0
 

@@ -88,6 +88,7 @@ def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     # 10 prompts, 3 at the start; the one of max_new_tokens=1 ends at admission, unjoined
     assert run["chain_counts"] == {"chains": 1, "joins": 6}
     assert run["chained_rounds"] > 0.9 * run["rounds"]
+    assert run["speculator_rows_held"] == 0  # every row that ran in the chain has left
 
 
 def test_a_joining_row_of_another_sampling_kind_ends_the_chain(tiny_dirs):

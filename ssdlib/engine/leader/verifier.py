@@ -397,13 +397,18 @@ class LinkVerifier:
     def release(self, seq) -> None:
         # (a running chain goes on: the row's place in it becomes a ghost row at the next
         # launch, and its slot is not taken again before that launch or the chain's end)
+        chained = self.chain is not None and (
+            any(q is seq for q in self._joining)
+            or (self.chain.flight is not None and any(q is seq for q in self.chain.flight.seqs)))
         self._restart = [q for q in self._restart if q is not seq]
         self._joining = [q for q in self._joining if q is not seq]
         self._chain_k.pop(seq.slot, None)
         self.source.release_row(seq.slot)
         self.policy.release(seq.slot)
-        if self.spec.pop(seq.slot, None) is not None:
-            self._leaving.append(seq.slot)  # tell the speculator with the next outcome
+        # tell the speculator with the next outcome (a chain's row may have no speculation in
+        # hand here: it joined the chain, or its speculations came from the device)
+        if self.spec.pop(seq.slot, None) is not None or chained:
+            self._leaving.append(seq.slot)
 
     def settle(self) -> None:
         """No row is running: tell the speculator about the rows that left (cancelled), so it
@@ -437,7 +442,9 @@ class LinkVerifier:
             # per OUTCOME round answered (a sequence's first included), phases of SPEC_PHASES
             "speculator_rounds": rounds,
             "speculator_ms_per_round": ms_per_round(stats.phase_s),
-            "k_costs": self.policy.costs.snapshot(), **chain}
+            "k_costs": self.policy.costs.snapshot(),
+            "speculator_rows_held": stats.held,  # once every row has left: none
+            **chain}
         if any(stats.host_s.values()):  # SSDLIB_HOST_TIMES=1 on the speculator rank
             out["speculator_host_ms_per_round"] = ms_per_round(stats.host_s)
         overlap = self.link.overlap  # the stream placement on a GPU

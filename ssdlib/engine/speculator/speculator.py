@@ -208,7 +208,7 @@ class Speculator:
         """Answer to an outcome without active rows: the counters since the last STATS."""
         self.link.send_stats(SpeculatorStats(self.stats["idle_s"], self.stats["busy_s"],
                                              self.hits, self.lookups, self.reused, self.rounds,
-                                             self.phase_s, self.host_s))
+                                             self.phase_s, self.host_s, len(self.rows)))
         self.stats = {"idle_s": 0.0, "busy_s": 0.0}
         self.hits = self.lookups = self.reused = self.rounds = 0
         self.phase_s = dict.fromkeys(SPEC_PHASES, 0.0)
