@@ -30,15 +30,24 @@ busy with the chained round, and the host enqueues the one after it. Per step th
 round r and launches round r + 1, so the GPU never waits for the host's Python in steady
 state; what bounds a round is the longer of the verify and the build, beside each other.
 
-A chain runs while its rows stay the same, at most ``protocol.chain_max_rows()`` of them, all
-greedy or, with ``SSDLIB_CHAIN_SAMPLED`` (default on), some sampling: their acceptance is then
+A chain runs for at most ``protocol.chain_max_rows()`` rows, all greedy or, with
+``SSDLIB_CHAIN_SAMPLED`` (default on), some sampling: their acceptance is then
 exact speculative sampling on the device, a hit's q read from the cache (the build stores the
 q each branch token was drawn from), a miss's proposal deterministic (ONEHOT), the draws taken
 from each row's stream at a position kept in the state (``ChainState.draws``; the host reserves
-the same draws, so that the streams go on where the chain leaves them). Any change (a row
-finishes or is cancelled, a row joins) ends it: the round in flight is discarded (read and
-dropped: the decision to end never depends on that round's draws, so verifying its rows again
-later is exact; a greedy one gives the same tokens) and the
+the same draws, so that the streams go on where the chain leaves them).
+
+Rows come and go between two rounds without ending it (:meth:`ChainedRounds.regroup`): a row
+that ends stays in the round in flight (the host drops its tokens past the end) and becomes a
+ghost row at the next launch; a new sequence, prefilled after the host has waited for the round
+in flight, joins at the next launch in a ghost row's place or after the last row, its state
+written on the leader's stream as if its last round had accepted nothing and ended with its
+first token (its caches empty: its first speculation is the n-gram proposal over its prompt),
+and the speculator takes the new rows before its next build (``ChainRegroup``). The chain ends
+when its batch has ended, outgrows the bound, or a joining row's sampling kind (greedy or not)
+differs from the chain's, whose captured steps are of one kind: the round in flight is then
+discarded (read and dropped: the decision to end never depends on that round's draws, so
+verifying its rows again later is exact; a greedy one gives the same tokens) and the
 speculator's rows are reset to the committed tokens (``ChainEnd``); the next exchange asks it
 for a just-in-time draft, as after an admission. Off with ``SSDLIB_CHAINED_ROUNDS=0``.
 """
@@ -168,11 +177,6 @@ class ChainedRounds:
             (sampled or s.params.greedy) and len(s.tokens) + 2 * self.K + 2 <= self.max_len
             for s in seqs)
 
-    def continues(self, seqs) -> bool:
-        """Whether the round in flight is for exactly these rows."""
-        return self.flight is not None and len(seqs) == len(self.flight.seqs) and all(
-            a is b for a, b in zip(seqs, self.flight.seqs))
-
     def _facts_of(self, params) -> object:
         """The chain's sampling kind for rows of ``params``: None when every row is greedy."""
         return None if all(p.greedy for p in params) else any_bucket_facts(params)
@@ -300,6 +304,7 @@ class ChainedRounds:
         nothing, so their first speculation is the n-gram proposal over the prompt). Tells the
         speculator. Returns whether anything changed."""
         st, scratch = self.state, self.runner.scratch_slot
+        rows = new
         width = max(len(old), len(new))
         old = old + [None] * (width - len(old))
         new = new + [None] * (width - len(new))
@@ -328,8 +333,8 @@ class ChainedRounds:
                                     non_blocking=True)
                 key, draw = RowStreams.reserve_host([s.stream], 0)[0].tolist()
                 st.set_stream(0, before, i, key, draw)
-        self.link.regroup_chain(ChainRegroup(
-            [s.slot if s is not None else -1 for s in new[:len(new)]], joined, before))
+        self.link.regroup_chain(ChainRegroup([s.slot if s is not None else -1 for s in rows],
+                                             joined, before))
         self.counts["joins"] += len(joined)
         return True
 
