@@ -91,6 +91,29 @@ def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     assert run["speculator_rows_held"] == 0  # every row that ran in the chain has left
 
 
+def test_a_batch_outgrowing_the_chain_ends_it_and_a_smaller_one_starts_another(tiny_dirs,
+                                                                                monkeypatch):
+    """With chains of at most 2 rows and 3 slots, admissions grow the batch past the chain
+    (it ends; rounds go through the host) and ends shrink it again (a new chain starts); the
+    tokens equal AR's throughout. (The second prompt ends at admission, so the first chain
+    starts with two rows; the fourth prompt's admission outgrows it.)"""
+    monkeypatch.setenv("SSDLIB_CHAIN_MAX_ROWS", "2")
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+              for n in (20, 1, 25, 9, 14, 3, 18, 11)]
+    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128)
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, params)]
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        outs = g.generate(prompts, params)
+        run = g.last_run_metrics
+    assert [o.token_ids for o in outs] == ar
+    assert run["chain_counts"]["chains"] > 1
+    assert 0 < run["chained_rounds"] < run["rounds"]
+    assert run["speculator_rows_held"] == 0
+
+
 def test_a_joining_row_of_another_sampling_kind_ends_the_chain(tiny_dirs):
     """A sampling row cannot join a greedy chain (its graphs are greedy): the chain ends and
     a new one starts with the row; greedy rows still give AR's tokens."""
