@@ -28,8 +28,9 @@
 # (tools/distill/heldout_chat.jsonl, never trained on): AR (chat1 only), SD, and SD with each
 # draft in CANDS (one GPU; CANDS="$PWD/.stage/cand/v4", carried, compares the previous default).
 # chain1 / chain07: b = 1, 16 prompts, AR / SD / SSD greedy / T = 0.7 (the SSD on one GPU
-# targets; chain07 adds SSD with greedy-only chains); chain8: b = 8 greedy; chain8x: b = 8, SD
-# and SSD with chains up to 8 rows (and a fan-out budget of 8); chain8w: the same, 8 prompts (one wave); chain074: T = 0.7 at
+# targets; chain07 adds SSD with greedy-only chains); chain8: b = 8 greedy; chain8x: b = 8, SD,
+# SSD, SSD with chains up to 4 rows (larger batches through the host) and with a fan-out budget
+# of 8; chain087: b = 8, T = 0.7, SD and SSD; chain074: T = 0.7 at
 # b = 4, SD and SSD; chainfp32: fp32 greedy AR, SSD with the stream placement and with the rank one.
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
@@ -102,8 +103,8 @@ for b in ${BENCHES:-b1}; do
     chain1) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --k 3 --json "$OUT/chain1.json" 2>&1 | $F | tail -16 ;;
     chain07) timeout 300 $B --modes ar,sd,ssd,ssd:env=SSDLIB_CHAIN_SAMPLED=0 --n-prompts 16 --k 3 --temperature 0.7 --json "$OUT/chain07.json" 2>&1 | $F | tail -18 ;;
     chain8) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8.json" 2>&1 | $F | tail -16 ;;
-    chain8x) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=8,ssd:env=SSDLIB_CHAIN_MAX_ROWS=8:fan_out_budget=8 --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8x.json" 2>&1 | $F | tail -20 ;;
-    chain8w) timeout 240 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=8 --n-prompts 8 --batch 8 --k 3 --json "$OUT/chain8w.json" 2>&1 | $F | tail -16 ;;
+    chain8x) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=4,ssd:fan_out_budget=8 --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8x.json" 2>&1 | $F | tail -20 ;;
+    chain087) timeout 240 $B --modes sd,ssd --n-prompts 16 --batch 8 --k 3 --temperature 0.7 --json "$OUT/chain087.json" 2>&1 | $F | tail -16 ;;
     chain074) timeout 240 $B --modes sd,ssd --n-prompts 16 --batch 4 --k 3 --temperature 0.7 --json "$OUT/chain074.json" 2>&1 | $F | tail -14 ;;
     chainfp32) timeout 200 $B --modes ar,ssd,ssd:placement=rank --n-prompts 4 --max-new-tokens 128 --dtype float32 --k 3 \
           --json "$OUT/chainfp32.json" 2>&1 | $F | tail -8 ;;
