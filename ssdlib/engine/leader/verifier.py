@@ -163,17 +163,15 @@ class LinkVerifier:
             done = list(active)
         else:
             before = chain.flight.seqs
-            joined = {id(q) for q in self._joining}
             self._joining = [q for q in self._joining if not any(q is r for r in rows_of)]
             flight = chain.launch(rows_of, timer)
             clock.tick("launch")
             self.timer.flush()
             got = chain.read_previous(flight)
-            # the rows the round read back verified and that still run (not those that ended
-            # in it or joined after it)
+            # the rows of the round read back that still run (not those that ended in an
+            # earlier round; rows that join now are in the next one only)
             live = {id(q) for q in active}
-            at = [j for j, q in enumerate(before)
-                  if q is not None and id(q) in live and id(q) not in joined]
+            at = [j for j, q in enumerate(before) if q is not None and id(q) in live]
             done = [before[j] for j in at]
             result = got.result.rows(at)
             # a miss's speculation: an n-gram proposal, or placeholder tokens ("none")
