@@ -70,6 +70,21 @@ def test_chained_rounds_only_for_small_greedy_batches(tiny_dirs, monkeypatch):
     assert outs[1].metrics["chained_rounds"] > 0  # alone once the first ended
 
 
+def _ar_and_chained(tiny_dirs, prompts, params, ar_params=None, warm: bool = False, **kw):
+    """(AR's tokens, SSD's outputs, SSD's run metrics) of one batch of ``prompts``, SSD with the
+    stream placement (``ar_params``: AR's, default ``params``; ``warm``: SSD runs the first
+    three prompts once before, so that a GPU captures its steps first)."""
+    kw = dict(target=tiny_dirs["smol_heads"], max_len=128, **kw)
+    with Generator(**kw) as g:
+        ar = [o.token_ids for o in g.generate(prompts, ar_params or params)]
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+                   speculator_placement="stream", **kw) as g:
+        if warm:
+            g.generate(prompts[:3], params[:3])
+        outs = g.generate(prompts, params)
+        return ar, outs, g.last_run_metrics
+
+
 def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     """Continuous batching in chained rounds: rows that end leave the chain as ghost rows and
     new sequences join it between two rounds, so one chain serves the whole call; the tokens
@@ -77,13 +92,7 @@ def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
               for n in (5, 17, 9, 30, 3, 12, 20, 7, 1, 14)]
-    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128)
-    with Generator(**kw) as g:
-        ar = [o.token_ids for o in g.generate(prompts, params)]
-    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
-                   speculator_placement="stream", **kw) as g:
-        outs = g.generate(prompts, params)
-        run = g.last_run_metrics
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3)
     assert [o.token_ids for o in outs] == ar
     # 10 prompts, 3 at the start; the one of max_new_tokens=1 ends at admission, unjoined
     assert run["chain_counts"] == {"chains": 1, "joins": 6}
@@ -101,13 +110,7 @@ def test_a_batch_outgrowing_the_chain_ends_it_and_a_smaller_one_starts_another(t
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(8)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
               for n in (20, 1, 25, 9, 14, 3, 18, 11)]
-    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128)
-    with Generator(**kw) as g:
-        ar = [o.token_ids for o in g.generate(prompts, params)]
-    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
-                   speculator_placement="stream", **kw) as g:
-        outs = g.generate(prompts, params)
-        run = g.last_run_metrics
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3)
     assert [o.token_ids for o in outs] == ar
     assert run["chain_counts"]["chains"] > 1
     assert 0 < run["chained_rounds"] < run["rounds"]
@@ -121,13 +124,7 @@ def test_a_joining_row_of_another_sampling_kind_ends_the_chain(tiny_dirs):
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
     params = [greedy, greedy, sampled, greedy, sampled, greedy]
-    kw = dict(target=tiny_dirs["smol_heads"], max_batch=2, max_len=128)
-    with Generator(**kw) as g:
-        ar = [o.token_ids for o in g.generate(prompts, greedy)]
-    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
-                   speculator_placement="stream", **kw) as g:
-        outs = g.generate(prompts, params)
-        run = g.last_run_metrics
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, ar_params=greedy, max_batch=2)
     assert [o.token_ids for o, p in zip(outs, params) if p is greedy] == \
         [t for t, p in zip(ar, params) if p is greedy]
     assert all(len(o.token_ids) == 12 for o in outs)
@@ -158,15 +155,8 @@ def test_cuda_fp32_chain_through_ends_and_admissions_equals_ar(tiny_dirs):
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
               for n in (5, 17, 9, 30, 3, 12, 20, 7, 2, 14)]
-    kw = dict(target=tiny_dirs["smol_heads"], max_batch=3, max_len=128, device="cuda",
-              dtype="float32")
-    with Generator(**kw) as g:
-        ar = [o.token_ids for o in g.generate(prompts, params)]
-    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
-                   speculator_placement="stream", **kw) as g:
-        g.generate(prompts[:3], params[:3])  # capture before the measured call
-        outs = g.generate(prompts, params)
-        run = g.last_run_metrics
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, warm=True, max_batch=3,
+                                    device="cuda", dtype="float32")
     assert [o.token_ids for o in outs] == ar
     assert run["chain_counts"]["joins"] == 7 and run["chain_overlap"]["rounds"] > 0
 
