@@ -126,11 +126,14 @@ def _long_stream(client, out: dict, key, started: threading.Event, stop: threadi
     s.response.close()  # the client leaves mid-stream (its slot is freed)
 
 
-def test_a_late_request_joins_the_running_batch(models, reference):
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_a_late_request_joins_the_running_batch(models, reference, mode):
     """Three requests of LONG tokens run; a short one sent meanwhile finishes while all three
     are still generating. No timing margin: the long ones cannot end before they are stopped
-    (LONG tokens take seconds even here), and each must stream more after the short answer."""
-    server = LiveServer(_engine(models, "ar", max_batch=4), max_queue=4)
+    (LONG tokens take seconds even here), and each must stream more after the short answer.
+    In ssd the short request joins the running chain of rounds and leaves it, and the
+    disconnected ones leave it as cancelled rows."""
+    server = LiveServer(_engine(models, mode, max_batch=4), max_queue=4)
     try:
         c = server.client()
         before = server.metrics().get("ssdlib_requests_total[cancelled]", 0)
