@@ -190,8 +190,7 @@ class ChainedRounds:
             return False
         rows = [s for s in self.flight.seqs if s is not None and not s.finished]
         rows += list(joining) + list(seqs)
-        return (len(rows) <= protocol.chain_max_rows() and self.fits(rows)
-                and self._facts_of([s.params for s in rows]) == self.facts)
+        return self.fits(rows) and self._facts_of([s.params for s in rows]) == self.facts
 
     def regroup(self, active, joining) -> list | None:
         """The chain's rows for its next round when the batch ``active`` differs from the
@@ -236,11 +235,10 @@ class ChainedRounds:
         their parameters, and their streams where the first round left them."""
         b = len(seqs)
         st = self.state
-        sampling = not all(s.params.greedy for s in seqs)
-        self.facts = None
+        params = [s.params for s in seqs]
+        self.facts = self._facts_of(params)
+        sampling = self.facts is not None
         if sampling:
-            params = [s.params for s in seqs]
-            self.facts = any_bucket_facts(params)
             self.table[b:] = torch.tensor(GHOST_ROW, device=self.device)
             self.table[:b].copy_(SamplingTensors.host_table(params), non_blocking=True)
             st.start_streams(0, RowStreams.reserve_host([s.stream for s in seqs], 0))
@@ -296,18 +294,17 @@ class ChainedRounds:
                                          hit.view(-1, 1).long(), branch.view(-1, 1).long(),
                                          ngram.view(-1, 1).long(), spec], dim=1)
 
-    def _regroup_state(self, old: list, new: list, before: int) -> bool:
+    def _regroup_state(self, old: list, rows_of: list, before: int) -> bool:
         """Between two rounds (on the leader's stream, after the round in flight and its
-        build): rows of ``old`` not in ``new`` become ghost rows, new sequences in ``new`` join
+        build): rows of ``old`` not in ``rows_of`` become ghost rows, new sequences in it join
         at index ``before`` of the state as if their last round had accepted nothing and
         ended with their first token (committed length = prompt + 1; their caches hold
         nothing, so their first speculation is the n-gram proposal over the prompt). Tells the
         speculator. Returns whether anything changed."""
         st, scratch = self.state, self.runner.scratch_slot
-        rows = new
-        width = max(len(old), len(new))
+        width = max(len(old), len(rows_of))
         old = old + [None] * (width - len(old))
-        new = new + [None] * (width - len(new))
+        new = rows_of + [None] * (width - len(rows_of))
         gone = [i for i in range(width) if old[i] is not None and new[i] is not old[i]]
         joined = [i for i in range(width) if new[i] is not None and new[i] is not old[i]]
         if not gone and not joined:
@@ -333,7 +330,7 @@ class ChainedRounds:
                                     non_blocking=True)
                 key, draw = RowStreams.reserve_host([s.stream], 0)[0].tolist()
                 st.set_stream(0, before, i, key, draw)
-        self.link.regroup_chain(ChainRegroup([s.slot if s is not None else -1 for s in rows],
+        self.link.regroup_chain(ChainRegroup([s.slot if s is not None else -1 for s in rows_of],
                                              joined, before))
         self.counts["joins"] += len(joined)
         return True
