@@ -27,14 +27,18 @@ LOG=$OUT/feature.log
 export PYTHONUNBUFFERED=1
 case "$DATA" in *.gz) gunzip -c "$DATA" > /tmp/feature_data.safetensors; DATA=/tmp/feature_data.safetensors ;; esac
 say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
 say "train: $STEPS steps, $TRAIN_FLAGS"
 # shellcheck disable=SC2086
 timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py --target "$TARGET" --out "$FD" \
     --data-from "$DATA" --steps "$STEPS" --device "$DEVICE" --max-mb 16 --eval-every 500 \
     --train-budget $((TRAIN_TIMEOUT - 30)) $TRAIN_FLAGS \
     2>&1 | tr '\r' '\n' | grep -v '%|' | grep -v '^\s*$' | tail -15 | tee -a "$LOG"
+fi
 [ -s "$FD/model.safetensors" ] || { say "no draft written"; exit 1; }
-tar -cf "$OUT/feature_draft.tar" -C "$FD" .
+[ "${SKIP_TRAIN:-0}" = 1 ] || tar -cf "$OUT/feature_draft.tar" -C "$FD" .
+# TRAIN_ONLY=1: stop here (a later call evaluates the carried draft: FD=its directory, SKIP_TRAIN=1)
+[ "${TRAIN_ONLY:-0}" = 1 ] && { say "trained (TRAIN_ONLY)"; exit 0; }
 say "offline acceptance (K = 5): the target's features, and self-conditioned"
 timeout 90 python3 -m tools.distill.feature_eval --draft "$FD" --target "$TARGET" --data-from "$DATA" \
     --k 5 --positions "$POSITIONS" --device "$DEVICE" 2>&1 | tail -8 | tee -a "$LOG"
