@@ -170,6 +170,9 @@ class Outcome:
     verify_us: int = 0  # the leader's last verify forward, µs: a jit draft's cost is weighed
     # against it (Thm 17); in the header
     limit: list[int] = field(default_factory=list)  # per row (default: K)
+    # a feature draft's speculator (stream placement): the target's features of the positions
+    # verified since the row's last OUTCOME (None: a standalone draft, nothing to carry)
+    features: "FeatureRows | None" = None
 
     def __post_init__(self):
         n = len(self.slots)
@@ -213,6 +216,41 @@ class Outcome:
                    [bool(r[3]) for r in host], header.sampling, k, [r[4] for r in host],
                    [r[5] for r in host], [r[7:] for r in host], header.verify_us,
                    [r[6] for r in host])
+
+
+@dataclass
+class FeatureRows:
+    """The target's features that travel with an OUTCOME to a feature draft's speculator: for
+    each row of the OUTCOME (its order), the positions [start, start + count) whose features
+    the target computed since the row's last OUTCOME (count 0: none, an inactive row). After an
+    admission that is the prompt, [0, prompt length); after a round that accepted k tokens of a
+    speculation verified from position n - 1 (n committed before it), [n - 1, n + k): the last
+    committed token's position and the k accepted ones'. ``values``: those features, the rows'
+    spans one after the other [sum(count), W] (the target's feature width), on the device.
+    Every committed position but the last (the bonus, not fed to the target yet) is then
+    covered exactly once over a row's life."""
+
+    starts: list[int]
+    counts: list[int]
+    values: torch.Tensor  # [sum(counts), W]
+    # in the leader's process only (stream placement): the CUDA event after which ``values``
+    # are ready on the leader's stream (None: ready now)
+    ready: object = None
+
+    def __post_init__(self):
+        if len(self.starts) != len(self.counts):
+            raise ValueError("FeatureRows: one start and one count per row")
+        if any(c < 0 for c in self.counts) or sum(self.counts) != self.values.shape[0]:
+            raise ValueError(f"FeatureRows: counts {self.counts} do not cover the "
+                             f"{self.values.shape[0]} feature rows")
+
+    def offsets(self) -> list[int]:
+        """Where each row's span begins in ``values``."""
+        out, at = [], 0
+        for c in self.counts:
+            out.append(at)
+            at += c
+        return out
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ssdlib.distributed.protocol import Admit, AdmitRow, Choice, Outcome, Replie
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.chained_rounds import ChainedRounds, chained_rounds_on
+from ssdlib.engine.leader.feature_feed import FeatureFeed
 from ssdlib.engine.leader.metrics import (PLACEHOLDER, record_acceptance, record_lookup,
                                           record_source, speculation_source)
 from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
@@ -61,8 +62,10 @@ class LinkVerifier:
 
     def __init__(self, target, link: SpecLink | LocalLink, k: int, device,
                  source: JitSource | CacheSource, adaptive: bool = True, sweep: bool = False,
-                 schedule: list[int] | None = None):
+                 schedule: list[int] | None = None, features: FeatureFeed | None = None):
         self.target = target
+        # a feature draft's speculator: the target's features travel with each OUTCOME
+        self.features = features
         self.link = link
         self.k = k
         self.device = device
@@ -88,7 +91,7 @@ class LinkVerifier:
         # chained rounds (stream placement, small batches: chained_rounds.py)
         self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
-            and getattr(target, "channel", None) is None else None
+            and getattr(target, "channel", None) is None and features is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._joining: list = []  # admitted into a running chain, not launched in it yet
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
@@ -109,6 +112,8 @@ class LinkVerifier:
         for q in seqs:
             self.source.admit_row(q)
             self.policy.admit(q.slot)
+            if self.features is not None:
+                self.features.admit(q.slot)
         # the speculator prefills the draft while the target prefills here
         self.link.send_admit(Admit([AdmitRow(q.slot, list(q.tokens), q.request.stream_salt,
                                              q.params) for q in seqs]))
@@ -280,7 +285,9 @@ class LinkVerifier:
                       sampling=any(a and not q.params.greedy for q, a in zip(seqs, alive)),
                       k=self.k, choice=[c for c, _, _ in chosen], arg=[g for _, g, _ in chosen],
                       tokens=[t for _, _, t in chosen], verify_us=self._verify_us,
-                      limit=limits + gone)
+                      limit=limits + gone,
+                      features=None if self.features is None
+                      else self.features.rows(seqs, alive, extra=len(leaving)))
         self.link.send_outcome(msg)
         for q, a in zip(seqs, alive):
             if not a:
@@ -469,6 +476,7 @@ def build_link_verifier(cfg, world, target, target_ck):
     its own rank, or built here on a stream of its own: ``cfg.placement``) or ``sd`` with the
     draft on its own rank (a jit source). Returns (loop, close)."""
     vocab = target_ck.config.vocab_size
+    features = None
     if cfg.mode != "ssd":
         link, source = link_for(cfg, world, target_ck), JitSource(cfg.k, vocab)
     else:
@@ -478,10 +486,15 @@ def build_link_verifier(cfg, world, target, target_ck):
             link = link_for(cfg, world, target_ck, branches)
         else:
             link = LocalLink(world.device, cfg.max_batch, cfg.k, vocab, branches)
+            # a feature draft shares the target's embedding and head where it is unsharded
+            model = target.runner.model if cfg.tp == 1 else None
             with link.on_stream():
-                link.attach(build_speculator(cfg, world.device, target_ck, link))
+                link.attach(build_speculator(cfg, world.device, target_ck, link, model))
+            if cfg.feature_draft:  # its speculator reads the features the target keeps
+                features = FeatureFeed(target.runner.cache.features)
             if link.cuda:  # what was set up on other streams is done before either side runs
                 torch.cuda.synchronize(world.device)
     loop = LinkVerifier(target, link, cfg.k, world.device, source, adaptive=cfg.adaptive_k,
-                        sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
+                        sweep=captures_steps(world.device), schedule=k_schedule(cfg.k),
+                        features=features)
     return loop, loop.close

@@ -62,19 +62,10 @@ class CacheBuilder:
         return sum(x >= 0 for x in reuse)
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """Branch j of the fan-out -> (its position k, its rank among the kept candidates).
-        Tiny vocabularies (fewer kept candidates than F_k) repeat the last one (a duplicate
-        branch never hits twice)."""
-        cached = self._index_cache.get(fan)
-        if cached is None:
-            pos, rank = [], []
-            for k, f in enumerate(fan):
-                f_eff = min(f, self.V - (1 if k < self.K else 0))
-                pos += [k] * f
-                rank += [min(j, f_eff - 1) for j in range(f)]
-            cached = (to_device(pos, self.device), to_device(rank, self.device))
-            self._index_cache[fan] = cached
-        return cached
+        """:func:`fan_index` of ``fan``, kept per fan-out."""
+        if fan not in self._index_cache:
+            self._index_cache[fan] = fan_index(fan, self.K, self.V, self.device)
+        return self._index_cache[fan]
 
     def _candidates(self, rows: list[SpecRow]) -> tuple[torch.Tensor, list[int]]:
         """Top-C draft tokens at positions 1..K+1 of each row's sent speculation [b, K+1, C]
@@ -103,3 +94,15 @@ class CacheBuilder:
         slots = torch.tensor([r.slot for r in sub])
         logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
         cand[to_device(fresh, self.device)] = logits.topk(self.C, dim=-1).indices
+
+
+def fan_index(fan: tuple, K: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branch j of the fan-out -> (its position k, its rank among the kept candidates) [B] each,
+    on ``device``. Tiny vocabularies (fewer kept candidates than F_k) repeat the last one (a
+    duplicate branch never hits twice)."""
+    pos, rank = [], []
+    for k, f in enumerate(fan):
+        f_eff = min(f, vocab - (1 if k < K else 0))
+        pos += [k] * f
+        rank += [min(j, f_eff - 1) for j in range(f)]
+    return to_device(pos, device), to_device(rank, device)

@@ -25,15 +25,17 @@ from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit,
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.runner.model_runner import ModelRunner
+from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
 from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
+from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureSpecDraft
 from ssdlib.engine.speculator.outcomes import Answer, Fallbacks, answer_jit, q_after_build
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
+from ssdlib.loading.feature_draft import is_feature_draft, load_feature_draft
 from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
@@ -45,14 +47,14 @@ class Speculator:
     """Serve ADMIT / OUTCOME until SHUTDOWN; ``cache`` (SSD) keeps and rebuilds the speculation
     cache every round, without it every speculation is a jit draft."""
 
-    def __init__(self, cfg, runner: ModelRunner, link: SpecLink, vocab_size: int,
-                 drafter: Drafter, cache: "CacheRole | None" = None):
+    def __init__(self, cfg, runner: ModelRunner | None, link: SpecLink, vocab_size: int,
+                 drafter: "Drafter | FeatureSpecDraft", cache: "CacheRole | None" = None):
         self.cfg = cfg
         self.K = cfg.k
-        self.runner = runner
+        self.runner = runner  # a standalone draft's (None: a feature draft keeps its own state)
         self.link = link
         self.V = vocab_size
-        self.device = runner.device
+        self.device = runner.device if runner is not None else drafter.device
         self.drafter = drafter
         self.rows: dict[int, SpecRow] = {}  # by KV slot; the cache is indexed by slot too
         self.sampling = False  # the current exchange's answer carries q
@@ -116,7 +118,8 @@ class Speculator:
 
     def shutdown(self) -> None:
         self.profiler.close()
-        self.runner.release_graphs()
+        if self.runner is not None:
+            self.runner.release_graphs()
 
     def admit(self, msg: Admit) -> None:
         """New sequences join (their slots may have been used by finished ones)."""
@@ -152,6 +155,7 @@ class Speculator:
             live.append(i)
         if self.cache is not None:
             self.cache.observe_round(verified)
+            self.cache.take_features(outcome, self.rows)
         if not live:
             return False
         self.timer.mark("commit")
@@ -257,16 +261,20 @@ class CacheRole:
     """What an SSD speculator keeps besides its draft: the speculation cache, its builder, the
     fan-out (Thm 12, estimated online or fixed) and the backup for misses (Thm 17)."""
 
-    def __init__(self, cfg, runner: ModelRunner, drafter: Drafter, vocab_size: int):
+    def __init__(self, cfg, runner: ModelRunner | None, drafter, vocab_size: int,
+                 builder=None):
+        """``builder(cache)``: the cache's builder (default: a standalone draft's
+        ``CacheBuilder`` over ``runner``)."""
         self.K = cfg.k
         fan = parse_fanout(cfg.fan_out, self.K)
         self.estimator = FanoutEstimator(cfg.fan_out_budget, self.K) if fan == "auto" else None
         self.fixed_fanout = None if fan == "auto" else fan
         self.B = cache_branches_of(cfg)
         # one row per KV slot, plus the scratch slot's (ghost rows of a captured build)
-        self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size,
-                                      runner.device)
-        self.builder = CacheBuilder(runner, drafter, self.cache, vocab_size, cfg.saguaro_c)
+        device = runner.device if runner is not None else drafter.device
+        self.cache = SpeculationCache(cfg.max_batch + 1, self.B, self.K, vocab_size, device)
+        self.builder = builder(self.cache) if builder is not None else \
+            CacheBuilder(runner, drafter, self.cache, vocab_size, cfg.saguaro_c)
         self.fallbacks = Fallbacks(drafter, cfg.fallback, self.K, vocab_size)
         if self.B != sum(self.fanout()):
             raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
@@ -291,6 +299,12 @@ class CacheRole:
         self.cache.invalidate(slots)
         if self._second is not None:
             self._second.invalidate(slots)
+
+    def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
+        """The target's features an OUTCOME carries (``rows``: the speculator's, by slot, their
+        outcomes committed): a standalone draft reads none."""
+        if outcome.features is not None:
+            raise RuntimeError("an OUTCOME carried target features to a standalone draft")
 
     def observe(self, row: SpecRow, k: int, limit: int) -> None:
         """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
@@ -406,6 +420,34 @@ class CacheRole:
         link.send_cache(self.cache.pushed_rows(rows, live, FALLBACKS.index(kind)))
 
 
+class FeatureCacheRole(CacheRole):
+    """The cache role of a feature draft's speculator (``feature_build.py``): every OUTCOME's
+    target features are committed into the draft's state before the answer; the build drafts
+    the outcomes on self-conditioned features. Chained rounds are a standalone draft's."""
+
+    def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int):
+        super().__init__(cfg, None, drafter, vocab_size, builder=lambda cache: FeatureCacheBuilder(
+            drafter, cache, vocab_size, cfg.saguaro_c))
+        self.drafter = drafter
+
+    def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
+        f = outcome.features
+        if f is None:
+            raise RuntimeError("an OUTCOME to a feature draft's speculator carried no features")
+        if f.ready is not None:  # (in-process) gathered on the leader's stream
+            stream = torch.cuda.current_stream(self.drafter.device)
+            stream.wait_event(f.ready)
+            f.values.record_stream(stream)  # not reused by the leader's side before it is read
+        live = [i for i, (a, c) in enumerate(zip(outcome.active, f.counts)) if a and c > 0]
+        offsets = f.offsets()
+        self.drafter.commit_features([rows[outcome.slots[i]] for i in live],
+                                     [f.starts[i] for i in live], [f.counts[i] for i in live],
+                                     f.values, [offsets[i] for i in live])
+
+    def start_chain(self, msg, rows) -> None:
+        raise RuntimeError("chained rounds run with a standalone draft, not a feature draft")
+
+
 def tree_len_of(cfg) -> int:
     """Branch positions the draft's KV cache keeps for tree decoding (SSD's cache build)."""
     return cache_branches_of(cfg) * cfg.k
@@ -418,17 +460,27 @@ def cache_branches_of(cfg) -> int:
     return cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
 
 
-def build_speculator(cfg, device, target_ck, link) -> Speculator:
+def build_speculator(cfg, device, target_ck, link, target_model=None) -> Speculator:
     """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
     between ranks, or a :class:`~ssdlib.distributed.local_link.LocalLink` in the leader's process):
-    its draft (checked against the target), its model runner, and in mode ssd its cache."""
+    its draft (checked against the target), its model runner, and in mode ssd its cache. A
+    feature draft (mode ssd, in the leader's process) shares ``target_model``'s embedding and
+    head where given."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
+    vocab = target_ck.config.vocab_size
+    if is_feature_draft(cfg.draft):
+        # KV for the committed tokens and a speculation past them; RoPE also for the branches
+        draft = load_feature_draft(cfg.draft, target_ck, target_model, device, cfg.torch_dtype,
+                                   max_positions=cfg.max_len + 2 * cfg.k + 2)
+        drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
+                                   tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
+                                   use_kernel=use_slot_kernel(device))
+        return Speculator(cfg, None, link, vocab, drafter, FeatureCacheRole(cfg, drafter, vocab))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
-    vocab = target_ck.config.vocab_size
     drafter = Drafter(runner, vocab, draws=cfg.k)
     cache = CacheRole(cfg, runner, drafter, vocab) if cfg.mode == "ssd" else None
     return Speculator(cfg, runner, link, vocab, drafter, cache)

@@ -1,0 +1,55 @@
+"""The leader's side of a feature draft's speculator (SSD, ``engine/speculator/feature_build.py``):
+with each OUTCOME, the target's features of the positions each row committed since its last
+OUTCOME, gathered from the target's feature buffer (``KVCache.features``) on the device into a
+``protocol.FeatureRows``. Nothing is read back to the host."""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.distributed.protocol import FeatureRows
+
+
+class FeatureFeed:
+    """Per slot, how many leading positions' features the speculator has been sent."""
+
+    def __init__(self, features: torch.Tensor):
+        self.features = features  # [slots, max_len, W], written by every target forward
+        self.device = features.device
+        self.sent: dict[int, int] = {}
+
+    def admit(self, slot: int) -> None:
+        self.sent[slot] = 0
+
+    def release(self, slot: int) -> None:
+        self.sent.pop(slot, None)
+
+    def rows(self, seqs, alive: list[bool], extra: int = 0) -> FeatureRows:
+        """The features of each live row of ``seqs`` (an OUTCOME's rows, in order; ``extra``
+        rows after them, leaving, get none): positions [sent, L - 1) of a row with L committed
+        tokens, every one the target has fed."""
+        starts, counts, slot_idx, pos_idx = [], [], [], []
+        for q, a in zip(seqs, alive):
+            start = self.sent.get(q.slot, 0)
+            end = len(q.tokens) - 1 if a else start
+            if end < start:
+                raise RuntimeError(f"slot {q.slot}: {len(q.tokens)} committed tokens, but the "
+                                   f"features of {start} positions were sent")
+            starts.append(start)
+            counts.append(end - start)
+            slot_idx += [q.slot] * (end - start)
+            pos_idx += range(start, end)
+            if a:
+                self.sent[q.slot] = end
+        starts += [0] * extra
+        counts += [0] * extra
+        index = torch.tensor([slot_idx, pos_idx], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        values = self.features[index[0], index[1]]
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return FeatureRows(starts, counts, values, ready)

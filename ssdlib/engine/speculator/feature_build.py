@@ -1,0 +1,261 @@
+"""SSD's speculator with a feature draft (EAGLE-style, ``ssdlib.models.feature_draft``): its
+draft state, its jit drafts and its cache build (Algorithm 1), self-conditioned where the
+target's features do not exist yet.
+
+Positions are the draft's: its KV position t holds the pair (f_t, x_{t+1}) (the feature at t,
+the token after it; ``engine/feature_drafter.py`` has the convention). A row with L committed
+tokens x_0 .. x_{L-1} has true features for positions 0 .. L-2: the target fed every committed
+token but the last (the bonus). They reach the speculator with each OUTCOME
+(``protocol.FeatureRows``: after an admission the prompt's, after a round the k + 1 positions it
+verified and kept) and are committed at once (:meth:`FeatureSpecDraft.commit_features`): one
+forward over the new pairs (f_t, x_{t+1}) rewrites their KV, so that every committed position
+holds the target's own feature, and leaves per slot the output at position L - 2, whose logits
+predict x_L (the speculation's first token) and whose h_{L-2} estimates f_{L-1}.
+
+While the verifier verifies a speculation s_1..s_K (the positions L-1 .. L+K-2 of its pairs,
+(·, s_j) at L-2+j), their features do not exist: the speculator conditions on its own. The build
+(:meth:`FeatureCacheBuilder.build`) first runs the speculation through the draft as a chain,
+teacher-forced on s_1..s_K: step j feeds (h_{L-3+j}, s_j) at L-2+j, its output h_{L-2+j}
+standing in for the feature the next step needs. That gives the draft's top-C candidates after
+x_{L-1} and after each s_j (K + 1 positions, as a standalone draft's one forward over the
+speculation does) and the hidden states H_k = h_{L-2+k}, k = 0..K. The outcome (k, t) (s_1..s_k
+accepted, bonus t at position L+k) then starts a branch whose first pair (H_k, t) sits at draft
+position L-1+k: the standalone tree build's layout with n = L - 1 (``tree_build.branch_setup``:
+slot prefix n + k, the tree mask, the fan-out's outcomes), each later depth's pair (h of the
+branch's previous depth, its token). The tree's KV goes to the scratch region, never into the
+slot; the chain's KV (self-conditioned) sits past the committed positions until the next
+OUTCOME's features rewrite the accepted ones.
+
+A jit draft (a miss, a sequence's first speculation) starts from the slot's last output: d_1
+from its logits, then (h, d_j) pairs as in SD. A hit's branch is drafted again by the next
+build's chain rather than moved out of the tree scratch: its first pair then reads the target's
+true feature f_{L-2}, which the branch could not.
+
+Sampling: jit drafts and branch tokens are drawn as the standalone speculator draws them (the
+row's target distribution of the draft's logits; Saguaro's sigma_{F,C} in the tree), with the
+same stream reservations, so the q each token was drawn from is exact and the verifier exact.
+Runs eagerly (no captured steps yet); the chained rounds of the stream placement are for
+standalone drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
+from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.sampled_chain import fit_vocab
+from ssdlib.engine.sampler import draw_tokens, sample_branches
+from ssdlib.engine.speculator.cache_builder import fan_index
+from ssdlib.engine.speculator.spec_cache import SpeculationCache
+from ssdlib.engine.speculator.tree_build import branch_setup
+from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.sampling import SamplingTensors, target_distributions
+from ssdlib.speculative.rng import RowStreams
+
+
+class FeatureSpecDraft:
+    """A feature draft as SSD's speculator holds it: its KV cache (slots and the tree scratch of
+    ``tree_len`` branch positions), and per slot the output at the last position with a true
+    feature (``last_logits`` [slots, V], ``last_hidden`` [slots, H]). The drafter interface the
+    speculator's fallbacks call: ``prefill``, ``propose`` and ``valid``."""
+
+    def __init__(self, draft, n_slots: int, max_len: int, vocab_size: int, tree_len: int,
+                 device, dtype: torch.dtype, draws: int = 0, use_kernel: bool = False):
+        self.draft = draft
+        self.device = torch.device(device)
+        cfg = draft.config
+        self.cache = KVCache(cfg.num_hidden_layers, n_slots, draft.kv_heads_local, max_len,
+                             cfg.head_dim, dtype, self.device, tree_len=tree_len)
+        self.max_len = max_len
+        self.vocab_size = vocab_size
+        self.draws = draws  # draws a sampled row's stream gives up each jit draft (K)
+        self.use_kernel = use_kernel
+        self.last_logits = torch.zeros(n_slots, vocab_size, dtype=torch.float32,
+                                       device=self.device)
+        self.last_hidden = torch.zeros(n_slots, cfg.hidden_size, dtype=dtype, device=self.device)
+        # per slot: the positions whose pairs hold the target's features (0 .. fed - 1)
+        self.fed: dict[int, int] = {}
+        # the speculator's fallbacks set it (a standalone drafter's lazily fed KV); the feature
+        # draft's KV follows the OUTCOMEs' features instead
+        self.valid: dict[int, int] = {}
+
+    def prefill(self, rows) -> None:
+        """A new sequence: nothing to feed before its first OUTCOME brings the prompt's
+        features."""
+        for r in rows:
+            self.fed[r.slot] = 0
+
+    @torch.inference_mode()
+    def commit_features(self, rows, starts: list[int], counts: list[int],
+                        values: torch.Tensor, offsets: list[int]) -> None:
+        """Feed the target's features of positions [start, start + count) of each row (their
+        rows of ``values`` [sum, W] from ``offsets``): the pairs (f_t, x_{t+1}) into the slots'
+        KV, and each row's output at its span's last position (L - 2) into ``last_logits`` /
+        ``last_hidden``. Each span must continue the row's fed positions and end at L - 2."""
+        if not rows:
+            return
+        for r, st, c in zip(rows, starts, counts):
+            if st != self.fed.get(r.slot, 0) or st + c != len(r.tokens) - 1:
+                raise RuntimeError(
+                    f"features of positions [{st}, {st + c}) for slot {r.slot} with "
+                    f"{len(r.tokens)} committed tokens and {self.fed.get(r.slot, 0)} fed: the "
+                    f"leader and the speculator disagree on the row")
+        dev = self.device
+        ids, positions = pack_rows([r.tokens[st + 1:st + c + 1] for r, st, c in
+                                    zip(rows, starts, counts)], starts)
+        b, s = ids.shape
+        # the features padded to [b, s, W]: one gather from ``values`` (padding reads row 0)
+        src = torch.zeros(b, s, dtype=torch.int64)
+        for i, (o, c) in enumerate(zip(offsets, counts)):
+            src[i, :c] = torch.arange(o, o + c)
+        feats = self.draft.condition(values[src.to(dev, non_blocking=True)])
+        positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
+        positions_d = positions.to(dev, non_blocking=True)
+        slots_d = slots_tensor(rows).to(dev, non_blocking=True)
+        meta = AttentionMetadata(positions_d, slots_d, int(positions.max()) + 1,
+                                 kv_limit=positions_d + 1)
+        index = to_device([[c - 1] for c in counts], dev)
+        logits, hidden = self.draft(ids.to(dev, non_blocking=True), feats.to(self.cache.k.dtype),
+                                    self.cache, meta, index)
+        self.last_logits[slots_d] = fit_vocab(logits[:, 0], self.vocab_size).float()
+        self.last_hidden[slots_d] = hidden[:, 0].to(self.last_hidden.dtype)
+        for r, st, c in zip(rows, starts, counts):
+            self.fed[r.slot] = st + c
+
+    def step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain step: the pair (hidden [b, H], tok [b]) at ``pos`` [b] -> (logits [b, V]
+        float32, hidden [b, H])."""
+        p = pos.view(-1, 1)
+        meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=self.use_kernel)
+        logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
+        return fit_vocab(logits[:, 0], self.vocab_size).float(), hidden[:, 0]
+
+    def _start(self, rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(slots [b], position L - 1 of each row's first chain pair [b], key length) on the
+        device, checking every row's features are committed up to L - 2."""
+        for r in rows:
+            if self.fed.get(r.slot, 0) != len(r.tokens) - 1:
+                raise RuntimeError(f"slot {r.slot}: the target's features of its "
+                                   f"{len(r.tokens)} committed tokens have not arrived")
+        slots = slots_tensor(rows).to(self.device, non_blocking=True)
+        first = to_device([len(r.tokens) - 1 for r in rows], self.device)
+        kv_len = min(max(len(r.tokens) for r in rows) + self.draws + 1, self.max_len)
+        return slots, first, kv_len
+
+    @torch.inference_mode()
+    def propose(self, rows, k: int, want_q: bool = True):
+        """A jit draft of k tokens a row from the slot's last output -> tokens [b, k] (device)
+        and q [b, k, V] float32 (one-hot on greedy rows; None when every row is greedy and
+        ``want_q`` is False). Sampled rows draw as SD's feature drafter does (draw j of the
+        row's stream for token j, ``draws`` reserved)."""
+        slots, first, kv_len = self._start(rows)
+        greedy = all(r.params.greedy for r in rows)
+        params = u = None
+        if not greedy:
+            host = [r.params for r in rows]
+            params = SamplingTensors.from_table(
+                SamplingTensors.host_table(host).to(self.device, non_blocking=True),
+                SamplingTensors.host_facts(host))
+            keys = RowStreams.reserve_host([r.stream for r in rows], max(k, self.draws))
+            keys = keys.to(self.device, non_blocking=True)
+            u = RowStreams(keys[:, 0], keys[:, 1], k).uniforms(k)
+        logits, hidden = self.last_logits[slots], self.last_hidden[slots]
+        tokens, qs = [], []
+        for j in range(k):
+            if greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = target_distributions(logits, params)
+                tok = draw_tokens(q, logits, params, u[:, j])
+                qs.append(q)
+            tokens.append(tok)
+            if j < k - 1:
+                logits, hidden = self.step(tok, hidden, first + j, slots, kv_len)
+        tokens = torch.stack(tokens, dim=1)
+        if not greedy:
+            return tokens, torch.stack(qs, dim=1).float()
+        if not want_q:
+            return tokens, None
+        q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
+        return tokens, q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+class FeatureCacheBuilder:
+    """The speculation cache's build for a feature draft (module doc), the interface of
+    ``cache_builder.CacheBuilder``: ``build`` and ``branch_index``."""
+
+    def __init__(self, drafter: FeatureSpecDraft, cache: SpeculationCache, vocab_size: int,
+                 saguaro_c: float):
+        self.drafter = drafter
+        self.cache = cache
+        self.K, self.B, self.V = cache.K, cache.B, vocab_size
+        self.device = drafter.device
+        self.saguaro_c = saguaro_c
+        self.C = min(self.B + 1, vocab_size)  # candidates per position (max fan-out + 1)
+        self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        if fan not in self._index_cache:
+            self._index_cache[fan] = fan_index(fan, self.K, self.V, self.device)
+        return self._index_cache[fan]
+
+    @torch.inference_mode()
+    def build(self, rows, fan: list[int], sampling: bool) -> int:
+        """Cache every likely outcome of the rows' sent speculations (module doc). Returns 0:
+        no row moves a hit's branch KV (its branch is drafted again, on true features)."""
+        d, K, B = self.drafter, self.K, self.B
+        for r in rows:
+            r.fed = True
+        slots, first, kv_len = d._start(rows)
+        kv_len = min(kv_len + K, d.max_len)
+        sent = to_device([r.sent for r in rows], self.device)  # [b, K]
+        # the speculation as a teacher-forced chain: candidates and H_0..H_K
+        logits, hidden = d.last_logits[slots], d.last_hidden[slots]
+        tops, hs = [logits.topk(self.C, dim=-1).indices], [hidden]
+        for j in range(K):
+            logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
+            tops.append(logits.topk(self.C, dim=-1).indices)
+            hs.append(hidden)
+        cand, H = torch.stack(tops, dim=1), torch.stack(hs, dim=1)  # [b, K+1, C], [b, K+1, h]
+        pos, rank = self.branch_index(tuple(fan))
+        fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
+        feat = H.gather(1, fork.unsqueeze(-1).expand(-1, -1, H.shape[-1]))  # [b, B, h]
+        pick = self._sampled_pick(rows, slots, fan) if sampling else None
+        b = len(rows)
+        lane = torch.arange(B, device=self.device).expand(b, B)
+        tokens, tok = [], start
+        for depth in range(K):
+            meta = AttentionMetadata(kv_limit + depth, slots, kv_len, kv_limit=kv_limit,
+                                     tree_index=lane + depth * B,
+                                     tree_mask=full[:, depth * B:(depth + 1) * B,
+                                                    :B * (depth + 1)],
+                                     tree_len=B * (depth + 1), use_kernel=d.use_kernel)
+            logits, feat = d.draft(tok, feat, d.cache, meta)
+            logits = fit_vocab(logits, self.V)  # [b, B, V]
+            tok = logits.argmax(-1) if pick is None else pick(depth, logits)
+            tokens.append(tok)
+        self.cache.tokens[slots] = torch.stack(tokens, dim=2)
+        self.cache.store_keys(slots, fork, start)
+        return 0
+
+    def _sampled_pick(self, rows, slots: torch.Tensor, fan):
+        """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
+        of its stream per depth, K * B reserved a build, as the standalone build draws); the q
+        each was drawn from goes to the cache."""
+        K, B = self.K, self.B
+        params = [r.params for r in rows]
+        table = SamplingTensors.host_table(params).to(self.device, non_blocking=True)
+        st = SamplingTensors.from_table(table, SamplingTensors.host_facts(params))
+        keys = RowStreams.reserve_host([r.stream for r in rows], K * B).to(self.device)
+        u_all = RowStreams(keys[:, 0], keys[:, 1], K * B).uniforms(K * B)  # [b, K * B]
+        cache = self.cache
+
+        def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
+            u = u_all[:, depth * B:(depth + 1) * B]
+            tok, q = sample_branches(logits, st, u, fan[depth] if depth < len(fan) else 0,
+                                     self.saguaro_c)
+            cache.q[slots, :, depth] = q
+            return tok
+        return pick

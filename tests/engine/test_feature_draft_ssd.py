@@ -1,0 +1,163 @@
+"""SSD with a feature draft (EAGLE-style): the speculator commits the target's features each
+OUTCOME carries and self-conditions on its own where they do not exist yet.
+
+Against an oracle (a target whose next feature the oracle draft computes exactly from (token,
+feature), so its own h is the target's next feature and self-conditioning is exact too): the jit
+draft and every cached branch equal the target's greedy continuation of the outcome it assumes,
+which holds only if features, tokens and the draft's own features meet at the right positions
+(in the chain over the speculation under verification and in the tree). In the engine (tiny
+models, CPU): greedy SSD equals AR, sampled SSD keeps the target's distribution, the placements
+where the target's features are not at hand are refused."""
+
+import pytest
+import torch
+
+from ssdlib import Generator, SamplingParams
+from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureSpecDraft
+from ssdlib.engine.speculator.spec_cache import SpeculationCache
+from ssdlib.engine.speculator.spec_row import SpecRow
+from ssdlib.errors import ConfigError
+from tests.engine.test_feature_draft_sd import _feature_draft
+from tests.engine.test_chained_sampling import N_SEQS, NEW, TEMPERATURE, TOP_P
+from tests.engine.test_chained_sampling import PROMPT as SAMPLED_PROMPT
+from tests.engine.test_chained_sampling import pit_values, uniform_p_value
+from tests.engine.test_speculative_exact import GREEDY, PROMPTS, check_equal
+from tests.feature_oracle import FUSED_LAYERS, V, PreviousTokenTarget, oracle_draft
+
+K = 3
+FAN = [2, 2, 1, 2]  # branches per fork k = 0..K
+
+
+def _features(target, tokens, fused):
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        return target.forward_full_features(ids, FUSED_LAYERS if fused else None)[1][0]
+
+
+def _greedy(target, tokens, n):
+    """The target's greedy continuation of ``tokens``, n tokens."""
+    out = list(tokens)
+    for _ in range(n):
+        with torch.no_grad():
+            logits, _ = target.forward_full_features(torch.tensor([out]))
+        out.append(int(logits[0, -1].argmax()))
+    return out[len(tokens):]
+
+
+def _commit(drafter, target, row, start, fused):
+    """The leader's OUTCOME features: positions [start, L - 1) of the row."""
+    feats = _features(target, row.tokens, fused)[start:len(row.tokens) - 1]
+    drafter.commit_features([row], [start], [feats.shape[0]], feats, [0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused):
+    target = PreviousTokenTarget()
+    draft = oracle_draft(target, fused=fused)
+    B = sum(FAN)
+    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K)
+    cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
+    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0)
+    prompt = [5, 17, 3, 42, 8, 11]
+    row = SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
+                  torch.device("cpu"))
+    drafter.prefill([row])
+    _commit(drafter, target, row, 0, fused)  # after the admission: the prompt's features
+    for round_ in range(3):
+        tokens, _ = drafter.propose([row], K, want_q=False)  # a jit draft
+        assert tokens[0].tolist() == _greedy(target, row.tokens, K), round_
+        # the speculation in flight: the greedy one with its second token wrong, so that
+        # outcomes fork before, at and after the mistake
+        sent = _greedy(target, row.tokens, K)
+        sent[1] = (sent[1] + 1) % V
+        row.sent = sent
+        assert builder.build([row], FAN, sampling=False) == 0
+        for j in range(B):
+            k, t = int(cache.fork[1, j]), int(cache.bonus[1, j])
+            assume = row.tokens + sent[:k] + [t]
+            assert cache.tokens[1, j].tolist() == _greedy(target, assume, K), (round_, j, k, t)
+        # the verifier accepts s_1 and rejects s_2: bonus = the target's token there
+        n = len(row.tokens)
+        bonus = _greedy(target, row.tokens + sent[:1], 1)[0]
+        assert cache.ready[1] and any(int(cache.fork[1, j]) == 1 and
+                                      int(cache.bonus[1, j]) == bonus for j in range(B))
+        row.commit(1, bonus)
+        _commit(drafter, target, row, n - 1, fused)  # positions n - 1 and n: k + 1 of them
+
+
+def test_features_must_continue_the_rows_fed_positions():
+    target = PreviousTokenTarget()
+    drafter = FeatureSpecDraft(oracle_draft(target), 2, 64, V, 4 * K, "cpu", torch.float32)
+    row = SpecRow(0, [1, 2, 3, 4], SamplingParams(), 0, torch.device("cpu"))
+    drafter.prefill([row])
+    feats = _features(target, row.tokens, False)
+    with pytest.raises(RuntimeError, match="disagree"):
+        drafter.commit_features([row], [1], [2], feats[1:3], [0])  # not from position 0
+    with pytest.raises(RuntimeError, match="have not arrived"):
+        drafter.propose([row], K)
+
+
+@pytest.fixture(scope="module")
+def feature_draft(tiny_dirs, tmp_path_factory):
+    return _feature_draft(tiny_dirs["smol_heads"], tmp_path_factory.mktemp("fd") / "draft")
+
+
+@pytest.fixture(scope="module")
+def ar_reference(tiny_dirs):
+    with Generator(target=tiny_dirs["smol_heads"], max_batch=4, max_len=128) as g:
+        return [o.token_ids for o in g.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ssd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_draft, batch):
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
+                   max_batch=batch, max_len=128) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert run["tokens_per_round"] > 1.0
+
+
+def _sampled_pit(tmp_path, saguaro_c: float) -> float:
+    """The p-value of whole sampled SSD sequences with a feature draft (jit drafts, cached
+    sampled branches: a fan-out wide enough that about half the rounds are hits) against the
+    target's law, through the randomized PIT of every token (uniform iff the law is right)."""
+    from tests.tiny import make_small_vocab_pair
+
+    t, _ = make_small_vocab_pair(str(tmp_path / "pair"), 4.0, 0.5)
+    d = _feature_draft(t, tmp_path / "fd", seed=1)
+    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, seed=5,
+                            ignore_eos=True)
+    with Generator(target=t, draft=d, mode="ssd", k=K, max_batch=4, max_len=64,
+                   fan_out="4,3,3,4", fallback="jit", saguaro_c=saguaro_c,
+                   dtype="float32") as g:
+        outs = g.generate([SAMPLED_PROMPT] * N_SEQS, params)
+    hits = sum(o.metrics.get("accepted_by_source", {}).get("cache", [0])[0] for o in outs)
+    rounds = sum(o.metrics["rounds"] for o in outs)
+    assert hits > 0.3 * rounds  # cached sampled branches were verified
+    return uniform_p_value(pit_values(t, [o.token_ids for o in outs]))
+
+
+@pytest.mark.parametrize("saguaro_c", [1.0, 0.5])
+def test_ssd_sampling_with_a_feature_draft_follows_the_target(tmp_path, saguaro_c):
+    assert _sampled_pit(tmp_path, saguaro_c) > 1e-3
+
+
+def test_a_wrong_q_of_the_cached_branches_is_detected(tmp_path, monkeypatch):
+    """The power test: the build stores a flat q instead of the one its branch tokens were
+    drawn from (p ~ 1e-75 in a trial)."""
+    import ssdlib.engine.speculator.feature_build as fb
+
+    real = fb.sample_branches
+
+    def flat_q(*args, **kw):
+        tok, q = real(*args, **kw)
+        return tok, torch.full_like(q, 1.0 / q.shape[-1])
+    monkeypatch.setattr(fb, "sample_branches", flat_q)
+    assert _sampled_pit(tmp_path, 1.0) < 1e-6
+
+
+def test_a_feature_draft_ssd_runs_on_a_stream_of_the_targets_process(tiny_dirs, feature_draft):
+    with pytest.raises(ConfigError, match="feature draft.*stream"):
+        Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
+                  speculator_placement="rank")
