@@ -118,6 +118,27 @@ def test_ssd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_dra
     assert run["tokens_per_round"] > 1.0
 
 
+def test_captured_greedy_builds_equal_ar(tiny_dirs, ar_reference, feature_draft, monkeypatch):
+    """The captured build's code path (run eagerly on the CPU: batch buckets, ghost rows in the
+    scratch slot, the static fan-out index, a warm-up run at each capture) gives AR's tokens."""
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager")
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
+                   max_batch=3, max_len=128) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_ssd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_draft, batch):
+    """fp32 on a GPU, the build captured in CUDA graphs: AR's tokens."""
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
+                   max_batch=batch, max_len=128, device="cuda", dtype="float32") as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+
+
 def _sampled_pit(tmp_path, saguaro_c: float) -> float:
     """The p-value of whole sampled SSD sequences with a feature draft (jit drafts, cached
     sampled branches: a fan-out wide enough that about half the rounds are hits) against the

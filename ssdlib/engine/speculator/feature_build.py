@@ -34,8 +34,11 @@ true feature f_{L-2}, which the branch could not.
 Sampling: jit drafts and branch tokens are drawn as the standalone speculator draws them (the
 row's target distribution of the draft's logits; Saguaro's sigma_{F,C} in the tree), with the
 same stream reservations, so the q each token was drawn from is exact and the verifier exact.
-Runs eagerly (no captured steps yet); the chained rounds of the stream placement are for
-standalone drafts.
+Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run eagerly) a
+greedy build is one replay per batch bucket (the chain and the K tree depths; rows past the
+batch are ghost rows in the scratch slot; the fan-out's branch index is a static input, so the
+estimator moving it captures nothing new). Sampled builds, the commits of features and jit
+drafts run eagerly. The chained rounds of the stream placement are for standalone drafts.
 """
 
 from __future__ import annotations
@@ -187,14 +190,17 @@ class FeatureCacheBuilder:
     ``cache_builder.CacheBuilder``: ``build`` and ``branch_index``."""
 
     def __init__(self, drafter: FeatureSpecDraft, cache: SpeculationCache, vocab_size: int,
-                 saguaro_c: float):
+                 saguaro_c: float, pool=None):
         self.drafter = drafter
+        self.pool = pool  # captured greedy builds (module doc); None: eager
         self.cache = cache
         self.K, self.B, self.V = cache.K, cache.B, vocab_size
         self.device = drafter.device
         self.saguaro_c = saguaro_c
         self.C = min(self.B + 1, vocab_size)  # candidates per position (max fan-out + 1)
         self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._static: dict[int, torch.Tensor] = {}  # per batch bucket: (slot, first, sent)
+        self._index = torch.zeros(2, self.B, dtype=torch.int64, device=self.device)
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if fan not in self._index_cache:
@@ -205,12 +211,24 @@ class FeatureCacheBuilder:
     def build(self, rows, fan: list[int], sampling: bool) -> int:
         """Cache every likely outcome of the rows' sent speculations (module doc). Returns 0:
         no row moves a hit's branch KV (its branch is drafted again, on true features)."""
-        d, K, B = self.drafter, self.K, self.B
+        d = self.drafter
         for r in rows:
             r.fed = True
         slots, first, kv_len = d._start(rows)
-        kv_len = min(kv_len + K, d.max_len)
+        pos, rank = self.branch_index(tuple(fan))
+        if not sampling and self.pool is not None:
+            self._replay(rows, pos, rank)
+            return 0
         sent = to_device([r.sent for r in rows], self.device)  # [b, K]
+        pick = self._sampled_pick(rows, slots, fan) if sampling else None
+        self._body(slots, first, sent, pos, rank, min(kv_len + self.K, d.max_len), pick)
+        return 0
+
+    def _body(self, slots, first, sent, pos, rank, kv_len: int, pick=None) -> None:
+        """The build on device tensors: slots, first (L - 1) [b], sent [b, K], the fan-out's
+        branch index pos, rank [B]; ``pick(depth, logits)`` draws a sampled build's tokens
+        (None: the argmax)."""
+        d, K, B = self.drafter, self.K, self.B
         # the speculation as a teacher-forced chain: candidates and H_0..H_K
         logits, hidden = d.last_logits[slots], d.last_hidden[slots]
         tops, hs = [logits.topk(self.C, dim=-1).indices], [hidden]
@@ -219,12 +237,10 @@ class FeatureCacheBuilder:
             tops.append(logits.topk(self.C, dim=-1).indices)
             hs.append(hidden)
         cand, H = torch.stack(tops, dim=1), torch.stack(hs, dim=1)  # [b, K+1, C], [b, K+1, h]
-        pos, rank = self.branch_index(tuple(fan))
         fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
         feat = H.gather(1, fork.unsqueeze(-1).expand(-1, -1, H.shape[-1]))  # [b, B, h]
-        pick = self._sampled_pick(rows, slots, fan) if sampling else None
-        b = len(rows)
-        lane = torch.arange(B, device=self.device).expand(b, B)
+        b = slots.shape[0]
+        lane = torch.arange(B, device=slots.device).expand(b, B)
         tokens, tok = [], start
         for depth in range(K):
             meta = AttentionMetadata(kv_limit + depth, slots, kv_len, kv_limit=kv_limit,
@@ -238,7 +254,33 @@ class FeatureCacheBuilder:
             tokens.append(tok)
         self.cache.tokens[slots] = torch.stack(tokens, dim=2)
         self.cache.store_keys(slots, fork, start)
-        return 0
+
+    def _replay(self, rows, pos, rank) -> None:
+        """A greedy build as one replay of its batch bucket's captured body (captured at the
+        bucket's first use); one key length for every build (the slot kernel reads each row
+        up to its limit)."""
+        d, K = self.drafter, self.K
+        b = len(rows)
+        bucket = 1 << (b - 1).bit_length()
+        scratch = d.cache.n_slots - 1
+        if bucket not in self._static:
+            st = torch.zeros(bucket, 2 + K, dtype=torch.int64, device=self.device)
+            st[:, 0], st[:, 1] = scratch, 1
+            self._static[bucket] = st
+
+            def body():
+                self._body(st[:, 0], st[:, 1], st[:, 2:], self._index[0], self._index[1],
+                           d.max_len)
+            self.pool.capture(("feature_build", bucket), body)
+        host = torch.zeros(bucket, 2 + K, dtype=torch.int64)
+        host[:, 0], host[:, 1] = scratch, 1  # ghost rows: the scratch slot, position 1
+        host[:b, 0] = torch.tensor([r.slot for r in rows])
+        host[:b, 1] = torch.tensor([len(r.tokens) - 1 for r in rows])
+        host[:b, 2:] = torch.tensor([r.sent for r in rows])
+        self._static[bucket].copy_(host.to(self.device, non_blocking=True))
+        self._index[0].copy_(pos)
+        self._index[1].copy_(rank)
+        self.pool.replay(("feature_build", bucket))
 
     def _sampled_pick(self, rows, slots: torch.Tensor, fan):
         """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws

@@ -25,7 +25,7 @@ from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit,
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
-from ssdlib.engine.runner.model_runner import ModelRunner, use_slot_kernel
+from ssdlib.engine.runner.model_runner import ModelRunner, eager_step_graphs, use_slot_kernel
 from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
 from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureSpecDraft
@@ -36,6 +36,7 @@ from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
 from ssdlib.loading.feature_draft import is_feature_draft, load_feature_draft
+from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
@@ -120,6 +121,8 @@ class Speculator:
         self.profiler.close()
         if self.runner is not None:
             self.runner.release_graphs()
+        if self.cache is not None:
+            self.cache.release_graphs()
 
     def admit(self, msg: Admit) -> None:
         """New sequences join (their slots may have been used by finished ones)."""
@@ -300,6 +303,9 @@ class CacheRole:
         if self._second is not None:
             self._second.invalidate(slots)
 
+    def release_graphs(self) -> None:
+        """A standalone draft's captured builds are its runner's (released with it)."""
+
     def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
         """The target's features an OUTCOME carries (``rows``: the speculator's, by slot, their
         outcomes committed): a standalone draft reads none."""
@@ -425,10 +431,11 @@ class FeatureCacheRole(CacheRole):
     target features are committed into the draft's state before the answer; the build drafts
     the outcomes on self-conditioned features. Chained rounds are a standalone draft's."""
 
-    def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int):
+    def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int, pool=None):
         super().__init__(cfg, None, drafter, vocab_size, builder=lambda cache: FeatureCacheBuilder(
-            drafter, cache, vocab_size, cfg.saguaro_c))
+            drafter, cache, vocab_size, cfg.saguaro_c, pool))
         self.drafter = drafter
+        self.pool = pool  # the captured greedy builds' (None: eager)
 
     def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
         f = outcome.features
@@ -446,6 +453,10 @@ class FeatureCacheRole(CacheRole):
 
     def start_chain(self, msg, rows) -> None:
         raise RuntimeError("chained rounds run with a standalone draft, not a feature draft")
+
+    def release_graphs(self) -> None:
+        if self.pool is not None:
+            self.pool.clear()
 
 
 def tree_len_of(cfg) -> int:
@@ -476,7 +487,13 @@ def build_speculator(cfg, device, target_ck, link, target_model=None) -> Specula
         drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
                                    tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
                                    use_kernel=use_slot_kernel(device))
-        return Speculator(cfg, None, link, vocab, drafter, FeatureCacheRole(cfg, drafter, vocab))
+        pool = None  # captured greedy builds (CUDA; the eager path's on a CPU)
+        if torch.device(device).type == "cuda":
+            pool = make_graph_pool(device, enabled=cfg.cuda_graphs)
+        elif eager_step_graphs():
+            pool = EagerPool(warmup=1)
+        return Speculator(cfg, None, link, vocab, drafter,
+                          FeatureCacheRole(cfg, drafter, vocab, pool))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
