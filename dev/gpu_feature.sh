@@ -53,6 +53,6 @@ for line in open("tools/distill/heldout_chat.jsonl"):
     if line.strip():
         print(json.dumps({"messages": json.loads(line)["messages"]}))
 EOF2
-timeout 150 python3 tools/bench.py --device "$DEVICE" --target "$TARGET" --prompts-file /tmp/chat24.jsonl \
+timeout "${BENCH_TIMEOUT:-150}" python3 tools/bench.py --device "$DEVICE" --target "$TARGET" --prompts-file /tmp/chat24.jsonl \
     --chat --modes "$MODES" --max-new-tokens "$MAX_NEW" --k 3 --n-prompts "$N_CHAT" \
     --json "$OUT/bench_feature.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -16 | tee -a "$LOG"
