@@ -225,32 +225,24 @@ class FeatureRows:
     the target computed since the row's last OUTCOME (count 0: none, an inactive row). After an
     admission that is the prompt, [0, prompt length); after a round that accepted k tokens of a
     speculation verified from position n - 1 (n committed before it), [n - 1, n + k): the last
-    committed token's position and the k accepted ones'. ``values``: those features, the rows'
-    spans one after the other [sum(count), W] (the target's feature width), on the device.
-    Every committed position but the last (the bonus, not fed to the target yet) is then
-    covered exactly once over a row's life."""
+    committed token's position and the k accepted ones'. Every committed position but the last
+    (the bonus, not fed to the target yet) is thus covered exactly once over a row's life.
+    ``values`` [rows, P, W] (W the target's feature width, P the longest span; on the device):
+    row i's span in its first count_i places, the rest padding."""
 
     starts: list[int]
     counts: list[int]
-    values: torch.Tensor  # [sum(counts), W]
+    values: torch.Tensor  # [rows, P, W]
     # in the leader's process only (stream placement): the CUDA event after which ``values``
     # are ready on the leader's stream (None: ready now)
     ready: object = None
 
     def __post_init__(self):
-        if len(self.starts) != len(self.counts):
-            raise ValueError("FeatureRows: one start and one count per row")
-        if any(c < 0 for c in self.counts) or sum(self.counts) != self.values.shape[0]:
-            raise ValueError(f"FeatureRows: counts {self.counts} do not cover the "
-                             f"{self.values.shape[0]} feature rows")
-
-    def offsets(self) -> list[int]:
-        """Where each row's span begins in ``values``."""
-        out, at = [], 0
-        for c in self.counts:
-            out.append(at)
-            at += c
-        return out
+        if not len(self.starts) == len(self.counts) == self.values.shape[0]:
+            raise ValueError("FeatureRows: one start, one count and one row of values per row")
+        if any(c < 0 for c in self.counts) or max(self.counts, default=0) > self.values.shape[1]:
+            raise ValueError(f"FeatureRows: counts {self.counts} do not fit spans of "
+                             f"{self.values.shape[1]} positions")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureS
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.errors import ConfigError
+from ssdlib.ops.graph_pool import EagerPool
 from tests.engine.test_feature_draft_sd import _feature_draft
 from tests.engine.test_chained_sampling import N_SEQS, NEW, TEMPERATURE, TOP_P
 from tests.engine.test_chained_sampling import PROMPT as SAMPLED_PROMPT
@@ -47,17 +48,20 @@ def _greedy(target, tokens, n):
 def _commit(drafter, target, row, start, fused):
     """The leader's OUTCOME features: positions [start, L - 1) of the row."""
     feats = _features(target, row.tokens, fused)[start:len(row.tokens) - 1]
-    drafter.commit_features([row], [start], [feats.shape[0]], feats, [0])
+    drafter.commit_features([row], [start], [feats.shape[0]], feats.unsqueeze(0))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused):
+@pytest.mark.parametrize("fused,captured", [(False, False), (True, False), (False, True)])
+def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, captured):
+    """``captured``: the captured steps' code path (commits padded to K + 1 positions, batch
+    buckets, ghost rows), run eagerly."""
     target = PreviousTokenTarget()
     draft = oracle_draft(target, fused=fused)
     B = sum(FAN)
-    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K)
+    pool = EagerPool(warmup=1) if captured else None
+    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool)
     cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
-    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0)
+    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0, pool=pool)
     prompt = [5, 17, 3, 42, 8, 11]
     row = SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
                   torch.device("cpu"))
@@ -92,7 +96,7 @@ def test_features_must_continue_the_rows_fed_positions():
     drafter.prefill([row])
     feats = _features(target, row.tokens, False)
     with pytest.raises(RuntimeError, match="disagree"):
-        drafter.commit_features([row], [1], [2], feats[1:3], [0])  # not from position 0
+        drafter.commit_features([row], [1], [2], feats[1:3].unsqueeze(0))  # not from 0
     with pytest.raises(RuntimeError, match="have not arrived"):
         drafter.propose([row], K)
 

@@ -446,10 +446,13 @@ class FeatureCacheRole(CacheRole):
             stream.wait_event(f.ready)
             f.values.record_stream(stream)  # not reused by the leader's side before it is read
         live = [i for i, (a, c) in enumerate(zip(outcome.active, f.counts)) if a and c > 0]
-        offsets = f.offsets()
+        if not live:
+            return
+        values = f.values if len(live) == len(f.counts) else \
+            f.values[torch.tensor(live, device=f.values.device)]
         self.drafter.commit_features([rows[outcome.slots[i]] for i in live],
                                      [f.starts[i] for i in live], [f.counts[i] for i in live],
-                                     f.values, [offsets[i] for i in live])
+                                     values)
 
     def start_chain(self, msg, rows) -> None:
         raise RuntimeError("chained rounds run with a standalone draft, not a feature draft")
@@ -484,14 +487,14 @@ def build_speculator(cfg, device, target_ck, link, target_model=None) -> Specula
         # KV for the committed tokens and a speculation past them; RoPE also for the branches
         draft = load_feature_draft(cfg.draft, target_ck, target_model, device, cfg.torch_dtype,
                                    max_positions=cfg.max_len + 2 * cfg.k + 2)
-        drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
-                                   tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
-                                   use_kernel=use_slot_kernel(device))
-        pool = None  # captured greedy builds (CUDA; the eager path's on a CPU)
+        pool = None  # captured steps (CUDA; the eager path's on a CPU)
         if torch.device(device).type == "cuda":
             pool = make_graph_pool(device, enabled=cfg.cuda_graphs)
         elif eager_step_graphs():
             pool = EagerPool(warmup=1)
+        drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
+                                   tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
+                                   use_kernel=use_slot_kernel(device), pool=pool)
         return Speculator(cfg, None, link, vocab, drafter,
                           FeatureCacheRole(cfg, drafter, vocab, pool))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
