@@ -126,13 +126,12 @@ class EngineConfig:
         return self.mode in ("sd", "ssd") and is_feature_draft(self.draft)
 
     def _check_feature_draft(self) -> None:
-        """A feature draft runs beside the target in its process: in sd mode on its rank, in
-        ssd mode as a speculator on a stream of its own (a speculator rank or a separate draft
-        rank does not have the target's features)."""
+        """A feature draft runs in sd mode beside the target on its rank (a separate draft rank
+        would not have the target's features); in ssd mode its speculator receives them with
+        every OUTCOME, in either placement."""
         if self.mode == "ar" or not is_feature_draft(self.draft):
             return
         if self.mode == "ssd":
-            self._check_feature_placement()
             return
         if self.draft_placement == "separate":
             raise ConfigError(f"--draft {self.draft} is a feature draft: it runs beside the "
@@ -160,20 +159,11 @@ class EngineConfig:
         name = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         return getattr(torch, name)
 
-    def _check_feature_placement(self) -> None:
-        if self.placement == "rank":
-            raise ConfigError(f"--draft {self.draft} is a feature draft: its SSD speculator runs "
-                              "in the target's process (--speculator-placement stream, one rank "
-                              "per verifier rank)")
-
     @property
     def placement(self) -> str:
-        """Where the ssd speculator runs, resolved: "stream" or "rank" (see the field). "auto"
-        gives a feature draft "stream" (it reads the target's features in its process)."""
+        """Where the ssd speculator runs, resolved: "stream" or "rank" (see the field)."""
         if self.speculator_placement != "auto":
             return self.speculator_placement
-        if self.mode == "ssd" and is_feature_draft(self.draft):
-            return "stream"
         if self.device == "cuda" and torch.cuda.device_count() > self.tp:
             return "rank"  # a GPU of its own
         return "stream"
@@ -199,8 +189,6 @@ class EngineConfig:
 
     def check_world_size(self, world_size: int) -> None:
         self.adopt_world_size(world_size)
-        if self.mode == "ssd" and is_feature_draft(self.draft):
-            self._check_feature_placement()
         if world_size != self.world_size:
             extra = " + 1 speculator rank" if self.world_size > self.tp else ""
             raise ConfigError(

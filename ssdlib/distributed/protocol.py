@@ -244,6 +244,27 @@ class FeatureRows:
             raise ValueError(f"FeatureRows: counts {self.counts} do not fit spans of "
                              f"{self.values.shape[1]} positions")
 
+    # on the wire (the speculator on a rank of its own), after the OUTCOME's frame: int64
+    # [1 + 2 * rows] = (P, starts, counts), then ``values`` [rows, P, W] in the target's dtype
+
+    def pack_spans(self) -> torch.Tensor:
+        return torch.tensor([self.values.shape[1], *self.starts, *self.counts], dtype=torch.int64)
+
+    @staticmethod
+    def spans_size(rows: int) -> int:
+        return 1 + 2 * rows
+
+    @staticmethod
+    def values_shape(spans: torch.Tensor, width: int) -> tuple[int, int, int]:
+        """The shape of the values that follow ``spans`` (host int64 [1 + 2 * rows])."""
+        return ((spans.numel() - 1) // 2, int(spans[0]), width)
+
+    @classmethod
+    def unpack(cls, spans: torch.Tensor, values: torch.Tensor) -> "FeatureRows":
+        host = spans.tolist()
+        b = (len(host) - 1) // 2
+        return cls(host[1:1 + b], host[1 + b:], values)
+
 
 @dataclass
 class Speculation:

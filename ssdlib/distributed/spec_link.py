@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ssdlib.distributed.protocol import (Admit, CacheRows, ControlFrame, Header, Op, Outcome,
-                                         Speculation, SpeculatorStats)
+from ssdlib.distributed.protocol import (Admit, CacheRows, ControlFrame, FeatureRows, Header,
+                                         Op, Outcome, Speculation, SpeculatorStats)
 
 
 class SpecLink:
@@ -30,8 +30,12 @@ class SpecLink:
     overlap = None  # the build's overlap with the verify is measured in process only
 
     def __init__(self, group, peer: int, device: torch.device, max_batch: int, k: int,
-                 vocab_size: int, staged: bool = False, branches: int = 0):
+                 vocab_size: int, staged: bool = False, branches: int = 0,
+                 features: tuple[int, torch.dtype] | None = None):
         self.group, self.peer, self.device = group, peer, device
+        # a feature draft's speculator: every OUTCOME carries the target's features (their
+        # width and dtype; protocol.FeatureRows)
+        self.features = features
         self.staged = staged  # a gloo link between ranks on one GPU: tensors travel via the host
         self.k, self.vocab_size, self.max_batch = k, vocab_size, max_batch
         pin = torch.device(device).type == "cuda"
@@ -114,6 +118,11 @@ class SpecLink:
         if len(msg.slots) > self.max_batch:
             raise ValueError(f"OUTCOME of {len(msg.slots)} rows > max_batch {self.max_batch}")
         self._send_frame(msg.header(), msg)
+        if self.features is not None:
+            if msg.features is None:
+                raise ValueError("an OUTCOME to a feature draft's speculator needs its features")
+            self._send(msg.features.pack_spans().to(self.device))
+            self._send(msg.features.values.contiguous())
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         """A SPEC's tokens part, read back here (one copy; q, if due, follows: ``recv_q``)."""
@@ -169,7 +178,15 @@ class SpecLink:
         if self._frame_in is None:
             raise RuntimeError("recv_outcome before recv_header: the rows come with the frame")
         rows = ControlFrame.unpack(self._frame_in, self.k)[1][:header.b]
-        return Outcome.unpack(rows, header, self.k)
+        outcome = Outcome.unpack(rows, header, self.k)
+        if self.features is not None:
+            width, dtype = self.features
+            spans = self._recv_to_host(torch.zeros(FeatureRows.spans_size(header.b),
+                                                   dtype=torch.int64, device=self.device))
+            values = torch.empty(FeatureRows.values_shape(spans, width), dtype=dtype,
+                                 device=self.device)
+            outcome.features = FeatureRows.unpack(spans, self._recv(values))
+        return outcome
 
     def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:
         """The tokens part (when ``tokens``; tokens and kinds may be host tensors: packed on the

@@ -182,7 +182,12 @@ def test_a_wrong_q_of_the_cached_branches_is_detected(tmp_path, monkeypatch):
     assert _sampled_pit(tmp_path, 1.0) < 1e-6
 
 
-def test_a_feature_draft_ssd_runs_on_a_stream_of_the_targets_process(tiny_dirs, feature_draft):
-    with pytest.raises(ConfigError, match="feature draft.*stream"):
-        Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
-                  speculator_placement="rank")
+def test_ssd_with_a_feature_draft_on_a_speculator_rank_equals_ar(tiny_dirs, ar_reference,
+                                                                  feature_draft):
+    """The rank placement: the features travel over the link (gloo) after each OUTCOME."""
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
+                   max_batch=4, max_len=128, speculator_placement="rank") as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert run["hit_rate"] > 0

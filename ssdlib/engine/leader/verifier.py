@@ -36,10 +36,12 @@ from ssdlib.engine.leader.metrics import (PLACEHOLDER, record_acceptance, record
 from ssdlib.engine.leader.speculation_source import CacheSource, JitSource, ask_jit
 from ssdlib.engine.leader.verify import commit_round, read_round, verify_round
 from ssdlib.engine.runner.model_runner import captures_steps
-from ssdlib.engine.speculator.speculator import build_speculator, cache_branches_of
+from ssdlib.engine.speculator.speculator import (build_speculator, cache_branches_of,
+                                                 link_features)
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.loading import load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
+from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.ops.graph_pool import capture_count
 from ssdlib.speculative.acceptance import DraftQ, QKind
 from ssdlib.speculative.adaptive_k import DRAFT_PRIOR, AdaptiveK, StepCosts, k_schedule
@@ -466,9 +468,11 @@ class LinkVerifier:
 
 def link_for(cfg, world, target_ck, branches: int = 0) -> SpecLink:
     """The leader's end of the link to the speculator rank (the draft checked first)."""
-    check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
+    if not is_feature_draft(cfg.draft):  # (a feature draft is checked where it loads)
+        check_draft_compatible(target_ck, load_checkpoint(cfg.draft))
     return SpecLink(world.spec_group, world.speculator_rank, world.device, cfg.max_batch, cfg.k,
-                    target_ck.config.vocab_size, staged=world.spec_staged, branches=branches)
+                    target_ck.config.vocab_size, staged=world.spec_staged, branches=branches,
+                    features=link_features(cfg, target_ck))
 
 
 def build_link_verifier(cfg, world, target, target_ck):
@@ -490,10 +494,10 @@ def build_link_verifier(cfg, world, target, target_ck):
             model = target.runner.model if cfg.tp == 1 else None
             with link.on_stream():
                 link.attach(build_speculator(cfg, world.device, target_ck, link, model))
-            if cfg.feature_draft:  # its speculator reads the features the target keeps
-                features = FeatureFeed(target.runner.cache.features)
             if link.cuda:  # what was set up on other streams is done before either side runs
                 torch.cuda.synchronize(world.device)
+        if cfg.feature_draft:  # its speculator reads the features the target keeps
+            features = FeatureFeed(target.runner.cache.features)
     loop = LinkVerifier(target, link, cfg.k, world.device, source, adaptive=cfg.adaptive_k,
                         sweep=captures_steps(world.device), schedule=k_schedule(cfg.k),
                         features=features)

@@ -35,7 +35,7 @@ from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.timing import HostClock, RoundTimer
 from ssdlib.errors import ConfigError
 from ssdlib.loading.draft import load_draft
-from ssdlib.loading.feature_draft import is_feature_draft, load_feature_draft
+from ssdlib.loading.feature_draft import feature_spec_for, is_feature_draft, load_feature_draft
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
@@ -478,8 +478,8 @@ def build_speculator(cfg, device, target_ck, link, target_model=None) -> Specula
     """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
     between ranks, or a :class:`~ssdlib.distributed.local_link.LocalLink` in the leader's process):
     its draft (checked against the target), its model runner, and in mode ssd its cache. A
-    feature draft (mode ssd, in the leader's process) shares ``target_model``'s embedding and
-    head where given."""
+    feature draft shares ``target_model``'s embedding and head where given (the stream
+    placement), else loads them from the target's weights."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
     vocab = target_ck.config.vocab_size
@@ -506,10 +506,19 @@ def build_speculator(cfg, device, target_ck, link, target_model=None) -> Specula
     return Speculator(cfg, runner, link, vocab, drafter, cache)
 
 
+def link_features(cfg, target_ck) -> tuple[int, torch.dtype] | None:
+    """What a link's OUTCOMEs carry besides their rows: a feature draft's speculator reads the
+    target's features (their width and dtype), a standalone draft's nothing."""
+    if not (cfg.mode == "ssd" and is_feature_draft(cfg.draft)):
+        return None
+    spec = feature_spec_for(cfg.draft, target_ck)
+    return spec.width(target_ck.config.hidden_size), cfg.torch_dtype
+
+
 def serve_speculator(cfg, world, target_ck) -> None:
     """Body of the speculator rank (rank placement of mode ssd) or of the draft's own rank (mode
     sd, separate)."""
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged,
-                    branches=cache_branches_of(cfg))
+                    branches=cache_branches_of(cfg), features=link_features(cfg, target_ck))
     build_speculator(cfg, world.device, target_ck, link).run()

@@ -37,3 +37,13 @@ def test_feature_rows_are_checked():
         FeatureRows([0], [1, 2], torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="do not fit"):
         FeatureRows([0], [5], torch.zeros(1, 3, 4))
+
+
+def test_feature_rows_round_trip_on_the_wire():
+    rows = FeatureRows([3, 0, 9], [2, 0, 1], torch.randn(3, 2, 5))
+    spans = rows.pack_spans()
+    assert spans.numel() == FeatureRows.spans_size(3)
+    shape = FeatureRows.values_shape(spans, 5)
+    back = FeatureRows.unpack(spans, rows.values.clone().view(shape))
+    assert (back.starts, back.counts) == (rows.starts, rows.counts)
+    assert torch.equal(back.values, rows.values)
