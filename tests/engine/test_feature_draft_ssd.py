@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
-from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureSpecDraft
+from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
+from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.errors import ConfigError

@@ -28,7 +28,8 @@ from ssdlib.engine.drafter import Drafter
 from ssdlib.engine.runner.model_runner import ModelRunner, eager_step_graphs, use_slot_kernel
 from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
-from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder, FeatureSpecDraft
+from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
+from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.outcomes import Answer, Fallbacks, answer_jit, q_after_build
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
