@@ -94,6 +94,18 @@ def test_sd_with_a_fused_feature_draft_equals_ar(pair, ar_reference, batch, adap
     assert run["tokens_per_round"] >= 1.0
 
 
+@pytest.mark.parametrize("tp,placement", [(1, "stream"), (2, "stream"), (1, "rank")])
+def test_ssd_with_a_fused_feature_draft_equals_ar(pair, ar_reference, tp, placement):
+    """SSD's speculator with a fused feature draft: the OUTCOMEs carry the target's [3H]
+    features (gathered on verifier rank 0 at TP 2; over the link on a speculator rank)."""
+    with Generator(target=pair[0], draft=pair[1], mode="ssd", k=3, max_batch=3, tp=tp,
+                   max_len=128, speculator_placement=placement) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        run = g.last_run_metrics
+    check_equal(pair[0], ar_reference, outs)
+    assert run["tokens_per_round"] > 1.0
+
+
 def test_the_kept_fused_features_and_the_proposal_match_references(pair):
     """The target runner keeps [slots, len, 3H]: after a prefill, every committed position's
     fused features as a plain forward's layer outputs; a sampled proposal's q equals a cache-free
