@@ -19,7 +19,8 @@ from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.errors import ConfigError
 from ssdlib.ops.graph_pool import EagerPool
-from tests.engine.test_feature_draft_sd import _feature_draft
+# the tiny pair and AR's tokens on it, as the SD tests use them
+from tests.engine.test_feature_draft_sd import _feature_draft, ar_reference, feature_draft  # noqa: F401
 from tests.engine.test_chained_sampling import N_SEQS, NEW, TEMPERATURE, TOP_P
 from tests.engine.test_chained_sampling import PROMPT as SAMPLED_PROMPT
 from tests.engine.test_chained_sampling import pit_values, uniform_p_value
@@ -100,17 +101,6 @@ def test_features_must_continue_the_rows_fed_positions():
         drafter.commit_features([row], [1], [2], feats[1:3].unsqueeze(0))  # not from 0
     with pytest.raises(RuntimeError, match="have not arrived"):
         drafter.propose([row], K)
-
-
-@pytest.fixture(scope="module")
-def feature_draft(tiny_dirs, tmp_path_factory):
-    return _feature_draft(tiny_dirs["smol_heads"], tmp_path_factory.mktemp("fd") / "draft")
-
-
-@pytest.fixture(scope="module")
-def ar_reference(tiny_dirs):
-    with Generator(target=tiny_dirs["smol_heads"], max_batch=4, max_len=128) as g:
-        return [o.token_ids for o in g.generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("batch", [1, 4])
