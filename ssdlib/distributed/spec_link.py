@@ -104,6 +104,11 @@ class SpecLink:
                                       dtype=torch.float32, device=self.device)
         return self._q_buf
 
+    def _feature_wire_dtype(self) -> torch.dtype:
+        """The features' dtype on the wire: the target's, float32 through the host (a staged
+        gloo link, whose reduced-precision support is not relied on)."""
+        return torch.float32 if self.staged else self.features[1]
+
     def _send_frame(self, header: Header, outcome: Outcome | None = None) -> None:
         ControlFrame.pack(self._host_buffer(self.frame_host), header, outcome)
         self._send_host(self.frame_host, self.frame)
@@ -122,7 +127,7 @@ class SpecLink:
             if msg.features is None:
                 raise ValueError("an OUTCOME to a feature draft's speculator needs its features")
             self._send(msg.features.pack_spans().to(self.device))
-            self._send(msg.features.values.contiguous())
+            self._send(msg.features.values.to(self._feature_wire_dtype()).contiguous())
 
     def recv_spec_tokens(self, b: int) -> Speculation:
         """A SPEC's tokens part, read back here (one copy; q, if due, follows: ``recv_q``)."""
@@ -183,9 +188,9 @@ class SpecLink:
             width, dtype = self.features
             spans = self._recv_to_host(torch.zeros(FeatureRows.spans_size(header.b),
                                                    dtype=torch.int64, device=self.device))
-            values = torch.empty(FeatureRows.values_shape(spans, width), dtype=dtype,
-                                 device=self.device)
-            outcome.features = FeatureRows.unpack(spans, self._recv(values))
+            values = torch.empty(FeatureRows.values_shape(spans, width),
+                                 dtype=self._feature_wire_dtype(), device=self.device)
+            outcome.features = FeatureRows.unpack(spans, self._recv(values).to(dtype))
         return outcome
 
     def send_spec(self, spec: Speculation, tokens: bool = True, hold_q: bool = False) -> None:
