@@ -1,6 +1,6 @@
-"""SSD's speculator with a feature draft (EAGLE-style, ``ssdlib.models.feature_draft``): its
-draft state, its jit drafts and its cache build (Algorithm 1), self-conditioned where the
-target's features do not exist yet.
+"""The cache build (SSD Algorithm 1) of a feature draft's speculator (EAGLE-style,
+``ssdlib.models.feature_draft``; its draft state and jit drafts: ``feature_spec_draft.py``),
+self-conditioned where the target's features do not exist yet.
 
 Positions are the draft's: its KV position t holds the pair (f_t, x_{t+1}) (the feature at t,
 the token after it; ``engine/feature_drafter.py`` has the convention). A row with L committed
@@ -34,11 +34,13 @@ true feature f_{L-2}, which the branch could not.
 Sampling: jit drafts and branch tokens are drawn as the standalone speculator draws them (the
 row's target distribution of the draft's logits; Saguaro's sigma_{F,C} in the tree), with the
 same stream reservations, so the q each token was drawn from is exact and the verifier exact.
+
 Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run eagerly) a
 greedy build is one replay per batch bucket (the chain and the K tree depths; rows past the
 batch are ghost rows in the scratch slot; the fan-out's branch index is a static input, so the
-estimator moving it captures nothing new). Sampled builds, the commits of features and jit
-drafts run eagerly. The chained rounds of the stream placement are for standalone drafts.
+estimator moving it captures nothing new), as are a round's commit and a greedy jit draft;
+sampled builds and jit drafts and an admission's commit run eagerly. The chained rounds of the
+stream placement are for standalone drafts.
 """
 
 from __future__ import annotations
