@@ -63,3 +63,18 @@ def test_acceptance_by_prompt_length(tmp_path):
         sizes = [len(tok.encode(p["messages"][0]["content"])) for p in prompts]
         assert all(length // 2 < s <= length for s in sizes), sizes
         assert prompts[0] != prompts[1]
+
+
+def test_ssd_rows_report_the_caches_speculations(tmp_path):
+    """--modes sd,ssd: an SSD run per set and temperature, with its hit rate and the tokens
+    accepted per cached speculation (the target as its own draft: every token accepted)."""
+    target = make_tiny_chat_model(str(tmp_path / "target"), seed=0)
+    rows = evaluate.run(target, target, None, n=2, k=3, max_new_tokens=12,
+                        with_humaneval=False, modes=("sd", "ssd"))
+    assert [(r["mode"], r["temperature"]) for r in rows] == [
+        ("sd", 0.0), ("sd", 0.7), ("ssd", 0.0), ("ssd", 0.7)]
+    assert all(r["a_p"] == 1.0 for r in rows), rows
+    assert all(r["hit_rate"] is None and r["cache_accepted"] is None for r in rows[:2])
+    assert all(r["hit_rate"] > 0 and r["cache_accepted"] == 3.0 for r in rows[2:]), rows
+    text = evaluate.table(rows, 3)
+    assert text.splitlines()[0].startswith("| mode | set |") and "| ssd | chat | 0.7 |" in text

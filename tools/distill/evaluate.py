@@ -8,11 +8,15 @@ set of prompts of about that many tokens, HumanEval code (prompts with their sol
 together inside "Here is some Python code: ... Write a short summary of what this code does."
 (a draft trained on short contexts shows here where its acceptance falls). For each set and
 temperature, one SD run (the engine's own, K draft tokens a round) reports a_p = accepted /
-tried draft tokens and the mean accepted length per round. The table goes to
-stdout and, with ``card``, into the draft's model card between markers (replaced on re-runs).
+tried draft tokens and the mean accepted length per round. ``--modes sd,ssd`` adds an SSD run of
+each: there the speculations served from the speculation cache were drafted while the target
+was still verifying the tokens before them, so for a feature draft they show its acceptance
+self-conditioned on its own features (the ``cache`` columns: hit rate, tokens accepted per
+cached speculation). The table goes to stdout and, with ``card``, into the draft's model card
+between markers (replaced on re-runs).
 
     python -m tools.distill.evaluate --draft DIR [--target smollm2-135m] [--card DIR/MODEL_CARD.md]
-        [--lengths 512,2048,6144]
+        [--lengths 512,2048,6144] [--modes sd,ssd]
 """
 
 from __future__ import annotations
@@ -83,38 +87,59 @@ def evaluate_draft(target: str, draft: str, sets: dict, k: int = 5,
                    temperatures=(0.0, 0.7), max_new_tokens: int = 128, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0,
                    lengths: dict[str, list[dict]] | None = None,
-                   max_len: int = 2048) -> list[dict]:
-    """One SD run per (set, temperature) -> rows with a_p, mean accepted, tokens per round
-    (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice).
-    ``lengths``: more sets by name, built with the engine's tokenizer (``length_prompts``:
-    {name: (length, code pieces, n)}); ``max_len``: the context each sequence gets."""
+                   max_len: int = 2048, modes: tuple[str, ...] = ("sd",)) -> list[dict]:
+    """One run per (mode, set, temperature) -> rows with a_p, mean accepted, tokens per round
+    (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice);
+    SSD rows also the cache's hit rate and the tokens accepted per cached speculation (None
+    without one). ``lengths``: more sets by name, built with the engine's tokenizer
+    (``length_prompts``: {name: (length, code pieces, n)}); ``max_len``: the context each
+    sequence gets."""
     from ssdlib import Generator, SamplingParams
 
     rows = []
-    with Generator(target, mode="sd", draft=draft, k=k, device=device, dtype=dtype,
-                   adaptive_k=False, max_len=max_len) as gen:
-        sets = dict(sets)
-        for name, (length, code, n) in (lengths or {}).items():
-            sets[name] = length_prompts(gen.tokenizer, code, length, n)
-        for name, prompts in sets.items():
-            for temp in temperatures:
-                params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp,
-                                        seed=seed)
-                gen.generate(prompts, params, chat=True)
-                m = gen.last_run_metrics
-                rows.append({"set": name, "temperature": temp, "prompts": len(prompts),
-                             "tokens": m.get("tokens"), "a_p": m.get("acceptance_rate", 0.0),
-                             "mean_accepted": m.get("mean_accepted", 0.0),
-                             "tokens_per_round": m.get("tokens_per_round", 0.0)})
+    for mode in modes:
+        with Generator(target, mode=mode, draft=draft, k=k, device=device, dtype=dtype,
+                       adaptive_k=False, max_len=max_len) as gen:
+            sets_of_mode = dict(sets)
+            for name, (length, code, n) in (lengths or {}).items():
+                sets_of_mode[name] = length_prompts(gen.tokenizer, code, length, n)
+            for name, prompts in sets_of_mode.items():
+                for temp in temperatures:
+                    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp,
+                                            seed=seed)
+                    gen.generate(prompts, params, chat=True)
+                    rows.append(_row(mode, name, temp, len(prompts), gen.last_run_metrics))
     return rows
 
 
+def _row(mode: str, name: str, temp: float, n: int, m: dict) -> dict:
+    """One row of the table from a run's metrics."""
+    cache = m.get("accepted_by_source", {}).get("cache") if mode == "ssd" else None
+    return {"mode": mode, "set": name, "temperature": temp, "prompts": n,
+            "tokens": m.get("tokens"), "a_p": m.get("acceptance_rate", 0.0),
+            "mean_accepted": m.get("mean_accepted", 0.0),
+            "tokens_per_round": m.get("tokens_per_round", 0.0),
+            "hit_rate": m.get("hit_rate") if mode == "ssd" else None,
+            "cache_accepted": cache["mean_accepted"] if cache else None}
+
+
 def table(rows: list[dict], k: int) -> str:
-    lines = [f"| set | temperature | prompts | tokens | a_p | mean accepted (of {k}) | tokens / round |",
-             "|---|---|---|---|---|---|---|"]
+    """The rows as markdown; SSD's cache columns only when some row is SSD's."""
+    ssd = any(r.get("mode") == "ssd" for r in rows)
+    head = f"| set | temperature | prompts | tokens | a_p | mean accepted (of {k}) | tokens / round |"
+    rule = "|---|---|---|---|---|---|---|"
+    if ssd:
+        head = "| mode " + head + " cache hit rate | accepted a cached speculation |"
+        rule = "|---" + rule + "---|---|"
+    lines = [head, rule]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['prompts']} | {r['tokens']} | "
-                     f"{r['a_p']:.3f} | {r['mean_accepted']:.2f} | {r['tokens_per_round']:.2f} |")
+        line = (f"| {r['set']} | {r['temperature']:g} | {r['prompts']} | {r['tokens']} | "
+                f"{r['a_p']:.3f} | {r['mean_accepted']:.2f} | {r['tokens_per_round']:.2f} |")
+        if ssd:
+            cached = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            line = (f"| {r.get('mode', 'sd')} " + line + f" {cached(r.get('hit_rate'))} | "
+                    f"{cached(r.get('cache_accepted'))} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -134,7 +159,8 @@ def write_card(path: str, text: str) -> None:
 def run(target: str, draft: str, humaneval: str | None = None, n: int | None = None,
         k: int = 5, max_new_tokens: int = 128, device: str = "cpu", dtype: str | None = None,
         card: str | None = None, with_humaneval: bool = True,
-        lengths: tuple[int, ...] = (), length_n: int | None = None) -> list[dict]:
+        lengths: tuple[int, ...] = (), length_n: int | None = None,
+        modes: tuple[str, ...] = ("sd",)) -> list[dict]:
     code = humaneval_code(humaneval) if lengths else []
     by_length = {f"code, {length} tokens": (length, code, length_n or n or 4)
                  for length in lengths}
@@ -142,8 +168,9 @@ def run(target: str, draft: str, humaneval: str | None = None, n: int | None = N
     max_len = max([2048] + [length + max_new_tokens + 64 for length in lengths])
     rows = evaluate_draft(target, draft, prompt_sets(humaneval, n, with_humaneval), k,
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype,
-                          lengths=by_length, max_len=max_len)
-    text = (f"Held-out acceptance under SD (K = {k}, {max_new_tokens} new tokens, EOS respected, "
+                          lengths=by_length, max_len=max_len, modes=modes)
+    under = " and ".join(m.upper() for m in modes)
+    text = (f"Held-out acceptance under {under} (K = {k}, {max_new_tokens} new tokens, EOS respected, "
             f"device {device}, target `{target}`):\n\n{table(rows, k)}")
     print(text)
     if card:
@@ -160,6 +187,15 @@ def parse_lengths(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
     if any(x < 1 for x in lengths):
         p.error(f"--lengths must be positive, got {text!r}")
     return lengths
+
+
+def parse_modes(p: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """--modes 'sd,ssd' -> ("sd", "ssd"); a parser error names a bad one."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("sd", "ssd")]
+    if bad or not modes:
+        p.error(f"--modes takes sd and/or ssd separated by commas, got {text!r}")
+    return modes
 
 
 def parse_lengths_n(p: argparse.ArgumentParser, n: int | None) -> int | None:
@@ -185,10 +221,14 @@ def main(argv: list[str] | None = None) -> None:
                         "acceptance by prompt length on HumanEval code (--length-prompts each)")
     p.add_argument("--length-prompts", type=int, default=None,
                    help="prompts per --lengths set (default --n-prompts, else 4)")
+    p.add_argument("--modes", default="sd",
+                   help="sd, ssd or sd,ssd: SSD's cached speculations were drafted while the "
+                        "target verified (a feature draft's self-conditioned acceptance)")
     a = p.parse_args(argv)
     lengths = parse_lengths(p, a.lengths)
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,
-        a.card, not a.no_humaneval, lengths, parse_lengths_n(p, a.length_prompts))
+        a.card, not a.no_humaneval, lengths, parse_lengths_n(p, a.length_prompts),
+        parse_modes(p, a.modes))
 
 
 if __name__ == "__main__":
