@@ -233,7 +233,10 @@ class LocalLink:
 
     def regroup_chain(self, msg: ChainRegroup) -> None:
         """The running chain's rows change; the speculator's updates go to its stream, before
-        the next build."""
+        the next build, after what the leader's stream did so far (the joined rows' prefills
+        and state)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._run(self.speculator.regroup_chain, msg)
 
     def build_chained(self, parity: int, rows: int, kv_len: int, after, done,

@@ -91,6 +91,55 @@ def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, 
         _commit(drafter, target, row, n - 1, fused)  # positions n - 1 and n: k + 1 of them
 
 
+@pytest.mark.parametrize("k", [0, 1, K])
+def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
+    """A chained round's build on the device (stream placement): from round r's outcome in the
+    chain state (k accepted of the speculation verified from n committed tokens, the bonus), it
+    commits positions [n - 1, n + k) with the target's features read from the target's buffer
+    (which also holds the rejected tokens' features past them, as a verify leaves it) and the
+    tokens from the state's history, then builds the next speculation's outcomes: with the
+    oracle every branch is the target's greedy continuation of the outcome it assumes."""
+    from ssdlib.distributed.protocol import ChainState
+    from ssdlib.engine.speculator.spec_cache import next_speculation
+
+    target = PreviousTokenTarget()
+    B = sum(FAN)
+    drafter = FeatureSpecDraft(oracle_draft(target), 3, 64, V, B * K, "cpu", torch.float32,
+                               draws=K)
+    caches = [SpeculationCache(3, B, K, V, torch.device("cpu")) for _ in range(2)]
+    builder = FeatureCacheBuilder(drafter, caches[0], V, saguaro_c=1.0)
+    slot, before, p = 1, 0, 1
+    tokens0 = [5, 17, 3, 42, 8, 11, 9]  # committed before round r (its n)
+    n = len(tokens0)
+    row = SpecRow(slot, list(tokens0), SamplingParams(), 0, torch.device("cpu"))
+    drafter.prefill([row])
+    _commit(drafter, target, row, 0, False)  # the OUTCOMEs before: positions [0, n - 1)
+    spec = _greedy(target, tokens0, K)  # round r's speculation: the target's own, one wrong
+    if k < K:
+        spec[k] = (spec[k] + 1) % V
+    bonus = _greedy(target, tokens0 + spec[:k], 1)[0]
+    committed = tokens0 + spec[:k] + [bonus]
+    buffer = torch.zeros(3, 64, 16)  # the target's: the verified tokens' features
+    buffer[slot, :n + K] = _features(target, tokens0 + spec, False)
+    state = ChainState.empty(1, K, 64, "cpu")
+    state.real[0] = True
+    state.n[before, 0], state.k[before, 0], state.bonus[before, 0] = n, k, bonus
+    state.spec[before, 0] = torch.tensor(spec)
+    state.history[0, :len(committed)] = torch.tensor(committed)
+    builder.start_chain([slot], buffer)
+    pos, rank = builder.branch_index(tuple(FAN))
+    builder.run_chained(state, 1, p, caches, pos, rank)
+    # the commit's output predicts the token after the bonus
+    assert int(drafter.last_logits[slot].argmax()) == _greedy(target, committed, 1)[0]
+    sent = next_speculation(caches[before], torch.tensor([slot]), state, before, 1)[2][0]
+    cache = caches[p]
+    assert cache.ready[slot]
+    for j in range(B):
+        fork, t = int(cache.fork[slot, j]), int(cache.bonus[slot, j])
+        assume = committed + sent[:fork].tolist() + [t]
+        assert cache.tokens[slot, j].tolist() == _greedy(target, assume, K), (j, fork, t)
+
+
 def test_features_must_continue_the_rows_fed_positions():
     target = PreviousTokenTarget()
     drafter = FeatureSpecDraft(oracle_draft(target), 2, 64, V, 4 * K, "cpu", torch.float32)

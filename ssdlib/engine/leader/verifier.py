@@ -91,9 +91,11 @@ class LinkVerifier:
         # (K verified, K drafted for the next round) of the round whose phases the timer holds
         self._timed: tuple[int, int] | None = None
         # chained rounds (stream placement, small batches: chained_rounds.py)
-        self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
+        # (a feature draft's: greedy rows only)
+        self.chain = ChainedRounds(target, link, k, device, link.max_batch,
+                                   greedy_only=features is not None) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
-            and getattr(target, "channel", None) is None and features is None else None
+            and getattr(target, "channel", None) is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._joining: list = []  # admitted into a running chain, not launched in it yet
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
@@ -135,8 +137,12 @@ class LinkVerifier:
         if self.chain is not None and self.chain.flight is not None:
             live = [q for q in self.chain.flight.seqs if q is not None and not q.finished]
             # rows admitted to join it ask for their first speculation, as after an admission
-            self._restart += self.chain.end(live) + self._joining
+            restart = self.chain.end(live) + self._joining
+            self._restart += restart
             self._joining = []
+            if self.features is not None:  # their next OUTCOME carries all their features
+                for q in restart:
+                    self.features.admit(q.slot)
 
     def _restart_rows(self, active) -> None:
         """Rows of an ended chain take a fresh speculation (a jit draft) before their round."""
@@ -493,7 +499,8 @@ def build_link_verifier(cfg, world, target, target_ck):
             # a feature draft shares the target's embedding and head where it is unsharded
             model = target.runner.model if cfg.tp == 1 else None
             with link.on_stream():
-                link.attach(build_speculator(cfg, world.device, target_ck, link, model))
+                link.attach(build_speculator(cfg, world.device, target_ck, link, model,
+                                             target.runner.cache.features))
             if link.cuda:  # what was set up on other streams is done before either side runs
                 torch.cuda.synchronize(world.device)
         if cfg.feature_draft:  # its speculator reads the features the target keeps

@@ -52,7 +52,7 @@ from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.engine.speculator.cache_builder import fan_index
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
-from ssdlib.engine.speculator.spec_cache import SpeculationCache
+from ssdlib.engine.speculator.spec_cache import SpeculationCache, next_speculation
 from ssdlib.engine.speculator.tree_build import branch_setup
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.sampling import SamplingTensors
@@ -75,6 +75,8 @@ class FeatureCacheBuilder:
         self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._static: dict[int, torch.Tensor] = {}  # per batch bucket: (slot, first, sent)
         self._index = torch.zeros(2, self.B, dtype=torch.int64, device=self.device)
+        self._chain_slots: torch.Tensor | None = None  # the chain's rows' slots (static)
+        self._target_features: torch.Tensor | None = None
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if fan not in self._index_cache:
@@ -99,11 +101,14 @@ class FeatureCacheBuilder:
         self._body(slots, first, sent, pos, rank, min(kv_len + self.K, d.max_len), pick)
         return 0
 
-    def _body(self, slots, first, sent, pos, rank, kv_len: int, pick=None) -> None:
+    def _body(self, slots, first, sent, pos, rank, kv_len: int, pick=None,
+              cache: SpeculationCache | None = None) -> None:
         """The build on device tensors: slots, first (L - 1) [b], sent [b, K], the fan-out's
         branch index pos, rank [B]; ``pick(depth, logits)`` draws a sampled build's tokens
-        (None: the argmax)."""
+        (None: the argmax); ``cache``: the speculation cache it stores into (default the
+        speculator's)."""
         d, K, B = self.drafter, self.K, self.B
+        cache = self.cache if cache is None else cache
         # the speculation as a teacher-forced chain: candidates and H_0..H_K
         logits, hidden = d.last_logits[slots], d.last_hidden[slots]
         tops, hs = [logits.topk(self.C, dim=-1).indices], [hidden]
@@ -127,8 +132,59 @@ class FeatureCacheBuilder:
             logits = fit_vocab(logits, self.V)  # [b, B, V]
             tok = logits.argmax(-1) if pick is None else pick(depth, logits)
             tokens.append(tok)
-        self.cache.tokens[slots] = torch.stack(tokens, dim=2)
-        self.cache.store_keys(slots, fork, start)
+        cache.tokens[slots] = torch.stack(tokens, dim=2)
+        cache.store_keys(slots, fork, start)
+
+    # -- chained rounds (stream placement, greedy rows: engine/leader/chained_rounds.py) -----
+    def start_chain(self, slots: list[int], target_features: torch.Tensor) -> None:
+        """Chained builds for rows ``slots`` from now on (ghost rows: the scratch slot);
+        ``target_features``: the target's feature buffer [slots, max_len, W], read in place."""
+        self._target_features = target_features
+        if self._chain_slots is None:
+            self._chain_slots = torch.zeros(len(self._static_rows()), dtype=torch.int64,
+                                            device=self.device)
+        scratch = self.drafter.cache.n_slots - 1
+        host = torch.full((self._chain_slots.shape[0],), scratch, dtype=torch.int64)
+        host[:len(slots)] = torch.tensor([s if s >= 0 else scratch for s in slots])
+        self._chain_slots.copy_(host.to(self.device, non_blocking=True))
+
+    def _static_rows(self) -> range:
+        """Rows of the chained builds' static slots: every batch bucket's."""
+        return range(1 << (self.drafter.cache.n_slots - 1 - 1).bit_length())
+
+    def run_chained(self, state, rows: int, p: int, caches, pos, rank) -> None:
+        """Chained round r + 1's build (parity ``p``, ``rows`` the batch bucket): a captured
+        step per bucket and parity with a graph pool (:meth:`chained_body`)."""
+        self._index[0].copy_(pos)
+        self._index[1].copy_(rank)
+        if self.pool is None:
+            self.chained_body(state, rows, p, caches)
+            return
+        key = ("feature_chain", rows, p)
+        if not self.pool.has(key):
+            self.pool.capture(key, lambda: self.chained_body(state, rows, p, caches))
+        self.pool.replay(key)
+
+    def chained_body(self, state, rows: int, p: int, caches) -> None:
+        """On device tensors only: the speculation the leader verifies now, from round r's
+        outcome and cache (``spec_cache.next_speculation``, the leader's lookup repeated);
+        the commit of round r's kept positions [n - 1, n + k) with the target's features read
+        from its buffer (the padded commit of K + 1 positions; the padding's KV lands past the
+        row and the chain overwrites it) and its tokens from the state's history; then the
+        build of :meth:`_body` into the cache of parity ``p``."""
+        d, K, before = self.drafter, self.K, 1 - p
+        slots = self._chain_slots[:rows]
+        _, _, sent, length, _ = next_speculation(caches[before], slots, state, before, rows)
+        n, k = state.n[before, :rows], state.k[before, :rows]
+        j = torch.arange(K + 1, device=self.device)
+        positions = ((n - 1).clamp(min=0).view(-1, 1) + j).clamp(max=d.max_len - 1)
+        history = state.history[:rows]
+        ids = history.gather(1, (n.view(-1, 1) + j).clamp(max=history.shape[1] - 1))
+        buf = self._target_features
+        feats = buf[slots.view(-1, 1), positions.clamp(max=buf.shape[1] - 1)]
+        d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len)
+        self._body(slots, length - 1, sent, self._index[0], self._index[1], d.max_len,
+                   cache=caches[p])
 
     def _replay(self, rows, pos, rank) -> None:
         """A greedy build as one replay of its batch bucket's captured body (captured at the

@@ -211,6 +211,7 @@ class Speculator:
         draft, as after an admission."""
         for slot, tokens in zip(msg.slots, msg.tokens):
             self.rows[slot].restart(tokens)
+        self.cache.chain_ended(msg.slots)
 
     def send_stats(self) -> None:
         """Answer to an outcome without active rows: the counters since the last STATS."""
@@ -306,6 +307,10 @@ class CacheRole:
 
     def release_graphs(self) -> None:
         """A standalone draft's captured builds are its runner's (released with it)."""
+
+    def chain_ended(self, slots: list[int]) -> None:
+        """The chain of these rows ended (``Speculator.end_chain``): a standalone draft's KV
+        holds their committed tokens but the last."""
 
     def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
         """The target's features an OUTCOME carries (``rows``: the speculator's, by slot, their
@@ -432,11 +437,15 @@ class FeatureCacheRole(CacheRole):
     target features are committed into the draft's state before the answer; the build drafts
     the outcomes on self-conditioned features. Chained rounds are a standalone draft's."""
 
-    def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int, pool=None):
+    def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int, pool=None,
+                 target_features: torch.Tensor | None = None):
         super().__init__(cfg, None, drafter, vocab_size, builder=lambda cache: FeatureCacheBuilder(
             drafter, cache, vocab_size, cfg.saguaro_c, pool))
         self.drafter = drafter
         self.pool = pool  # the captured greedy builds' (None: eager)
+        # the target's feature buffer, in process (the stream placement): chained builds read
+        # it in place (None on a speculator rank, which runs no chains)
+        self.target_features = target_features
 
     def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
         f = outcome.features
@@ -455,8 +464,45 @@ class FeatureCacheRole(CacheRole):
                                      [f.starts[i] for i in live], [f.counts[i] for i in live],
                                      values)
 
-    def start_chain(self, msg, rows) -> None:
-        raise RuntimeError("chained rounds run with a standalone draft, not a feature draft")
+    def start_chain(self, msg: ChainStart, rows: list[SpecRow]) -> None:
+        """Chained builds for ``msg``'s rows (greedy: the leader chains a feature draft's rows
+        only when none samples); each build commits the target's features of the round it
+        reads, from the target's buffer."""
+        if msg.sampling or self.target_features is None:
+            raise RuntimeError("a feature draft chains greedy rows in the target's process only")
+        self._chain = msg.state
+        self.builder.start_chain(msg.slots, self.target_features)
+
+    def regroup_chain(self, msg: ChainRegroup, rows: list[SpecRow | None]) -> None:
+        """The chain's rows change; a joined row's prompt (its positions before the last, whose
+        features the target's prefill wrote) is committed now, the last by its first chained
+        build."""
+        self.builder.start_chain(msg.slots, self.target_features)
+        joined = [rows[i] for i in msg.joined]
+        for r in joined:
+            self.drafter.fed[r.slot] = 0
+        spans = [len(r.tokens) - 1 for r in joined]
+        if joined and max(spans) > 0:
+            joined = [r for r, c in zip(joined, spans) if c > 0]
+            spans = [c for c in spans if c > 0]
+            width = max(spans)
+            slots = torch.tensor([r.slot for r in joined], device=self.drafter.device)
+            positions = torch.arange(width, device=self.drafter.device).clamp(
+                max=self.target_features.shape[1] - 1)
+            values = self.target_features[slots.view(-1, 1), positions]
+            self.drafter.commit_features(joined, [0] * len(joined), spans, values)
+
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
+        fan = self.fanout()
+        self._fanout_used = fan
+        pos, rank = self.builder.branch_index(tuple(fan))
+        self.builder.run_chained(self._chain, rows, parity, self.chain_caches(), pos, rank)
+
+    def chain_ended(self, slots: list[int]) -> None:
+        """Where the chain left the draft's state is not tracked per row: their next OUTCOME
+        (the leader resets its side too) brings every committed position's features again."""
+        for s in slots:
+            self.drafter.fed[s] = 0
 
     def release_graphs(self) -> None:
         if self.pool is not None:
@@ -475,12 +521,14 @@ def cache_branches_of(cfg) -> int:
     return cache_branches(cfg.fan_out, cfg.fan_out_budget, cfg.k)
 
 
-def build_speculator(cfg, device, target_ck, link, target_model=None) -> Speculator:
+def build_speculator(cfg, device, target_ck, link, target_model=None,
+                     target_features: torch.Tensor | None = None) -> Speculator:
     """The speculator of ``cfg`` on ``device``, speaking over ``link`` (a :class:`SpecLink`
     between ranks, or a :class:`~ssdlib.distributed.local_link.LocalLink` in the leader's process):
     its draft (checked against the target), its model runner, and in mode ssd its cache. A
     feature draft shares ``target_model``'s embedding and head where given (the stream
-    placement), else loads them from the target's weights."""
+    placement), else loads them from the target's weights; ``target_features`` (the target's
+    feature buffer, in process) lets its chained builds read the features in place."""
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
     vocab = target_ck.config.vocab_size
@@ -497,7 +545,7 @@ def build_speculator(cfg, device, target_ck, link, target_model=None) -> Specula
                                    tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
                                    use_kernel=use_slot_kernel(device), pool=pool)
         return Speculator(cfg, None, link, vocab, drafter,
-                          FeatureCacheRole(cfg, drafter, vocab, pool))
+                          FeatureCacheRole(cfg, drafter, vocab, pool, target_features))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
