@@ -39,8 +39,12 @@ Captured steps: with a graph pool (CUDA; ``SSDLIB_STEP_GRAPHS`` on a CPU, run ea
 greedy build is one replay per batch bucket (the chain and the K tree depths; rows past the
 batch are ghost rows in the scratch slot; the fan-out's branch index is a static input, so the
 estimator moving it captures nothing new), as are a round's commit and a greedy jit draft;
-sampled builds and jit drafts and an admission's commit run eagerly. The chained rounds of the
-stream placement are for standalone drafts.
+sampled builds and jit drafts and an admission's commit run eagerly.
+
+Chained rounds (stream placement, greedy rows; ``engine/leader/chained_rounds.py``): a chained
+build (:meth:`FeatureCacheBuilder.chained_body`) reads round r's outcome from the chain state,
+commits its kept positions from the target's feature buffer in place (no OUTCOME carries them)
+and builds the next speculation's outcomes, all on the device.
 """
 
 from __future__ import annotations
