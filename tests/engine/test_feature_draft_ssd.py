@@ -107,7 +107,8 @@ def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
     drafter = FeatureSpecDraft(oracle_draft(target), 3, 64, V, B * K, "cpu", torch.float32,
                                draws=K)
     caches = [SpeculationCache(3, B, K, V, torch.device("cpu")) for _ in range(2)]
-    builder = FeatureCacheBuilder(drafter, caches[0], V, saguaro_c=1.0)
+    buffer = torch.zeros(3, 64, 16)  # the target's: the verified tokens' features
+    builder = FeatureCacheBuilder(drafter, caches[0], V, saguaro_c=1.0, target_features=buffer)
     slot, before, p = 1, 0, 1
     tokens0 = [5, 17, 3, 42, 8, 11, 9]  # committed before round r (its n)
     n = len(tokens0)
@@ -119,14 +120,13 @@ def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
         spec[k] = (spec[k] + 1) % V
     bonus = _greedy(target, tokens0 + spec[:k], 1)[0]
     committed = tokens0 + spec[:k] + [bonus]
-    buffer = torch.zeros(3, 64, 16)  # the target's: the verified tokens' features
     buffer[slot, :n + K] = _features(target, tokens0 + spec, False)
     state = ChainState.empty(1, K, 64, "cpu")
     state.real[0] = True
     state.n[before, 0], state.k[before, 0], state.bonus[before, 0] = n, k, bonus
     state.spec[before, 0] = torch.tensor(spec)
     state.history[0, :len(committed)] = torch.tensor(committed)
-    builder.start_chain([slot], buffer)
+    assert builder.start_chain([slot]) is None  # greedy
     pos, rank = builder.branch_index(tuple(FAN))
     builder.run_chained(state, 1, p, caches, pos, rank)
     # the commit's output predicts the token after the bonus
@@ -185,8 +185,9 @@ def test_cuda_ssd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, featur
 
 def _sampled_pit(tmp_path, saguaro_c: float) -> float:
     """The p-value of whole sampled SSD sequences with a feature draft (jit drafts, cached
-    sampled branches: a fan-out wide enough that about half the rounds are hits) against the
-    target's law, through the randomized PIT of every token (uniform iff the law is right)."""
+    sampled branches: a fan-out wide enough that many rounds are hits; chained rounds unless
+    ``SSDLIB_CHAINED_ROUNDS=0``) against the target's law, through the randomized PIT of every
+    token (uniform iff the law is right)."""
     from tests.tiny import make_small_vocab_pair
 
     t, _ = make_small_vocab_pair(str(tmp_path / "pair"), 4.0, 0.5)
@@ -199,20 +200,24 @@ def _sampled_pit(tmp_path, saguaro_c: float) -> float:
         outs = g.generate([SAMPLED_PROMPT] * N_SEQS, params)
     hits = sum(o.metrics.get("accepted_by_source", {}).get("cache", [0])[0] for o in outs)
     rounds = sum(o.metrics["rounds"] for o in outs)
-    assert hits > 0.3 * rounds  # cached sampled branches were verified
+    assert hits > 0.2 * rounds  # cached sampled branches were verified
     return uniform_p_value(pit_values(t, [o.token_ids for o in outs]))
 
 
-@pytest.mark.parametrize("saguaro_c", [1.0, 0.5])
-def test_ssd_sampling_with_a_feature_draft_follows_the_target(tmp_path, saguaro_c):
+@pytest.mark.parametrize("saguaro_c,chained", [(1.0, True), (0.5, True), (1.0, False)])
+def test_ssd_sampling_with_a_feature_draft_follows_the_target(tmp_path, saguaro_c, chained,
+                                                              monkeypatch):
+    monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "1" if chained else "0")
     assert _sampled_pit(tmp_path, saguaro_c) > 1e-3
 
 
-def test_a_wrong_q_of_the_cached_branches_is_detected(tmp_path, monkeypatch):
-    """The power test: the build stores a flat q instead of the one its branch tokens were
-    drawn from (p ~ 1e-75 in a trial)."""
+@pytest.mark.parametrize("chained", [True, False])
+def test_a_wrong_q_of_the_cached_branches_is_detected(tmp_path, monkeypatch, chained):
+    """The power test: the build (chained, or through the host) stores a flat q instead of the
+    one its branch tokens were drawn from (p ~ 1e-75 through the host in a trial)."""
     import ssdlib.engine.speculator.feature_build as fb
 
+    monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "1" if chained else "0")
     real = fb.sample_branches
 
     def flat_q(*args, **kw):

@@ -139,10 +139,8 @@ class ChainedRounds:
     :class:`~ssdlib.distributed.local_link.LocalLink` whose speculator keeps a cache; the
     target runs on this rank alone (TP 1)."""
 
-    def __init__(self, target, link, k: int, device, max_batch: int, greedy_only: bool = False):
+    def __init__(self, target, link, k: int, device, max_batch: int):
         self.target, self.link, self.K = target, link, k
-        # chains of greedy rows only (a feature draft's speculator builds greedy chains)
-        self.greedy_only = greedy_only
         self.runner = target.runner
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -174,7 +172,7 @@ class ChainedRounds:
         all greedy unless ``SSDLIB_CHAIN_SAMPLED`` (default on), and two rounds' positions past
         each row's committed tokens fit its KV cache (a chained round is launched before the
         round it follows is read)."""
-        sampled = env.flag("SSDLIB_CHAIN_SAMPLED") and not self.greedy_only
+        sampled = env.flag("SSDLIB_CHAIN_SAMPLED")
         return len(seqs) <= protocol.chain_max_rows() and all(
             (sampled or s.params.greedy) and len(s.tokens) + 2 * self.K + 2 <= self.max_len
             for s in seqs)

@@ -91,9 +91,7 @@ class LinkVerifier:
         # (K verified, K drafted for the next round) of the round whose phases the timer holds
         self._timed: tuple[int, int] | None = None
         # chained rounds (stream placement, small batches: chained_rounds.py)
-        # (a feature draft's: greedy rows only)
-        self.chain = ChainedRounds(target, link, k, device, link.max_batch,
-                                   greedy_only=features is not None) \
+        self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
             and getattr(target, "channel", None) is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft

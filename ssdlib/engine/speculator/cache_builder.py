@@ -42,6 +42,9 @@ class CacheBuilder:
         self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         v = min(vocab_size, runner.config.vocab_size)
         self.tree_step = TreeBuildStep(runner, cache, self.branch_top, min(self.C, v), v)
+        # chained rounds' builds (``start_chain``, ``run_chained``) and their ghost rows' slot
+        self.chain_step = self.tree_step
+        self.scratch_slot = runner.scratch_slot
 
     @torch.inference_mode()
     def build(self, rows: list[SpecRow], fan: list[int], sampling: bool) -> int:

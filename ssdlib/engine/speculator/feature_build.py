@@ -41,10 +41,11 @@ batch are ghost rows in the scratch slot; the fan-out's branch index is a static
 estimator moving it captures nothing new), as are a round's commit and a greedy jit draft;
 sampled builds and jit drafts and an admission's commit run eagerly.
 
-Chained rounds (stream placement, greedy rows; ``engine/leader/chained_rounds.py``): a chained
-build (:meth:`FeatureCacheBuilder.chained_body`) reads round r's outcome from the chain state,
-commits its kept positions from the target's feature buffer in place (no OUTCOME carries them)
-and builds the next speculation's outcomes, all on the device.
+Chained rounds (stream placement; ``engine/leader/chained_rounds.py``): a chained build
+(:meth:`FeatureCacheBuilder.chained_body`) reads round r's outcome from the chain state, commits
+its kept positions from the target's feature buffer in place (no OUTCOME carries them) and
+builds the next speculation's outcomes, all on the device; sampled rows draw from the chain
+state's streams.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ import torch
 
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.sampled_chain import fit_vocab
+from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.engine.speculator.cache_builder import fan_index
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.spec_cache import SpeculationCache, next_speculation
 from ssdlib.engine.speculator.tree_build import branch_setup
 from ssdlib.layers.attention import AttentionMetadata
-from ssdlib.sampling import SamplingTensors
+from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -68,9 +70,11 @@ class FeatureCacheBuilder:
     ``cache_builder.CacheBuilder``: ``build`` and ``branch_index``."""
 
     def __init__(self, drafter: FeatureSpecDraft, cache: SpeculationCache, vocab_size: int,
-                 saguaro_c: float, pool=None):
+                 saguaro_c: float, pool=None, target_features: torch.Tensor | None = None):
         self.drafter = drafter
         self.pool = pool  # captured greedy builds (module doc); None: eager
+        self.scratch_slot = drafter.scratch_slot  # ghost rows of a captured step write here
+        self.chain_step = self  # chained rounds' builds (``start_chain``, ``run_chained``)
         self.cache = cache
         self.K, self.B, self.V = cache.K, cache.B, vocab_size
         self.device = drafter.device
@@ -80,7 +84,10 @@ class FeatureCacheBuilder:
         self._static: dict[int, torch.Tensor] = {}  # per batch bucket: (slot, first, sent)
         self._index = torch.zeros(2, self.B, dtype=torch.int64, device=self.device)
         self._chain_slots: torch.Tensor | None = None  # the chain's rows' slots (static)
-        self._target_features: torch.Tensor | None = None
+        # the target's feature buffer [slots, max_len, W], in process (stream placement):
+        # chained builds read it in place
+        self._target_features = target_features
+        self._chain_table: torch.Tensor | None = None  # the chain's rows' sampling parameters
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if fan not in self._index_cache:
@@ -139,44 +146,67 @@ class FeatureCacheBuilder:
         cache.tokens[slots] = torch.stack(tokens, dim=2)
         cache.store_keys(slots, fork, start)
 
-    # -- chained rounds (stream placement, greedy rows: engine/leader/chained_rounds.py) -----
-    def start_chain(self, slots: list[int], target_features: torch.Tensor) -> None:
-        """Chained builds for rows ``slots`` from now on (ghost rows: the scratch slot);
-        ``target_features``: the target's feature buffer [slots, max_len, W], read in place."""
-        self._target_features = target_features
+    # -- chained rounds (stream placement: engine/leader/chained_rounds.py) -------------------
+    # (the interface of ``tree_build.TreeBuildStep``'s: ``start_chain``, ``run_chained``)
+    def start_chain(self, slots: list[int], params=None) -> SamplingFacts | None:
+        """Chained builds for rows ``slots`` from now on (ghost rows: the scratch slot), and
+        where some row samples its ``params`` (one per row; ghost rows greedy) in a static
+        table. Returns the sampled builds' facts (None: greedy builds)."""
+        if self._target_features is None:
+            raise RuntimeError("chained builds read the target's features in its process")
+        rows = self._chain_rows()
         if self._chain_slots is None:
-            self._chain_slots = torch.zeros(len(self._static_rows()), dtype=torch.int64,
-                                            device=self.device)
-        scratch = self.drafter.cache.n_slots - 1
-        host = torch.full((self._chain_slots.shape[0],), scratch, dtype=torch.int64)
-        host[:len(slots)] = torch.tensor([s if s >= 0 else scratch for s in slots])
+            self._chain_slots = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self._chain_table = torch.tensor(GHOST_ROW, dtype=torch.float64,
+                                             device=self.device).repeat(rows, 1)
+        host = torch.full((rows,), self.scratch_slot, dtype=torch.int64)
+        host[:len(slots)] = torch.tensor(slots, dtype=torch.int64)
         self._chain_slots.copy_(host.to(self.device, non_blocking=True))
+        if params is None:
+            return None
+        table = torch.tensor(GHOST_ROW, dtype=torch.float64).repeat(rows, 1)
+        table[:len(params)] = SamplingTensors.host_table(params)
+        self._chain_table.copy_(table.to(self.device, non_blocking=True))
+        return any_bucket_facts(params)
 
-    def _static_rows(self) -> range:
-        """Rows of the chained builds' static slots: every batch bucket's."""
-        return range(1 << (self.drafter.cache.n_slots - 1 - 1).bit_length())
+    def _chain_rows(self) -> int:
+        """Rows of the chained builds' static inputs: the largest batch bucket."""
+        return 1 << (self.scratch_slot - 1).bit_length() if self.scratch_slot > 1 else 1
 
-    def run_chained(self, state, rows: int, p: int, caches, pos, rank) -> None:
-        """Chained round r + 1's build (parity ``p``, ``rows`` the batch bucket): a captured
-        step per bucket and parity with a graph pool (:meth:`chained_body`)."""
+    @torch.inference_mode()
+    def run_chained(self, state, rows: int, p: int, caches, pos, rank, kv_len: int = 0,
+                    facts: SamplingFacts | None = None, fan: tuple = (),
+                    saguaro_c: float = 1.0) -> None:
+        """Chained round r + 1's build (parity ``p``, ``rows`` the batch bucket;
+        :meth:`chained_body`), sampled with ``facts`` (those :meth:`start_chain` returned):
+        a captured step per bucket, parity and sampling kind with a graph pool. The key length
+        is the draft's whole cache (``kv_len`` unused: the slot kernel reads each row up to its
+        limit)."""
         self._index[0].copy_(pos)
         self._index[1].copy_(rank)
+        sampling = None if facts is None else (facts, tuple(fan), saguaro_c)
         if self.pool is None:
-            self.chained_body(state, rows, p, caches)
+            self.chained_body(state, rows, p, caches, sampling)
             return
-        key = ("feature_chain", rows, p)
+        key = ("feature_chain", rows, p, facts, saguaro_c,
+               tuple(fan) if facts is not None and saguaro_c != 1.0 else None)
         if not self.pool.has(key):
-            self.pool.capture(key, lambda: self.chained_body(state, rows, p, caches))
+            if facts is not None:
+                for cache in caches:
+                    cache.q  # allocated now, not inside a capture
+            self.pool.capture(key, lambda: self.chained_body(state, rows, p, caches, sampling))
         self.pool.replay(key)
 
-    def chained_body(self, state, rows: int, p: int, caches) -> None:
+    def chained_body(self, state, rows: int, p: int, caches, sampling=None) -> None:
         """On device tensors only: the speculation the leader verifies now, from round r's
         outcome and cache (``spec_cache.next_speculation``, the leader's lookup repeated);
         the commit of round r's kept positions [n - 1, n + k) with the target's features read
         from its buffer (the padded commit of K + 1 positions; the padding's KV lands past the
         row and the chain overwrites it) and its tokens from the state's history; then the
-        build of :meth:`_body` into the cache of parity ``p``."""
-        d, K, before = self.drafter, self.K, 1 - p
+        build of :meth:`_body` into the cache of parity ``p``. ``sampling`` = (facts, fan-out,
+        C): the rows' parameters from the static table, their K * B draws from column 1 of
+        ``state.draws``, which it advances, as the standalone chained build does."""
+        d, K, B, before = self.drafter, self.K, self.B, 1 - p
         slots = self._chain_slots[:rows]
         _, _, sent, length, _ = next_speculation(caches[before], slots, state, before, rows)
         n, k = state.n[before, :rows], state.k[before, :rows]
@@ -187,7 +217,15 @@ class FeatureCacheBuilder:
         buf = self._target_features
         feats = buf[slots.view(-1, 1), positions.clamp(max=buf.shape[1] - 1)]
         d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len)
-        self._body(slots, length - 1, sent, self._index[0], self._index[1], d.max_len,
+        pick = None
+        if sampling is not None:
+            facts, fan, saguaro_c = sampling
+            draws = state.draws[before, :rows, 1]
+            params = SamplingTensors.from_table(self._chain_table[:rows], facts)
+            streams = RowStreams(state.keys[:rows, 1], draws, K * B)
+            state.draws[p, :rows, 1] = draws + K * B
+            pick = self._pick(slots, caches[p], params, streams, fan, saguaro_c)
+        self._body(slots, length - 1, sent, self._index[0], self._index[1], d.max_len, pick,
                    cache=caches[p])
 
     def _replay(self, rows, pos, rank) -> None:
@@ -218,21 +256,27 @@ class FeatureCacheBuilder:
         self.pool.replay(("feature_build", bucket))
 
     def _sampled_pick(self, rows, slots: torch.Tensor, fan):
-        """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
-        of its stream per depth, K * B reserved a build, as the standalone build draws); the q
-        each was drawn from goes to the cache."""
+        """A host round's sampled build: the rows' parameters, K * B draws reserved on each
+        row's stream (as the standalone build draws) -> :meth:`_pick`."""
         K, B = self.K, self.B
         params = [r.params for r in rows]
         table = SamplingTensors.host_table(params).to(self.device, non_blocking=True)
         st = SamplingTensors.from_table(table, SamplingTensors.host_facts(params))
         keys = RowStreams.reserve_host([r.stream for r in rows], K * B).to(self.device)
-        u_all = RowStreams(keys[:, 0], keys[:, 1], K * B).uniforms(K * B)  # [b, K * B]
-        cache = self.cache
+        return self._pick(slots, self.cache, st, RowStreams(keys[:, 0], keys[:, 1], K * B), fan,
+                          self.saguaro_c)
+
+    def _pick(self, slots, cache, params: SamplingTensors, streams: RowStreams, fan,
+              saguaro_c: float):
+        """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B
+        draws of its stream per depth); the q each was drawn from goes to ``cache``."""
+        B = self.B
+        u_all = streams.uniforms(self.K * B)  # [b, K * B]
 
         def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
             u = u_all[:, depth * B:(depth + 1) * B]
-            tok, q = sample_branches(logits, st, u, fan[depth] if depth < len(fan) else 0,
-                                     self.saguaro_c)
+            tok, q = sample_branches(logits, params, u, fan[depth] if depth < len(fan) else 0,
+                                     saguaro_c)
             cache.q[slots, :, depth] = q
             return tok
         return pick

@@ -385,7 +385,7 @@ class CacheRole:
         self._chain = msg.state
         self._chain_rows = rows if msg.sampling else None
         params = [r.params for r in rows] if msg.sampling else None
-        self._chain_facts = self.builder.tree_step.start_chain(msg.slots, params)
+        self._chain_facts = self.builder.chain_step.start_chain(msg.slots, params)
         if msg.sampling:
             msg.state.start_streams(1, RowStreams.reserve_host([r.stream for r in rows], 0))
             for cache in self.chain_caches():
@@ -396,8 +396,8 @@ class CacheRole:
         slot); where it samples, each joined row's stream goes on from where its host stream
         is (column 1 of the state, at the index the next build reads). The rows' sampling
         kind is the chain's (the leader checks it), so the builds' graphs stay the same."""
-        step = self.builder.tree_step
-        slots = [s if s >= 0 else self.builder.runner.scratch_slot for s in msg.slots]
+        step = self.builder.chain_step
+        slots = [s if s >= 0 else self.builder.scratch_slot for s in msg.slots]
         sampling = self._chain_rows is not None
         params = [r.params if r is not None else GHOST_PARAMS for r in rows] \
             if sampling else None
@@ -419,9 +419,9 @@ class CacheRole:
             for r in self._chain_rows:
                 if r is not None:  # (None: a ghost row)
                     r.stream.reserve(self.K * self.B)
-        self.builder.tree_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
-                                           rank, kv_len, self._chain_facts, tuple(fan),
-                                           self.builder.saguaro_c)
+        self.builder.chain_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
+                                            rank, kv_len, self._chain_facts, tuple(fan),
+                                            self.builder.saguaro_c)
 
     def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered
@@ -440,7 +440,7 @@ class FeatureCacheRole(CacheRole):
     def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int, pool=None,
                  target_features: torch.Tensor | None = None):
         super().__init__(cfg, None, drafter, vocab_size, builder=lambda cache: FeatureCacheBuilder(
-            drafter, cache, vocab_size, cfg.saguaro_c, pool))
+            drafter, cache, vocab_size, cfg.saguaro_c, pool, target_features))
         self.drafter = drafter
         self.pool = pool  # the captured greedy builds' (None: eager)
         # the target's feature buffer, in process (the stream placement): chained builds read
@@ -465,19 +465,17 @@ class FeatureCacheRole(CacheRole):
                                      values)
 
     def start_chain(self, msg: ChainStart, rows: list[SpecRow]) -> None:
-        """Chained builds for ``msg``'s rows (greedy: the leader chains a feature draft's rows
-        only when none samples); each build commits the target's features of the round it
-        reads, from the target's buffer."""
-        if msg.sampling or self.target_features is None:
-            raise RuntimeError("a feature draft chains greedy rows in the target's process only")
-        self._chain = msg.state
-        self.builder.start_chain(msg.slots, self.target_features)
+        """As a standalone draft's; each chained build commits the target's features of the
+        round it reads, from the target's buffer (in process only)."""
+        if self.target_features is None:
+            raise RuntimeError("a feature draft chains rounds in the target's process only")
+        super().start_chain(msg, rows)
 
     def regroup_chain(self, msg: ChainRegroup, rows: list[SpecRow | None]) -> None:
-        """The chain's rows change; a joined row's prompt (its positions before the last, whose
+        """As a standalone draft's; a joined row's prompt (its positions before the last, whose
         features the target's prefill wrote) is committed now, the last by its first chained
         build."""
-        self.builder.start_chain(msg.slots, self.target_features)
+        super().regroup_chain(msg, rows)
         joined = [rows[i] for i in msg.joined]
         for r in joined:
             self.drafter.fed[r.slot] = 0
@@ -491,12 +489,6 @@ class FeatureCacheRole(CacheRole):
                 max=self.target_features.shape[1] - 1)
             values = self.target_features[slots.view(-1, 1), positions]
             self.drafter.commit_features(joined, [0] * len(joined), spans, values)
-
-    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
-        fan = self.fanout()
-        self._fanout_used = fan
-        pos, rank = self.builder.branch_index(tuple(fan))
-        self.builder.run_chained(self._chain, rows, parity, self.chain_caches(), pos, rank)
 
     def chain_ended(self, slots: list[int]) -> None:
         """Where the chain left the draft's state is not tracked per row: their next OUTCOME
