@@ -2,7 +2,9 @@
 # A short check of engine changes on a fresh GPU machine (torch's CUDA graphs, or csrc's pool
 # with EXT=1), in two calls like dev/gpu_run.sh:
 #   call 1: PART=1 bash dev/gpu_quick.sh  carry .stage/smol.part.00 .whl        (GPU step tests)
-#   call 2: PART=2 bash dev/gpu_quick.sh  carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz
+#   call 1b: bash dev/stage_gguf.sh       carry .stage/smol.part.01             (the GGUF's parts:
+#           dev/stage_gguf.sh says how they are made)
+#   call 2: PART=2 bash dev/gpu_quick.sh  carry .stage/smol.part.02 .stage/HumanEval.jsonl.gz
 #           .stage/smol.sha256 [.snap]      (the benches named in BENCHES on the SmolLM2 pair)
 #   later:  PART=3 (the GGUF is already in /tmp): BENCHES only.
 # BENCHES: space-separated presets, default "b1": b1 (b = 1, K = 3, AR / SD / SSD), b8 (b = 8,
@@ -42,7 +44,7 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; ROOT=$(pwd); export PYTHONUNBUFFERED=1
 # it SSDLIB_SKIP_EXT=1 and torch's CUDA graphs serve.
 if [ "${EXT:-}" = 1 ]; then unset SSDLIB_SKIP_EXT; else export SSDLIB_SKIP_EXT=1; fi
 if [ "${PART:-1}" = 1 ]; then
-  cp .stage/smol.part.00 /tmp/
+  bash dev/stage_gguf.sh
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   T="tests/engine/runner/test_step_graphs.py tests/distributed/test_spec_cache_protocol.py
      tests/ops/test_prefill_attention_cuda.py tests/distributed/test_tp_cuda.py
@@ -56,8 +58,7 @@ if [ "${PART:-1}" = 1 ]; then
   exit 0
 fi
 if [ "${PART}" = 2 ]; then
-  cat /tmp/smol.part.00 .stage/smol.part.01 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$(cat .stage/smol.sha256)  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+  bash dev/stage_gguf.sh || exit 3
 fi
 SRC=$ROOT
 if [ -d .snap ]; then

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One GPU measurement pass (any CUDA machine), in parts so that each part's carried files (the
-# working tree plus one half of the SmolLM2 GGUF) stay under 64 MiB:
+# working tree plus one third of the SmolLM2 GGUF) stay under 64 MiB:
 #
-#   here:   split -b 49181216 -d SmolLM2-135M-Instruct.Q4_1.gguf .stage/smol.part.
-#           sha256sum ... | cut -d' ' -f1 > .stage/smol.sha256; cp HumanEval.jsonl.gz floor_probe.py .stage/
+#   here:   the GGUF's parts and .stage/smol.sha256 (dev/stage_gguf.sh says how);
+#           cp HumanEval.jsonl.gz floor_probe.py .stage/
 #           rm -rf .snap && mkdir .snap && git archive HEAD ssdlib tools dev | tar -x -C .snap \
 #               --exclude='ssdlib/assets/smollm2-135m-draft/model.safetensors'
 #           git rev-parse HEAD > .snap/COMMIT   (the benches' JSON names it: SSDLIB_COMMIT)
-#   call 1: PART=1 bash dev/gpu_run.sh   carry .stage/smol.part.00 .stage/smol.sha256 .whl
+#   call 1: PART=1 bash dev/gpu_run.sh   carry .stage/smol.part.00 .whl
 #           (from a clean checkout: install, GPU tests; FLOOR=1 adds the floor probe)
-#   call 2: PART=2 bash dev/gpu_run.sh   carry .stage/smol.part.01 .stage/HumanEval.jsonl.gz .snap
+#   call 1b: bash dev/stage_gguf.sh     carry .stage/smol.part.01
+#   call 2: PART=2 bash dev/gpu_run.sh   carry .stage/smol.part.02 .stage/smol.sha256
+#           .stage/HumanEval.jsonl.gz .snap
 #           (the benchmarks; the GGUF stays in /tmp between parts)
 #   call 3: PART=3 bash dev/gpu_run.sh   carry .stage/HumanEval.jsonl.gz .snap (--no-compile runs)
 #
@@ -21,7 +23,7 @@ ROOT=$(pwd)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "$PART" = 1 ]; then
-  cp "$STAGE/smol.part.00" /tmp/  # stays on the machine for part 2
+  bash dev/stage_gguf.sh  # the part it carries stays on the machine for part 2
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   # `python3 -m pip`: the image's bare `pip` belongs to another Python than the one with torch
   python3 -m pip install -v --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
@@ -33,8 +35,7 @@ if [ "$PART" = 1 ]; then
   exit 0
 fi
 if [ "$PART" = 2 ]; then
-  cat /tmp/smol.part.00 "$STAGE/smol.part.01" > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$(cat "$STAGE/smol.sha256")  /tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+  bash dev/stage_gguf.sh || exit 3
 fi
 # .snap travels anew with every call: the draft's weights (left out of the archive) and the
 # extension built in call 1 (an ignored build output stays between calls) go into it again

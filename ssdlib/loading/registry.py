@@ -54,6 +54,12 @@ _TABLE = (
         package_asset="assets/smollm2-135m-draft",
         how_to_get="it ships in the repository at ssdlib/assets/smollm2-135m-draft/",
     ),
+    NamedCheckpoint(  # a feature draft (EAGLE-style) of smollm2-135m: --draft smollm2-135m-eagle
+        name="smollm2-135m-eagle",
+        filename="smollm2-135m-eagle",
+        package_asset="assets/smollm2-135m-eagle",
+        how_to_get="it ships in the repository at ssdlib/assets/smollm2-135m-eagle/",
+    ),
 )
 _BY_NAME = {entry.name: entry for entry in _TABLE}
 

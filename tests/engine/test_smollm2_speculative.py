@@ -1,5 +1,6 @@
-"""The embedded default pair (SmolLM2-135M + the shipped draft): greedy SD and SSD output equals
-AR token for token on CPU (fp32), with real speculation happening."""
+"""The embedded default pair (SmolLM2-135M + the shipped draft), and the shipped feature draft
+(smollm2-135m-eagle): greedy SD and SSD output equals AR token for token on CPU (fp32), with real
+speculation happening."""
 
 import pytest
 
@@ -27,5 +28,18 @@ def test_default_pair_greedy_equals_ar(ar_outputs, mode):
         run = g.last_run_metrics
     assert [o.token_ids for o in outs] == ar_outputs
     assert run["acceptance_rate"] > 0.3 and run["tokens_per_round"] > 1.5
+    if mode == "ssd":
+        assert run["hit_rate"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_shipped_feature_draft_greedy_equals_ar(ar_outputs, mode):
+    """The named feature draft loads beside SmolLM2 (its fused features: three target layers)
+    and speculates: the speculator's self-conditioned branches are hits at times."""
+    with Generator(mode=mode, draft="smollm2-135m-eagle", max_len=512, max_batch=2) as g:
+        outs = g.generate(PROMPTS, SamplingParams(max_new_tokens=40), chat=True)
+        run = g.last_run_metrics
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert run["acceptance_rate"] > 0.3 and run["tokens_per_round"] > 1.3
     if mode == "ssd":
         assert run["hit_rate"] > 0

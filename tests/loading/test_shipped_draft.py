@@ -64,3 +64,20 @@ def test_draft_agrees_with_target_greedy():
         d_arg = models[1].forward_full(x)[0, n_prompt - 1:-1].argmax(-1)
     agreement = (t_arg == d_arg).float().mean().item()
     assert agreement > 0.3, agreement
+
+
+def test_shipped_feature_draft_size_and_spec():
+    """``smollm2-135m-eagle``: a feature draft (EAGLE-style) of one layer on three of SmolLM2's
+    layers, within 16 MB, loading beside SmolLM2 only."""
+    from ssdlib.loading.feature_draft import feature_spec_for, is_feature_draft, load_feature_draft
+
+    path = resolve_named("smollm2-135m-eagle")
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f != "MODEL_CARD.md")
+    assert size <= 16 * 10**6, size
+    assert is_feature_draft("smollm2-135m-eagle")
+    target = _target_or_skip()
+    spec = feature_spec_for("smollm2-135m-eagle", target)
+    assert (spec.kind, tuple(spec.layers)) == ("fused", (1, 15, 29))
+    draft = load_feature_draft("smollm2-135m-eagle", target)
+    assert len(draft.layers) == 1 and draft.fuse is not None
