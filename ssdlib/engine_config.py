@@ -129,11 +129,8 @@ class EngineConfig:
         """A feature draft runs in sd mode beside the target on its rank (a separate draft rank
         would not have the target's features); in ssd mode its speculator receives them with
         every OUTCOME, in either placement."""
-        if self.mode == "ar" or not is_feature_draft(self.draft):
-            return
-        if self.mode == "ssd":
-            return
-        if self.draft_placement == "separate":
+        if self.mode == "sd" and self.draft_placement == "separate" and \
+                is_feature_draft(self.draft):
             raise ConfigError(f"--draft {self.draft} is a feature draft: it runs beside the "
                               "target (--draft-placement leader)")
 

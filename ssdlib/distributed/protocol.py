@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ssdlib import env
@@ -170,8 +171,8 @@ class Outcome:
     verify_us: int = 0  # the leader's last verify forward, µs: a jit draft's cost is weighed
     # against it (Thm 17); in the header
     limit: list[int] = field(default_factory=list)  # per row (default: K)
-    # a feature draft's speculator (stream placement): the target's features of the positions
-    # verified since the row's last OUTCOME (None: a standalone draft, nothing to carry)
+    # a feature draft's speculator: the target's features of the positions verified since the
+    # row's last OUTCOME (None: a standalone draft, nothing to carry)
     features: "FeatureRows | None" = None
 
     def __post_init__(self):
@@ -243,6 +244,26 @@ class FeatureRows:
         if any(c < 0 for c in self.counts) or max(self.counts, default=0) > self.values.shape[1]:
             raise ValueError(f"FeatureRows: counts {self.counts} do not fit spans of "
                              f"{self.values.shape[1]} positions")
+
+    @classmethod
+    def gather(cls, features: torch.Tensor, slots: list[int], starts: list[int],
+               counts: list[int]) -> "FeatureRows":
+        """The rows' spans read from a target's feature buffer ``features`` [slots, max_len,
+        W] in one device index (padding: positions past a span, clamped in the buffer); on a
+        GPU with the event after it on the current stream."""
+        width = max(max(counts, default=0), 1)
+        # [rows, 1 + width]: the slot, then the span's positions
+        index = np.empty((len(slots), 1 + width), dtype=np.int64)
+        index[:, 0] = slots
+        index[:, 1:] = np.minimum(np.asarray(starts, dtype=np.int64).reshape(-1, 1)
+                                  + np.arange(width), features.shape[1] - 1)
+        index = torch.from_numpy(index).to(features.device, non_blocking=True)
+        values = features[index[:, :1], index[:, 1:]]
+        ready = None
+        if features.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(features.device))
+        return cls(list(starts), list(counts), values, ready)
 
     # on the wire (the speculator on a rank of its own), after the OUTCOME's frame: int64
     # [1 + 2 * rows] = (P, starts, counts), then ``values`` [rows, P, W] in the target's dtype

@@ -215,15 +215,15 @@ def test_ssd_sampling_with_a_feature_draft_follows_the_target(tmp_path, saguaro_
 def test_a_wrong_q_of_the_cached_branches_is_detected(tmp_path, monkeypatch, chained):
     """The power test: the build (chained, or through the host) stores a flat q instead of the
     one its branch tokens were drawn from (p ~ 1e-75 through the host in a trial)."""
-    import ssdlib.engine.speculator.feature_build as fb
+    import ssdlib.engine.speculator.tree_build as tb  # the sampled builds' draws
 
     monkeypatch.setenv("SSDLIB_CHAINED_ROUNDS", "1" if chained else "0")
-    real = fb.sample_branches
+    real = tb.sample_branches
 
     def flat_q(*args, **kw):
         tok, q = real(*args, **kw)
         return tok, torch.full_like(q, 1.0 / q.shape[-1])
-    monkeypatch.setattr(fb, "sample_branches", flat_q)
+    monkeypatch.setattr(tb, "sample_branches", flat_q)
     assert _sampled_pit(tmp_path, 1.0) < 1e-6
 
 

@@ -54,12 +54,12 @@ import torch
 
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.sampled_chain import fit_vocab
+from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
-from ssdlib.engine.sampler import sample_branches
 from ssdlib.engine.speculator.cache_builder import fan_index
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.spec_cache import SpeculationCache, next_speculation
-from ssdlib.engine.speculator.tree_build import branch_setup
+from ssdlib.engine.speculator.tree_build import branch_setup, sampled_pick
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
@@ -85,8 +85,8 @@ class FeatureCacheBuilder:
         self._index = torch.zeros(2, self.B, dtype=torch.int64, device=self.device)
         self._chain_slots: torch.Tensor | None = None  # the chain's rows' slots (static)
         # the target's feature buffer [slots, max_len, W], in process (stream placement):
-        # chained builds read it in place
-        self._target_features = target_features
+        # chained builds read it in place (None on a speculator rank, which runs no chains)
+        self.target_features = target_features
         self._chain_table: torch.Tensor | None = None  # the chain's rows' sampling parameters
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +152,9 @@ class FeatureCacheBuilder:
         """Chained builds for rows ``slots`` from now on (ghost rows: the scratch slot), and
         where some row samples its ``params`` (one per row; ghost rows greedy) in a static
         table. Returns the sampled builds' facts (None: greedy builds)."""
-        if self._target_features is None:
+        if self.target_features is None:
             raise RuntimeError("chained builds read the target's features in its process")
-        rows = self._chain_rows()
+        rows = batch_bucket(self.scratch_slot)  # the largest batch's bucket (max_batch rows)
         if self._chain_slots is None:
             self._chain_slots = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self._chain_table = torch.tensor(GHOST_ROW, dtype=torch.float64,
@@ -168,10 +168,6 @@ class FeatureCacheBuilder:
         table[:len(params)] = SamplingTensors.host_table(params)
         self._chain_table.copy_(table.to(self.device, non_blocking=True))
         return any_bucket_facts(params)
-
-    def _chain_rows(self) -> int:
-        """Rows of the chained builds' static inputs: the largest batch bucket."""
-        return 1 << (self.scratch_slot - 1).bit_length() if self.scratch_slot > 1 else 1
 
     @torch.inference_mode()
     def run_chained(self, state, rows: int, p: int, caches, pos, rank, kv_len: int = 0,
@@ -214,7 +210,7 @@ class FeatureCacheBuilder:
         positions = ((n - 1).clamp(min=0).view(-1, 1) + j).clamp(max=d.max_len - 1)
         history = state.history[:rows]
         ids = history.gather(1, (n.view(-1, 1) + j).clamp(max=history.shape[1] - 1))
-        buf = self._target_features
+        buf = self.target_features
         feats = buf[slots.view(-1, 1), positions.clamp(max=buf.shape[1] - 1)]
         d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len)
         pick = None
@@ -224,7 +220,7 @@ class FeatureCacheBuilder:
             params = SamplingTensors.from_table(self._chain_table[:rows], facts)
             streams = RowStreams(state.keys[:rows, 1], draws, K * B)
             state.draws[p, :rows, 1] = draws + K * B
-            pick = self._pick(slots, caches[p], params, streams, fan, saguaro_c)
+            pick = sampled_pick(slots, caches[p], params, streams, fan, saguaro_c)
         self._body(slots, length - 1, sent, self._index[0], self._index[1], d.max_len, pick,
                    cache=caches[p])
 
@@ -232,10 +228,9 @@ class FeatureCacheBuilder:
         """A greedy build as one replay of its batch bucket's captured body (captured at the
         bucket's first use); one key length for every build (the slot kernel reads each row
         up to its limit)."""
-        d, K = self.drafter, self.K
+        d, K, scratch = self.drafter, self.K, self.scratch_slot
         b = len(rows)
-        bucket = 1 << (b - 1).bit_length()
-        scratch = d.cache.n_slots - 1
+        bucket = batch_bucket(b)
         if bucket not in self._static:
             st = torch.zeros(bucket, 2 + K, dtype=torch.int64, device=self.device)
             st[:, 0], st[:, 1] = scratch, 1
@@ -257,26 +252,11 @@ class FeatureCacheBuilder:
 
     def _sampled_pick(self, rows, slots: torch.Tensor, fan):
         """A host round's sampled build: the rows' parameters, K * B draws reserved on each
-        row's stream (as the standalone build draws) -> :meth:`_pick`."""
+        row's stream (as the standalone build draws) -> ``tree_build.sampled_pick``."""
         K, B = self.K, self.B
         params = [r.params for r in rows]
         table = SamplingTensors.host_table(params).to(self.device, non_blocking=True)
         st = SamplingTensors.from_table(table, SamplingTensors.host_facts(params))
         keys = RowStreams.reserve_host([r.stream for r in rows], K * B).to(self.device)
-        return self._pick(slots, self.cache, st, RowStreams(keys[:, 0], keys[:, 1], K * B), fan,
-                          self.saguaro_c)
-
-    def _pick(self, slots, cache, params: SamplingTensors, streams: RowStreams, fan,
-              saguaro_c: float):
-        """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B
-        draws of its stream per depth); the q each was drawn from goes to ``cache``."""
-        B = self.B
-        u_all = streams.uniforms(self.K * B)  # [b, K * B]
-
-        def pick(depth: int, logits: torch.Tensor) -> torch.Tensor:
-            u = u_all[:, depth * B:(depth + 1) * B]
-            tok, q = sample_branches(logits, params, u, fan[depth] if depth < len(fan) else 0,
-                                     saguaro_c)
-            cache.q[slots, :, depth] = q
-            return tok
-        return pick
+        return sampled_pick(slots, self.cache, st, RowStreams(keys[:, 0], keys[:, 1], K * B),
+                            fan, self.saguaro_c)

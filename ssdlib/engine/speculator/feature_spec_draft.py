@@ -9,6 +9,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.sampler import draw_tokens
 from ssdlib.layers.attention import AttentionMetadata
@@ -101,15 +102,12 @@ class FeatureSpecDraft:
                           to_device([[c - 1] for c in counts], dev), feats,
                           int(positions.max()) + 1)
 
-    def _bucket(self, b: int) -> int:
-        return 1 << (b - 1).bit_length()
-
     def _commit_captured(self, rows, ids, positions, counts, values, width: int) -> None:
         """The commit as one replay of its batch bucket's step (rows padded to ``width``
         positions, whose KV lands past the row and is overwritten before it is read; ghost
         rows in the scratch slot)."""
         b, s = ids.shape
-        bucket = self._bucket(b)
+        bucket = batch_bucket(b)
         key = ("feature_commit", bucket, width)
         if key not in self._static:
             st = {"host": self._ghost_host(bucket, 2 * width + 2, width),
@@ -198,7 +196,7 @@ class FeatureSpecDraft:
 
     def _jit_captured(self, rows, k: int) -> torch.Tensor:
         b = len(rows)
-        bucket = self._bucket(b)
+        bucket = batch_bucket(b)
         key = ("feature_jit", bucket, k)
         if key not in self._static:
             host = torch.zeros(bucket, 2, dtype=torch.int64, device=self.device)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainEnd,
-                                         ChainRegroup, ChainStart, Op, Outcome,
+                                         ChainRegroup, ChainStart, FeatureRows, Op, Outcome,
                                          SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
@@ -435,7 +435,8 @@ class CacheRole:
 class FeatureCacheRole(CacheRole):
     """The cache role of a feature draft's speculator (``feature_build.py``): every OUTCOME's
     target features are committed into the draft's state before the answer; the build drafts
-    the outcomes on self-conditioned features. Chained rounds are a standalone draft's."""
+    the outcomes on self-conditioned features. Chained rounds (in the target's process) read
+    the features from the target's buffer (``FeatureCacheBuilder.chained_body``)."""
 
     def __init__(self, cfg, drafter: FeatureSpecDraft, vocab_size: int, pool=None,
                  target_features: torch.Tensor | None = None):
@@ -443,33 +444,26 @@ class FeatureCacheRole(CacheRole):
             drafter, cache, vocab_size, cfg.saguaro_c, pool, target_features))
         self.drafter = drafter
         self.pool = pool  # the captured greedy builds' (None: eager)
-        # the target's feature buffer, in process (the stream placement): chained builds read
-        # it in place (None on a speculator rank, which runs no chains)
-        self.target_features = target_features
 
     def take_features(self, outcome: Outcome, rows: dict[int, SpecRow]) -> None:
-        f = outcome.features
-        if f is None:
+        if outcome.features is None:
             raise RuntimeError("an OUTCOME to a feature draft's speculator carried no features")
-        if f.ready is not None:  # (in-process) gathered on the leader's stream
+        self._commit([rows[s] if a else None for s, a in zip(outcome.slots, outcome.active)],
+                     outcome.features)
+
+    def _commit(self, rows: list[SpecRow | None], f: FeatureRows) -> None:
+        """Commit ``f``'s spans of ``rows`` (one per row of ``f``; None: an inactive row)."""
+        if f.ready is not None:  # (on a GPU) gathered on another stream
             stream = torch.cuda.current_stream(self.drafter.device)
             stream.wait_event(f.ready)
             f.values.record_stream(stream)  # not reused by the leader's side before it is read
-        live = [i for i, (a, c) in enumerate(zip(outcome.active, f.counts)) if a and c > 0]
+        live = [i for i, (r, c) in enumerate(zip(rows, f.counts)) if r is not None and c > 0]
         if not live:
             return
         values = f.values if len(live) == len(f.counts) else \
             f.values[torch.tensor(live, device=f.values.device)]
-        self.drafter.commit_features([rows[outcome.slots[i]] for i in live],
-                                     [f.starts[i] for i in live], [f.counts[i] for i in live],
-                                     values)
-
-    def start_chain(self, msg: ChainStart, rows: list[SpecRow]) -> None:
-        """As a standalone draft's; each chained build commits the target's features of the
-        round it reads, from the target's buffer (in process only)."""
-        if self.target_features is None:
-            raise RuntimeError("a feature draft chains rounds in the target's process only")
-        super().start_chain(msg, rows)
+        self.drafter.commit_features([rows[i] for i in live], [f.starts[i] for i in live],
+                                     [f.counts[i] for i in live], values)
 
     def regroup_chain(self, msg: ChainRegroup, rows: list[SpecRow | None]) -> None:
         """As a standalone draft's; a joined row's prompt (its positions before the last, whose
@@ -479,16 +473,10 @@ class FeatureCacheRole(CacheRole):
         joined = [rows[i] for i in msg.joined]
         for r in joined:
             self.drafter.fed[r.slot] = 0
-        spans = [len(r.tokens) - 1 for r in joined]
-        if joined and max(spans) > 0:
-            joined = [r for r, c in zip(joined, spans) if c > 0]
-            spans = [c for c in spans if c > 0]
-            width = max(spans)
-            slots = torch.tensor([r.slot for r in joined], device=self.drafter.device)
-            positions = torch.arange(width, device=self.drafter.device).clamp(
-                max=self.target_features.shape[1] - 1)
-            values = self.target_features[slots.view(-1, 1), positions]
-            self.drafter.commit_features(joined, [0] * len(joined), spans, values)
+        if joined:
+            self._commit(joined, FeatureRows.gather(
+                self.builder.target_features, [r.slot for r in joined], [0] * len(joined),
+                [len(r.tokens) - 1 for r in joined]))
 
     def chain_ended(self, slots: list[int]) -> None:
         """Where the chain left the draft's state is not tracked per row: their next OUTCOME

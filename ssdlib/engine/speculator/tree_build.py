@@ -99,6 +99,27 @@ def build_key(rows: int, kv_len: int, facts: SamplingFacts | None, fan: tuple,
             tuple(fan) if saguaro_c != 1.0 else None)
 
 
+def sampled_pick(slots, cache, params: SamplingTensors, streams: RowStreams, fan: tuple,
+                 saguaro_c: float):
+    """A sampled build's ``pick(d, logits [b, B, v])``: depth d's branch tokens drawn from
+    sigma_{F_d,C} of each row's distribution (B draws of its stream per depth, in branch order;
+    ``cache``'s B and K); the q each was drawn from goes to ``cache``."""
+    B, K, V = cache.B, cache.K, cache.V
+    # every depth's draws at once (one chain of hash kernels, not one per depth): the same
+    # values, draw j of the call is j whichever way they are computed
+    u_all = streams.uniforms(K * B)  # [b, K * B]
+
+    def pick(d: int, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[-1] < V:  # a draft with fewer rows than the target: never those
+            logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]),
+                                             value=float("-inf"))
+        u = u_all[:, d * B:(d + 1) * B]  # [b, B]
+        tok, q = sample_branches(logits, params, u, fan[d] if d < len(fan) else 0, saguaro_c)
+        cache.q[slots, :, d] = q
+        return tok
+    return pick
+
+
 class TreeBuildStep:
     """Static inputs and the captured build steps of one speculator (see the module doc)."""
 
@@ -133,7 +154,7 @@ class TreeBuildStep:
         K = self.K
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
-        pick = None if sampler is None else self._sampled_pick(slots, cache, *sampler)
+        pick = None if sampler is None else sampled_pick(slots, cache, *sampler)
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
                                    kv_len, r.use_kernel, pick)
         self.branch_top[slots, :, :, :tops.shape[-1]] = tops
@@ -249,27 +270,6 @@ class TreeBuildStep:
             self.index[0].copy_(pos)
             self.index[1].copy_(rank)
             self._index_src = pos
-
-    def _sampled_pick(self, slots, cache, params: SamplingTensors, streams: RowStreams,
-                      fan: tuple, saguaro_c: float):
-        """Depth d's branch tokens drawn from sigma_{F_d,C} of each row's distribution (B draws
-        of its stream per depth, in branch order); the q each was drawn from goes to
-        ``cache``."""
-        B, V = self.B, cache.V
-        # every depth's draws at once (one chain of hash kernels, not one per depth): the
-        # same values, draw j of the call is j whichever way they are computed
-        u_all = streams.uniforms(self.K * B)  # [b, K * B]
-
-        def pick(d: int, logits: torch.Tensor) -> torch.Tensor:
-            if logits.shape[-1] < V:  # a draft with fewer rows than the target: never those
-                logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]),
-                                                 value=float("-inf"))
-            u = u_all[:, d * B:(d + 1) * B]  # [b, B]
-            tok, q = sample_branches(logits, params, u, fan[d] if d < len(fan) else 0,
-                                     saguaro_c)
-            cache.q[slots, :, d] = q
-            return tok
-        return pick
 
     def _fill(self, rows: int, cand, sent, lengths, slots, reuse, sampled_rows):
         """The build's inputs for ``rows`` rows (ghosts past the real ones: the scratch slot, no
