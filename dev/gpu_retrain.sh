@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Both SmolLM2 drafts continued on fresh data on one GPU, measured against the shipped ones, in
+# back-to-back calls on one machine (each <= 10 minutes; /tmp persists between them):
+#   PART=tests   carry .stage/smol.part.00 .whl      GPU tests of the speculative engine
+#   (then)       bash dev/stage_gguf.sh, carry .stage/smol.part.01
+#   PART=data    carry .stage/smol.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
+#                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill
+#   PART=train   the default draft continued with long rows (tools/distill_draft.py
+#                --long-seq-len, its window kept) and the feature draft continued
+#                (tools/distill_feature_draft.py), side by side on the GPU
+#   PART=eval    acceptance of both against the shipped ones: chat, HumanEval, by prompt length
+#                (default draft); offline both ways and in the engine (feature draft; its
+#                script's bench is cut: the evaluations share the GPU)
+#   PART=lengths AR / SD / SSD by prompt length with the shipped and the new default draft
+#   PART=chat    b = 1 on the 24 held-out chat prompts: AR, SD and SSD with each draft
+# Results under $OUT; the new drafts as $OUT/*/cand_long.tar and $OUT/fd/feature_draft.tar.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+export SSDLIB_SKIP_EXT=${SSDLIB_SKIP_EXT:-1} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:/tmp/site SSDLIB_MODEL_DIRS=/tmp
+SEED=${SEED:-11}
+TRAIN_S=${TRAIN_S:-360}
+HE=$PWD/.stage/HumanEval.jsonl.gz
+[ -f "$HE" ] && cp "$HE" /tmp/HumanEval.jsonl.gz
+HE=/tmp/HumanEval.jsonl.gz
+NEW=/tmp/distill/packed/long
+FD=/tmp/fd_new
+LONG_FLAGS="--init-from ssdlib/assets/smollm2-135m-draft --loss tvd --lr ${LONG_LR:-2e-4} --warmup 50"
+LONG_FLAGS="$LONG_FLAGS --long-seq-len 4096 --long-batch 4 --long-every 4"
+FD_FLAGS="--init-from ssdlib/assets/smollm2-135m-eagle --ttt-steps 3 --batch 16 --seq-len 512"
+FD_FLAGS="$FD_FLAGS --lr ${FD_LR:-8e-4} --warmup 100 --long-seq-len 4096 --long-every 4 --token-gain auto"
+F="grep -v ^\[rank\|WARN"
+case "${PART:?PART=tests|data|train|eval|lengths|chat}" in
+  tests)
+    bash dev/stage_gguf.sh
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
+    timeout "${TEST_S:-420}" python3 -m pytest -q -p no:logging -k cuda \
+      tests/engine/test_feature_draft_ssd.py tests/engine/test_feature_draft_sd.py \
+      tests/distributed/test_stream_placement.py tests/engine/test_chained_sampling.py \
+      tests/engine/runner/test_step_graphs.py 2>&1 | $F | tail -15 ;;
+  data)
+    bash dev/stage_gguf.sh || exit 3
+    STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=320 DATA_EXTRA="--seed $SEED" \
+      OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25 ;;
+  train)
+    ( OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
+        STEPS=20000 TRAIN_TIMEOUT=$TRAIN_S TRAIN_ONLY=1 TRAIN_FLAGS="$FD_FLAGS" \
+        bash dev/gpu_feature.sh > /tmp/fd_train.log 2>&1 ) &
+    STEP=train TRAIN_ONLY=1 TRAIN_TIMEOUT=$TRAIN_S STEPS=20000 CANDIDATES="long|$LONG_FLAGS" \
+      OUT=$OUT/d bash dev/gpu_draft.sh 2>&1 | tail -22
+    wait; tail -12 /tmp/fd_train.log ;;
+  eval)
+    ( OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
+        SKIP_TRAIN=1 BENCH_TIMEOUT=1 \
+        bash dev/gpu_feature.sh > /tmp/fd_eval.log 2>&1 ) &
+    STEP=eval CANDIDATES="long|$LONG_FLAGS" HUMANEVAL=$HE EVAL_PROMPTS=24 EVAL_LENGTHS=512,2048,6144 \
+      OUT=$OUT/d bash dev/gpu_draft.sh 2>&1 | grep -E '^\s*\[(long|base)\]|eval|rc' | tail -40
+    wait; grep -v '^\s*$' /tmp/fd_eval.log | tail -30 ;;
+  lengths)
+    HUMANEVAL=$HE B8=${B8:-0} LENGTHS=${LENGTHS:-"512 2048 6144"} \
+      MODES=${MODES:-"ar,sd,sd:draft=$NEW,ssd:draft=$NEW"} bash dev/gpu_lengths.sh 2>&1 | tail -80 ;;
+  chat)
+    python3 - > /tmp/chat24.jsonl <<'EOF2'
+import json
+for line in open("tools/distill/heldout_chat.jsonl"):
+    if line.strip():
+        print(json.dumps({"messages": json.loads(line)["messages"]}))
+EOF2
+    timeout 540 python3 tools/bench.py --device cuda --target smollm2-135m --prompts-file /tmp/chat24.jsonl \
+      --chat --modes "${MODES:-ar,sd,sd:draft=$NEW,ssd:draft=$NEW,sd:draft=$FD,ssd:draft=$FD}" \
+      --max-new-tokens 256 --k 3 --n-prompts 24 --json "$OUT/chat.json" 2>&1 | $F | tail -40 ;;
+  *) echo "PART must be tests, data, train, eval, lengths or chat"; exit 2 ;;
+esac
