@@ -115,8 +115,9 @@ SWITCHES: tuple[Switch, ...] = (
            "1: host-clock segments of each round on both sides of the link (HostClock)"),
     Switch("SSDLIB_PROFILE", "text", None,
            "a directory: write torch.profiler traces there (ssdlib.profiling)"),
-    Switch("SSDLIB_PROFILE_CALL", "int", 2,
-           "which generate call the leader profiles (1 = the first)", minimum=1),
+    Switch("SSDLIB_PROFILE_CALL", "int", 1,
+           "which generate call after the engine's warm-up the leader profiles (1 = the "
+           "first; tools/bench.py: 2, its first timed pass)", minimum=1),
     Switch("SSDLIB_PROFILE_ROUNDS", "window", (200, 100),
            "W:N: the speculator profiles its OUTCOME rounds W .. W+N-1"),
     Switch("SSDLIB_PROFILE_PY", "flag", False, "1: add a cProfile dump to each profile"),

@@ -208,7 +208,7 @@ class Generator:
                       sum(map(len, batches)), "" if work else ", synthetic")
         t0, captured, compiled = time.perf_counter(), capture_count(), _compile_count()
         for reqs in batches:
-            self._run(reqs, None)
+            self._run(reqs, None, warm_up=True)
         self.warm_up_s = time.perf_counter() - t0
         self.ready_s = (self.load_s or 0.0) + self.warm_up_s
         if self._runtime is not None:  # the engine runs in this process: its counts are here
@@ -294,12 +294,13 @@ class Generator:
         self.last_run_metrics = m
         return outputs
 
-    def _run(self, reqs: list[Request], on_event) -> list[Output]:
+    def _run(self, reqs: list[Request], on_event, warm_up: bool = False) -> list[Output]:
         if self._runtime is not None:
-            return self._runtime.generate(reqs, on_event)
-        return self._generate_spawned(reqs, on_event)
+            return self._runtime.generate(reqs, on_event, warm_up=warm_up)
+        return self._generate_spawned(reqs, on_event, warm_up)
 
-    def _generate_spawned(self, reqs: list[Request], on_event) -> list[Output]:
+    def _generate_spawned(self, reqs: list[Request], on_event,
+                          warm_up: bool = False) -> list[Output]:
         """One generate call on the spawned leader. ``_pending`` counts the calls whose result
         is still to come; a Ctrl-C may land anywhere here, so the steps that must go together
         (queue a request and count it, take a result and count it) run with it held back, and
@@ -308,7 +309,7 @@ class Generator:
         queued = False
         try:
             with held_interrupt():
-                self._inbox.put(("generate", reqs, on_event is not None))
+                self._inbox.put(("generate", reqs, on_event is not None, warm_up))
                 self._pending += 1
                 queued = True
             while True:

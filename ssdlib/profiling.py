@@ -1,7 +1,9 @@
 """Opt-in profiles for finding where a round's wall time goes (``SSDLIB_PROFILE=DIR``).
 
-- The leader profiles one ``generate`` call of each engine (``SSDLIB_PROFILE_CALL``, default 2:
-  the first timed call after a warm-up): ``DIR/<mode>-leader.trace.json.gz``.
+- The leader profiles one ``generate`` call of each engine: the ``SSDLIB_PROFILE_CALL``-th
+  after the engine's own warm-up (default 1; the warm-up's calls are never counted, however
+  many batches it runs; ``tools/bench.py`` makes it 2, its first timed pass):
+  ``DIR/<mode>-leader.trace.json.gz``.
 - The speculator rank profiles a window of its OUTCOME rounds (``SSDLIB_PROFILE_ROUNDS=W:N``,
   default 200:100: rounds W .. W+N-1 since the rank started): ``DIR/<mode>-speculator...``.
 
@@ -66,9 +68,11 @@ class CallProfiler:
         self.calls = 0
 
     @contextlib.contextmanager
-    def call(self):
-        self.calls += 1
-        if self.stem is None or self.calls != self.which:
+    def call(self, counted: bool = True):
+        """Around one generate call; ``counted=False`` (the engine's warm-up) is never
+        profiled and does not advance the count."""
+        self.calls += counted
+        if self.stem is None or not counted or self.calls != self.which:
             yield
             return
         session = _Session(self.stem)

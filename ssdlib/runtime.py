@@ -52,8 +52,10 @@ class LeaderRuntime:
         return torch.cuda.stream(self._stream) if self._stream is not None \
             else contextlib.nullcontext()
 
-    def generate(self, requests, on_event=None, interrupted=None):
-        with self._profiler.call(), self._on_stream():
+    def generate(self, requests, on_event=None, interrupted=None, warm_up: bool = False):
+        """One batch of requests; ``warm_up``: the engine's own warm-up call (not counted by
+        the profiler, whose ``SSDLIB_PROFILE_CALL`` counts the calls after it)."""
+        with self._profiler.call(counted=not warm_up), self._on_stream():
             return self.leader.generate(requests, on_event, interrupted)
 
     def serve(self, commands, on_event, on_output) -> None:
@@ -139,7 +141,8 @@ def poll_commands(commands, idle: bool):
 def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
     """Body of a spawned rank: the leader serves requests from ``inbox`` until 'close'.
 
-    ``("generate", requests, stream)`` runs a fixed batch (answer: events, then "result");
+    ``("generate", requests, stream, warm_up)`` runs a fixed batch (answer: events, then
+    "result"; ``warm_up``: the engine's warm-up call);
     ``("serve",)`` serves submit/cancel messages from the inbox until ``("stop",)`` (answer:
     "event" and "output" messages as they come, then "served")."""
     setup_logging(log_level)
@@ -160,9 +163,10 @@ def rank_entry(cfg: EngineConfig, inbox, outbox, log_level: str) -> None:
                           lambda o: outbox.put(("output", o)))
             outbox.put(("served", None))
             continue
-        _, requests, stream = msg
+        _, requests, stream, warm_up = msg
         on_event = (lambda i, d, ids: outbox.put(("event", (i, d, ids)))) if stream else None
-        outputs = runtime.generate(requests, on_event, lambda: _interrupt_requested(inbox))
+        outputs = runtime.generate(requests, on_event, lambda: _interrupt_requested(inbox),
+                                   warm_up=warm_up)
         outbox.put(("result", outputs))
 
 
