@@ -120,15 +120,17 @@ class SDLoop:
         keys = [s.slot for s in seqs]
         self.policy.observe(keys, limits, result.accepted, sampled)
         record_acceptance(seqs, result, limits, self.k, [self.policy.alpha(i) for i in keys])
-        self._close_round(seqs, captured, k)
+        self._close_round(seqs, captured, k, greedy=not any(sampled))
 
-    def _close_round(self, seqs, captured: int, k: int) -> None:
+    def _close_round(self, seqs, captured: int, k: int, greedy: bool = True) -> None:
         """The round's times: kept for the next round's flush, or read now and learnt."""
         timer = self.timer
         timer.mark("host")
         phases = timer.add_to(seqs, defer=True)  # {} when kept for the next round's flush
-        # a round that captured a step (a sweep's, a new shape's) says nothing of the costs
-        tag = None if self.policy.sweeping or capture_count() != captured else \
+        # a round that captured a step (a sweep's, a new shape's) says nothing of the costs;
+        # nor does one with sampling rows: only greedy rows decide on measured costs, and a
+        # sampled round's steps may be others (adaptive_k's module doc, Costs)
+        tag = None if self.policy.sweeping or capture_count() != captured or not greedy else \
             (k, k > 0 and self.drafter.plain, self.policy.probed)
         self._timed = tag if timer.timed and not phases else None
         self._learn_costs(phases, tag)

@@ -397,9 +397,11 @@ class LinkVerifier:
         # read back after the next forward is launched (``_after_launch``), unless a row ended
         phases = timer.add_to(active, defer=True)
         # a round that captured a step (a sweep's, a new shape's; the next round's is drafted
-        # during this one's wait) says nothing of the costs
+        # during this one's wait) says nothing of the costs; nor does one with sampling rows
+        # (only greedy rows decide on measured costs, as in SDLoop)
         swept = sweeping or self.policy.sweeping
-        ks = None if swept or capture_count() != captured else (k, self._drafted)
+        greedy = all(q.params.greedy for q in active)
+        ks = None if swept or capture_count() != captured or not greedy else (k, self._drafted)
         self._timed = ks if timer.timed and not phases else None
         self._read_phases(phases, ks)
         clock.tick("timer")
