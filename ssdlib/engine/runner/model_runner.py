@@ -38,11 +38,18 @@ KV_BUCKET = 256
 MAX_GRAPH_QUERIES = 64
 # Prefills longer than that are padded to a bucket: powers of two from this one up to
 # MAX_PREFILL_GRAPH or the cache's length (the last bucket), one captured graph per (batch
-# bucket, length bucket). Longer prefills run eagerly: their kernels are long enough that
-# launches do not matter, and a captured graph's activations (and SDPA's mask, quadratic in the
-# length) would stay reserved in the pool.
+# bucket, length bucket). Longer prefills of several rows, or continuing a cached prefix, run
+# eagerly: their kernels are long enough that launches do not matter, and a captured graph's
+# activations (and SDPA's mask, quadratic in the length) would stay reserved in the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
+# A single row's prefill from position 0 (a prompt admitted alone, the usual case under
+# continuous batching) of a model without a sliding window (its attention then needs no mask)
+# has graphs up to this many positions, captured at start: op by op, a
+# 2k-token prompt's prefill is bound by its launches (one H200, SD at b = 8 on prompts just past
+# 2,048 tokens: a round of 88 ms with 8.6 ms of GPU kernels, profiled; docs/BENCHMARKS.md,
+# 2026-12-03), and from position 0 it attends causally with no mask.
+MAX_SINGLE_PREFILL_GRAPH = 8192
 # A longer forward that reads logits at an index (a short prompt's prefill, the draft's
 # catch-up over it) takes the prefill graphs where they exist (ModelRunner.prefill_first);
 # otherwise steps capturing every bucket (StepGraphs.all_buckets) pad it to a power of two, so
@@ -152,7 +159,10 @@ class ModelRunner:
                                                   or eager_path == "eager-all"))
             if (cuda_graphs and self.device.type == "cuda"
                     and env.flag("SSDLIB_PREFILL_GRAPHS")):
-                longest = min(alloc, MAX_PREFILL_GRAPH)
+                # one row from position 0 attends causally, with no mask, unless a window
+                # bands it: only then do its graphs go past MAX_PREFILL_GRAPH
+                maskless = self.causal_prefill and config.sliding_window is None
+                longest = min(alloc, MAX_SINGLE_PREFILL_GRAPH if maskless else MAX_PREFILL_GRAPH)
                 # the plain model: a prefill runs once a request and its kernels are long,
                 # while compiling each length bucket (compile=True) cost minutes at start-up
                 self.prefill_graphs = StepGraphs(self, pool, n_slots, longest, 0,
@@ -266,12 +276,16 @@ class ModelRunner:
             self._prefill_fits(ids, positions, logits_index)
 
     def _prefill_fits(self, ids, positions, logits_index) -> bool:
-        """A prefill (host inputs, logits of chosen rows) that a prefill graph can run."""
+        """A prefill (host inputs, logits of chosen rows) that a prefill graph can run: up to
+        MAX_PREFILL_GRAPH positions, or MAX_SINGLE_PREFILL_GRAPH for one row from position 0."""
         g = self.prefill_graphs
-        return (g is not None and logits_index is not None and positions.device.type == "cpu"
-                and ids.device.type == "cpu" and g.fits(*ids.shape)
-                and int(positions[:, 0].max()) + prefill_bucket(ids.shape[1], g.max_queries)
-                <= self.cache.max_len)
+        if not (g is not None and logits_index is not None and positions.device.type == "cpu"
+                and ids.device.type == "cpu" and g.fits(*ids.shape)):
+            return False
+        size = prefill_bucket(ids.shape[1], g.max_queries)
+        if size > MAX_PREFILL_GRAPH and not (ids.shape[0] == 1 and from_position_zero(positions)):
+            return False
+        return int(positions[:, 0].max()) + size <= self.cache.max_len
 
     def _prefill_step(self, ids, positions, slots, logits_index) -> torch.Tensor:
         """The prefill padded to its length bucket: row i's positions are start_i + 0, 1, ...

@@ -512,6 +512,45 @@ def test_prefill_buckets_equal_eager(tiny_dirs, device, pool_kind):
 
 
 @pytest.mark.parametrize("device,pool_kind", kinds())
+def test_single_row_prefill_graphs_go_past_the_batched_cap(tiny_dirs, monkeypatch, device,
+                                                           pool_kind):
+    """Past MAX_PREFILL_GRAPH positions only one row's prefill from position 0 takes a prefill
+    graph (up to the graphs' longest bucket, MAX_SINGLE_PREFILL_GRAPH on CUDA): its logits and
+    KV equal the eager prefill's, and the decode step after it agrees. Several rows, or one row
+    continuing a cached prefix, that long run eagerly."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.runner import model_runner
+    from ssdlib.ops.graph_pool import EagerPool
+
+    monkeypatch.setattr(model_runner, "MAX_PREFILL_GRAPH", 128)  # the batched cap, scaled down
+    ck, eager, stepped = runners(tiny_dirs["smol_heads"], device, pool_kind)
+    cap = stepped.cache.max_len
+    pool = EagerPool(warmup=2) if pool_kind != "graph" else stepped.graphs.pool
+    stepped.prefill_graphs = StepGraphs(stepped, pool, 6, cap, 0, kind="prefill",
+                                        use_kernel=False)
+    calls = []
+    real = stepped._prefill_step
+    stepped._prefill_step = lambda *a: calls.append(a[0].shape) or real(*a)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    row = torch.randint(0, V, (140,), generator=g).tolist()  # past the batched cap of 128
+    ids, pos = pack_rows([row], [0])
+    slots = torch.tensor([2])
+    a = eager.forward(ids, pos, slots, last_index([140]))
+    b = stepped.forward(ids, pos, slots, last_index([140]))
+    assert calls == [(1, 140)] and (a - b).abs().max().item() <= 1e-4
+    torch.testing.assert_close(eager.cache.k[:, 2, :, :140], stepped.cache.k[:, 2, :, :140],
+                               atol=1e-5, rtol=1e-5)
+    new, p = torch.randint(0, V, (1, 1), generator=g), torch.tensor([[140]])
+    assert (eager.forward(new, p, slots) - stepped.forward(new, p, slots)).abs().max() <= 1e-4
+    # two rows that long, or one continuing a prefix: eager; at most 128 positions: graphs
+    for rows, starts, fits in (([row, row], [0, 0], False), ([row[:10]], [5], True),
+                               ([row[:130]], [5], False), ([row[:100], row[:120]], [0, 0], True)):
+        ids, pos = pack_rows(rows, starts)
+        assert stepped._prefill_fits(ids, pos, last_index([len(r) for r in rows])) == fits
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
 def test_prefix_chain_equals_forward_then_steps(tiny_dirs, device, pool_kind):
     """The draft's greedy proposal as one chain (the unseen tokens' forward, its argmax, then
     the greedy steps) == one forward + argmax per step, for rows catching up 1 or 2 tokens; and
