@@ -77,8 +77,9 @@ loop's round timer. Before a measurement, and always for rows that sample, the p
 a verify of any K costs 1, a draft step ``draft_prior`` of it. Sampled rows decide on the priors
 so that a seeded sequence's K schedule, and with it its tokens, depends on its own tokens only
 (measured times differ from run to run; a greedy row's tokens are the target's argmaxes whatever
-K it runs). The loops therefore measure costs in rounds of greedy rows only: a round with
-sampling rows may run other steps (a feature draft's sampled proposal runs eagerly: on one H200
+K it runs). The loops therefore measure costs in rounds of greedy rows only (a greedy row in a
+mixed batch decides on what the all-greedy rounds, the warm-up's among them, measured): a round
+with sampling rows may run other steps (a feature draft's sampled proposal runs eagerly: on one H200
 its steps, timed in a warm-up's sampled batch, were taken for 2.2 ms each, against 0.26 ms
 for the default draft's captured steps in the same invocation, and greedy SD with that draft
 stopped drafting).
