@@ -161,8 +161,10 @@ class ModelRunner:
                     and env.flag("SSDLIB_PREFILL_GRAPHS")):
                 # one row from position 0 attends causally, with no mask, unless a window
                 # bands it: only then do its graphs go past MAX_PREFILL_GRAPH
+                # (a prompt fills at most max_len positions: no longer bucket past the cap)
                 maskless = self.causal_prefill and config.sliding_window is None
-                longest = min(alloc, MAX_SINGLE_PREFILL_GRAPH if maskless else MAX_PREFILL_GRAPH)
+                longest = min(max_len, MAX_SINGLE_PREFILL_GRAPH) \
+                    if maskless and max_len > MAX_PREFILL_GRAPH else min(alloc, MAX_PREFILL_GRAPH)
                 # the plain model: a prefill runs once a request and its kernels are long,
                 # while compiling each length bucket (compile=True) cost minutes at start-up
                 self.prefill_graphs = StepGraphs(self, pool, n_slots, longest, 0,
