@@ -28,8 +28,12 @@ the feed of each row's unfed positions padded to K_max + 1 (the usual round; the
 lands past the row and is overwritten before it is read), d_1 at each row's last real position,
 then the k - 1 chain steps (the pair (h, d_j) forward, its argmax). Its host inputs go up in one
 copy; rows past the batch are ghost rows writing to the scratch slot. A row further behind
-(after rounds at K = 0) takes the eager feed and then the captured chain; sampled proposals run
-eagerly. A capture that fails is logged once and proposals run eagerly from then on.
+(after rounds at K = 0) takes the eager feed and then the captured chain. A sampled proposal is
+one replay too, keyed also by what the host knows of the rows' parameters: the same feed, then
+k draws, each from the row's target distribution q_j with draw j of its stream (positions
+reserved on the host, inputs like the token ids; greedy ghost rows), and the chain steps between
+them; where it does not fit, or with a row further behind, it runs eagerly (the same body). A
+capture that fails is logged once and proposals run eagerly from then on.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.sampler import draw_tokens
 from ssdlib.layers.attention import AttentionMetadata
@@ -190,6 +195,89 @@ class FeatureDrafter:
                                                 kv_len))
         self._register(key, st, run)
 
+    def _sampled_body(self, logits, hidden, first, slots, k: int, kv_len: int, params,
+                      u: torch.Tensor, use_kernel: bool):
+        """k sampled drafts from d_1's logits [b, V] and h [b, H] at positions ``first`` [b]:
+        draft j from the row's target distribution q_j with draw ``u[:, j]`` (one-hot on greedy
+        rows), then the pair (h, d_j) forward (not after the last) -> (tokens [b, k], q
+        [b, k, V] float32). The eager and the captured proposal both run it."""
+        tokens, qs = [], []
+        for j in range(k):
+            logits = fit_vocab(logits, self.vocab_size)
+            q = target_distributions(logits, params)
+            tok = draw_tokens(q, logits, params, u[:, j])
+            tokens.append(tok)
+            qs.append(q)
+            if j < k - 1:
+                logits, hidden = self._step(tok, hidden, first + j, slots, kv_len, use_kernel)
+        return torch.stack(tokens, dim=1), torch.stack(qs, dim=1).float()
+
+    def _captured_sampled_proposal(self, seqs, k: int, host_params, keys: torch.Tensor):
+        """A sampled proposal as one replay (feed, draws and chain), where it fits as the
+        greedy one does (:meth:`_captured_proposal`); ``keys`` [b, 2] the rows' stream
+        positions reserved on the host. The key holds what the host knows of the rows'
+        parameters (a greedy ghost row counted); ghost rows are greedy. None: eager."""
+        width = max(self.draws, k) + 1
+        starts, rows = self._rows(seqs)
+        if max(map(len, rows)) > width or max(starts) + width > self.max_len:
+            return None
+        b = len(seqs)
+        bucket = 1 << (b - 1).bit_length()
+        kv_len = self.max_len
+        facts = any_bucket_facts(host_params)
+        key = self._captured_key(
+            "feature_sampled_proposal", bucket, (width, k, kv_len, facts),
+            lambda key, size: self._capture_sampled(key, size, width, k, kv_len, facts))
+        if key is None:
+            return None
+        ids, _ = pack_rows(rows, starts)
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+        positions = torch.as_tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(width)
+        host = torch.zeros(bucket, 2 * width + 4, dtype=torch.int64)  # one upload
+        host[:, width:2 * width] = torch.arange(width)  # ghost rows: positions 0 .., slot scratch
+        host[:, 2 * width] = self.scratch_slot
+        host[:b, :width], host[:b, width:2 * width] = ids, positions
+        host[:b, 2 * width] = slots_tensor(seqs)
+        host[:b, 2 * width + 1] = torch.tensor([len(r) - 1 for r in rows])
+        host[:b, 2 * width + 2:] = keys
+        table = torch.as_tensor(GHOST_ROW).expand(bucket, -1).clone()
+        table[:b] = SamplingTensors.host_table(host_params)
+        st = self._static[key]
+        st["host"].copy_(host.to(self.device, non_blocking=True))
+        st["table"].copy_(table.to(self.device, non_blocking=True))
+        self.pool.replay(key)
+        for s in seqs:
+            self.valid[s.slot] = len(s.tokens) - 1
+        return st["out"][:b].clone(), st["q"][:b].clone()
+
+    def _capture_sampled(self, key, bucket: int, width: int, k: int, kv_len: int,
+                         facts) -> None:
+        dev = self.device
+        host = torch.zeros(bucket, 2 * width + 4, dtype=torch.int64, device=dev)
+        host[:, width:2 * width] = torch.arange(width, device=dev)
+        host[:, 2 * width] = self.scratch_slot
+        table = torch.as_tensor(GHOST_ROW).to(dev).expand(bucket, -1).clone()
+        st = {"host": host, "table": table,
+              "out": torch.zeros(bucket, k, dtype=torch.int64, device=dev),
+              "q": torch.zeros(bucket, k, self.vocab_size, dtype=torch.float32, device=dev)}
+
+        def run():
+            h = st["host"]
+            ids, positions = h[:, :width], h[:, width:2 * width]
+            slots, index = h[:, 2 * width], h[:, 2 * width + 1:2 * width + 2]
+            feats = self.draft.condition(self.features[slots.view(-1, 1), positions])
+            meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
+                                     use_kernel=self.use_kernel)
+            logits, hidden = self.draft(ids, feats, self.cache, meta, index)
+            first = positions.gather(1, index)[:, 0] + 1
+            params = SamplingTensors.from_table(st["table"], facts)
+            u = RowStreams(h[:, 2 * width + 2], h[:, 2 * width + 3], k).uniforms(k)
+            tokens, q = self._sampled_body(logits[:, 0], hidden[:, 0], first, slots, k, kv_len,
+                                           params, u, self.use_kernel)
+            st["out"].copy_(tokens)
+            st["q"].copy_(q)
+        self._register(key, st, run)
+
     def _step(self, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
               slots: torch.Tensor, kv_len: int,
               use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,43 +372,38 @@ class FeatureDrafter:
         greedy = all(s.params.greedy for s in seqs)
         # a proposal's time measures k draft steps unless a row was far behind (a catch-up)
         self.plain = max(map(len, self._rows(seqs)[1])) <= max(self.draws, k) + 1
-        params = streams = None
-        if not greedy:
-            host = [s.params for s in seqs]
-            table = SamplingTensors.host_table(host).to(self.device, non_blocking=True)
-            params = SamplingTensors.from_table(table, SamplingTensors.host_facts(host))
-            keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
-            keys = keys.to(self.device, non_blocking=True)
-            streams = RowStreams(keys[:, 0], keys[:, 1], k)
         if greedy and self.pool is not None:
             tokens = self._captured_proposal(seqs, k)
             if tokens is not None:
                 return tokens, (self._one_hot(tokens) if want_q else None)
+        if not greedy:
+            host = [s.params for s in seqs]
+            keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
+            if self.pool is not None:
+                out = self._captured_sampled_proposal(seqs, k, host, keys)
+                if out is not None:
+                    return out
+            table = SamplingTensors.host_table(host).to(self.device, non_blocking=True)
+            params = SamplingTensors.from_table(table, SamplingTensors.host_facts(host))
+            keys = keys.to(self.device, non_blocking=True)
+            u = RowStreams(keys[:, 0], keys[:, 1], k).uniforms(k)
         logits, hidden = self._feed(seqs)
         slots = slots_tensor(seqs).to(self.device, non_blocking=True)
         # d_1's pair sits at position L - 1 (copied without a host sync)
         first = to_device([len(s.tokens) - 1 for s in seqs], self.device)
         kv_len = min(max(len(s.tokens) for s in seqs) + k, self.max_len)
-        u = streams.uniforms(k) if streams is not None else None
-        tokens, qs = [], []
+        if not greedy:
+            return self._sampled_body(logits, hidden, first, slots, k, kv_len, params, u, False)
+        tokens = []
         for j in range(k):
-            logits = fit_vocab(logits, self.vocab_size)
-            if greedy:
-                tok = logits.argmax(-1)
-                q = None
-            else:
-                q = target_distributions(logits, params)
-                tok = draw_tokens(q, logits, params, u[:, j])
+            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
             tokens.append(tok)
-            qs.append(q)
-            if greedy and j == 0 and k > 1 and self.pool is not None:
+            if j == 0 and k > 1 and self.pool is not None:
                 tokens.append(self._captured_chain(tok, hidden, first, slots, k))
                 break
             if j < k - 1:
                 logits, hidden = self._step(tok, hidden, first + j, slots, kv_len)
         tokens = torch.cat([t.view(len(seqs), -1) for t in tokens], dim=1)
-        if not greedy:
-            return tokens, torch.stack(qs, dim=1).float()
         return tokens, (self._one_hot(tokens) if want_q else None)
 
     def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:

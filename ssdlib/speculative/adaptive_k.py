@@ -79,10 +79,11 @@ so that a seeded sequence's K schedule, and with it its tokens, depends on its o
 (measured times differ from run to run; a greedy row's tokens are the target's argmaxes whatever
 K it runs). The loops therefore measure costs in rounds of greedy rows only (a greedy row in a
 mixed batch decides on what the all-greedy rounds, the warm-up's among them, measured): a round
-with sampling rows may run other steps (a feature draft's sampled proposal runs eagerly: on one H200
-its steps, timed in a warm-up's sampled batch, were taken for 2.2 ms each, against 0.26 ms
-for the default draft's captured steps in the same invocation, and greedy SD with that draft
-stopped drafting).
+with sampling rows may run other steps (a proposal that does not fit its captured step runs
+eagerly; before a feature draft's sampled proposals were captured, its steps, timed in a
+warm-up's sampled batch on one H200, were taken for 2.2 ms each, against 0.26 ms for the
+default draft's captured steps in the same invocation, and greedy SD with that draft stopped
+drafting).
 
 Sweep (``sweep=True``, for engines that capture their steps): the loop's first rounds run every
 choice once, K_max down to 0 and 0 again (a second K = 0 round leaves the draft behind by more than a

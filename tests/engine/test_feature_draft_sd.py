@@ -92,10 +92,16 @@ def test_the_targets_features_and_the_drafts_proposal_match_references(tiny_dirs
                 nxt = torch.cat([nxt, tok], dim=1)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_sd_sampling_with_a_feature_draft_keeps_the_targets_distribution(tmp_path, temperature,
-                                                                          top_p):
+@pytest.mark.parametrize("temperature,top_p,captured", [(1.0, 1.0, False), (0.8, 0.9, False),
+                                                         (0.8, 0.9, True)])
+def test_sd_sampling_with_a_feature_draft_keeps_the_targets_distribution(tmp_path, monkeypatch,
+                                                                          temperature, top_p,
+                                                                          captured):
+    """(captured: the proposals through the captured-step path, eager replays on the CPU)"""
     from tests.tiny import make_tiny_llama
+
+    if captured:
+        monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager")
 
     t = make_tiny_llama(str(tmp_path / "t"), "gqa", scale=12.0, vocab_size=8)
     d = _feature_draft(t, tmp_path / "d", seed=1)
@@ -179,6 +185,35 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
             s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
 
 
+def test_the_captured_sampled_proposal_draws_what_the_eager_one_does(tiny_dirs, feature_draft):
+    """Sampled proposals through a graph pool (eager replays here; 3 rows in bucket 4, a ghost
+    row; a greedy row among sampling ones, top-p on one) draw the eager drafter's tokens with
+    its q, from the same streams, over two rounds: the first (rows far behind: eager) and the
+    next (one captured proposal: feed, draws and chain)."""
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2)]
+    pool = EagerPool(warmup=2)
+    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                               ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
+    runs = [[Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i], params[i]) for i in range(3)]
+            for _ in drafters]
+    for d, seqs in zip(drafters, runs):
+        for s in seqs:
+            d.reset(s.slot)
+    for round_ in range(2):
+        prefill(runner, runs[0])  # the target's features of every committed position
+        out = [d.propose(seqs, 4) for d, seqs in zip(drafters, runs)]
+        assert torch.equal(out[0][0], out[1][0]), round_
+        torch.testing.assert_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-5)
+        assert torch.equal(out[1][1][1].argmax(-1), out[1][0][1])  # the greedy row: one-hot q
+        kinds = {key[0] for key in pool.keys()}
+        assert ("feature_sampled_proposal" in kinds) == (round_ == 1)
+        for seqs in runs:  # the round commits 2 drafts and a bonus token
+            for i, s in enumerate(seqs):
+                s.tokens = s.tokens + out[0][0][i, :2].tolist() + [7 + i]
+
+
 def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
     """A batch of 4 fills bucket 4; a batch of 3 after it leaves a ghost row, which must write
     to the scratch slot, not to the slot the 4th row had (that row's draft KV is kept)."""
@@ -226,6 +261,36 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
                        max_batch=4, max_len=128, **kw) as g:
             runs.append([o.token_ids for o in g.generate(PROMPTS, GREEDY)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_captured_sampled_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_draft):
+    """On CUDA (fp32): sampled proposals replayed from CUDA graphs draw the eager drafter's
+    tokens with its q, over two rounds (the second captured)."""
+    dev = torch.device("cuda")
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
+    pool = make_graph_pool(dev)
+    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                               ck.config.vocab_size, draws=4, pool=p,
+                               use_kernel=use_slot_kernel(dev) and p is not None)
+                for p in (None, pool)]
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2)]
+    runs = [[Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i], params[i]) for i in range(3)]
+            for _ in drafters]
+    for d, seqs in zip(drafters, runs):
+        for s in seqs:
+            d.reset(s.slot)
+    for _ in range(2):
+        prefill(runner, runs[0])
+        out = [d.propose(seqs, 4) for d, seqs in zip(drafters, runs)]
+        assert torch.equal(out[0][0], out[1][0])
+        torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=1e-4)
+        for seqs in runs:
+            for i, s in enumerate(seqs):
+                s.tokens = s.tokens + out[0][0][i, :2].tolist() + [7 + i]
+    assert any(key[0] == "feature_sampled_proposal" for key in pool.keys())
 
 
 def test_a_failed_capture_leaves_the_drafter_eager(tiny_dirs, feature_draft):
