@@ -133,66 +133,86 @@ class FeatureDrafter:
             self.valid[s.slot] = len(s.tokens) - 1
         return logits[:, 0], hidden[:, 0]
 
-    def _proposal_body(self, ids, positions, slots, index, k: int, kv_len: int) -> torch.Tensor:
-        """A whole greedy proposal on device tensors: the feed of ``ids`` / ``positions``
-        [b, W] (the target's features gathered here), d_1 at ``index`` [b, 1], then the chain
-        -> tokens [b, k]."""
+    def _feed_body(self, h: torch.Tensor, width: int, kv_len: int):
+        """A captured proposal's feed, from its inputs ``h`` (:meth:`_ghost_inputs`' layout, on
+        the device): the target's features gathered and conditioned, each row's unfed pairs
+        forwarded -> (d_1's logits [b, V], h [b, H], d_1's position [b], slots [b])."""
+        ids, positions = h[:, :width], h[:, width:2 * width]
+        slots, index = h[:, 2 * width], h[:, 2 * width + 1:2 * width + 2]
         feats = self.draft.condition(self.features[slots.view(-1, 1), positions])
         meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
                                  use_kernel=self.use_kernel)
         logits, hidden = self.draft(ids, feats, self.cache, meta, index)
-        tok = fit_vocab(logits[:, 0], self.vocab_size).argmax(-1)
-        if k == 1:
-            return tok.view(-1, 1)
         first = positions.gather(1, index)[:, 0] + 1
-        rest = self._chain_body(tok, hidden[:, 0], first, slots, k - 1, kv_len)
-        return torch.cat([tok.view(-1, 1), rest], dim=1)
+        return logits[:, 0], hidden[:, 0], first, slots
 
-    def _captured_proposal(self, seqs, k: int) -> torch.Tensor | None:
-        """A greedy proposal as one replay (feed and chain) when every row's unfed tokens fit
-        the feed's width (K_max + 1: the usual round) and its padding stays inside the cache;
-        None otherwise (the caller goes the eager way)."""
+    def _ghost_inputs(self, bucket: int, width: int, device) -> torch.Tensor:
+        """A captured proposal's inputs [bucket, 2 * width + 4] int64, every row a ghost row:
+        ids (0) | positions 0 .. width - 1 | the scratch slot | d_1's index (0) | a sampled
+        row's stream key and first counter (0, 0)."""
+        host = torch.zeros(bucket, 2 * width + 4, dtype=torch.int64, device=device)
+        host[:, width:2 * width] = torch.arange(width, device=device)
+        host[:, 2 * width] = self.scratch_slot
+        return host
+
+    def _feed_inputs(self, seqs, k: int):
+        """(width, bucket, inputs on the host) of a captured proposal of k drafts for ``seqs``,
+        or None where a row's unfed tokens do not fit the feed's width (K_max + 1: the usual
+        round) or its padding would pass the cache's end (the caller goes the eager way)."""
         width = max(self.draws, k) + 1
         starts, rows = self._rows(seqs)
         if max(map(len, rows)) > width or max(starts) + width > self.max_len:
             return None
         b = len(seqs)
         bucket = 1 << (b - 1).bit_length()
+        ids, _ = pack_rows(rows, starts)
+        host = self._ghost_inputs(bucket, width, "cpu")
+        host[:b, :width] = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+        host[:b, width:2 * width] = (torch.as_tensor(starts, dtype=torch.int64).view(-1, 1)
+                                     + torch.arange(width))
+        host[:b, 2 * width] = slots_tensor(seqs)
+        host[:b, 2 * width + 1] = torch.tensor([len(r) - 1 for r in rows])
+        return width, bucket, host
+
+    def _replay(self, key, seqs, host: torch.Tensor, table: torch.Tensor | None = None) -> dict:
+        """Upload a captured proposal's inputs (one copy each), replay it, mark the rows fed;
+        -> its static tensors (outputs read before the next replay of ``key``)."""
+        st = self._static[key]
+        st["host"].copy_(host.to(self.device, non_blocking=True))
+        if table is not None:
+            st["table"].copy_(table.to(self.device, non_blocking=True))
+        self.pool.replay(key)
+        for s in seqs:
+            self.valid[s.slot] = len(s.tokens) - 1
+        return st
+
+    def _captured_proposal(self, seqs, k: int) -> torch.Tensor | None:
+        """A greedy proposal as one replay (feed and chain); None where it does not fit
+        (:meth:`_feed_inputs`)."""
+        laid = self._feed_inputs(seqs, k)
+        if laid is None:
+            return None
+        width, bucket, host = laid
         kv_len = self.max_len
         key = self._captured_key(
             "feature_proposal", bucket, (width, k, kv_len),
             lambda key, size: self._capture_proposal(key, size, width, k, kv_len))
         if key is None:
             return None
-        ids, _ = pack_rows(rows, starts)
-        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
-        positions = torch.as_tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(width)
-        index = torch.tensor([[len(r) - 1] for r in rows], dtype=torch.int64)
-        host = torch.zeros(bucket, 2 * width + 2, dtype=torch.int64)  # one upload
-        host[:, width:2 * width] = torch.arange(width)  # ghost rows: positions 0 .., slot scratch
-        host[:, 2 * width] = self.scratch_slot
-        host[:b, :width], host[:b, width:2 * width] = ids, positions
-        host[:b, 2 * width] = slots_tensor(seqs)
-        host[:b, 2 * width + 1] = index[:, 0]
-        st = self._static[key]
-        st["host"].copy_(host.to(self.device, non_blocking=True))
-        self.pool.replay(key)
-        for s in seqs:
-            self.valid[s.slot] = len(s.tokens) - 1
-        return st["out"][:b].clone()
+        return self._replay(key, seqs, host)["out"][:len(seqs)].clone()
 
     def _capture_proposal(self, key, bucket: int, width: int, k: int, kv_len: int) -> None:
         dev = self.device
-        host = torch.zeros(bucket, 2 * width + 2, dtype=torch.int64, device=dev)
-        host[:, width:2 * width] = torch.arange(width, device=dev)
-        host[:, 2 * width] = self.scratch_slot
-        st = {"host": host, "out": torch.zeros(bucket, k, dtype=torch.int64, device=dev)}
+        st = {"host": self._ghost_inputs(bucket, width, dev),
+              "out": torch.zeros(bucket, k, dtype=torch.int64, device=dev)}
 
         def run():
-            h = st["host"]
-            st["out"].copy_(self._proposal_body(h[:, :width], h[:, width:2 * width],
-                                                h[:, 2 * width], h[:, 2 * width + 1:], k,
-                                                kv_len))
+            logits, hidden, first, slots = self._feed_body(st["host"], width, kv_len)
+            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
+            out = [tok.view(-1, 1)]
+            if k > 1:
+                out.append(self._chain_body(tok, hidden, first, slots, k - 1, kv_len))
+            st["out"].copy_(torch.cat(out, dim=1))
         self._register(key, st, run)
 
     def _sampled_body(self, logits, hidden, first, slots, k: int, kv_len: int, params,
@@ -214,15 +234,13 @@ class FeatureDrafter:
 
     def _captured_sampled_proposal(self, seqs, k: int, host_params, keys: torch.Tensor):
         """A sampled proposal as one replay (feed, draws and chain), where it fits as the
-        greedy one does (:meth:`_captured_proposal`); ``keys`` [b, 2] the rows' stream
-        positions reserved on the host. The key holds what the host knows of the rows'
-        parameters (a greedy ghost row counted); ghost rows are greedy. None: eager."""
-        width = max(self.draws, k) + 1
-        starts, rows = self._rows(seqs)
-        if max(map(len, rows)) > width or max(starts) + width > self.max_len:
+        greedy one does; ``keys`` [b, 2] the rows' stream positions reserved on the host. The
+        key holds what the host knows of the rows' parameters (a greedy ghost row counted);
+        ghost rows are greedy. None: eager."""
+        laid = self._feed_inputs(seqs, k)
+        if laid is None:
             return None
-        b = len(seqs)
-        bucket = 1 << (b - 1).bit_length()
+        width, bucket, host = laid
         kv_len = self.max_len
         facts = any_bucket_facts(host_params)
         key = self._captured_key(
@@ -230,50 +248,28 @@ class FeatureDrafter:
             lambda key, size: self._capture_sampled(key, size, width, k, kv_len, facts))
         if key is None:
             return None
-        ids, _ = pack_rows(rows, starts)
-        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
-        positions = torch.as_tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(width)
-        host = torch.zeros(bucket, 2 * width + 4, dtype=torch.int64)  # one upload
-        host[:, width:2 * width] = torch.arange(width)  # ghost rows: positions 0 .., slot scratch
-        host[:, 2 * width] = self.scratch_slot
-        host[:b, :width], host[:b, width:2 * width] = ids, positions
-        host[:b, 2 * width] = slots_tensor(seqs)
-        host[:b, 2 * width + 1] = torch.tensor([len(r) - 1 for r in rows])
+        b = len(seqs)
         host[:b, 2 * width + 2:] = keys
         table = torch.as_tensor(GHOST_ROW).expand(bucket, -1).clone()
         table[:b] = SamplingTensors.host_table(host_params)
-        st = self._static[key]
-        st["host"].copy_(host.to(self.device, non_blocking=True))
-        st["table"].copy_(table.to(self.device, non_blocking=True))
-        self.pool.replay(key)
-        for s in seqs:
-            self.valid[s.slot] = len(s.tokens) - 1
+        st = self._replay(key, seqs, host, table)
         return st["out"][:b].clone(), st["q"][:b].clone()
 
     def _capture_sampled(self, key, bucket: int, width: int, k: int, kv_len: int,
                          facts) -> None:
         dev = self.device
-        host = torch.zeros(bucket, 2 * width + 4, dtype=torch.int64, device=dev)
-        host[:, width:2 * width] = torch.arange(width, device=dev)
-        host[:, 2 * width] = self.scratch_slot
-        table = torch.as_tensor(GHOST_ROW).to(dev).expand(bucket, -1).clone()
-        st = {"host": host, "table": table,
+        st = {"host": self._ghost_inputs(bucket, width, dev),
+              "table": torch.as_tensor(GHOST_ROW).to(dev).expand(bucket, -1).clone(),
               "out": torch.zeros(bucket, k, dtype=torch.int64, device=dev),
               "q": torch.zeros(bucket, k, self.vocab_size, dtype=torch.float32, device=dev)}
 
         def run():
             h = st["host"]
-            ids, positions = h[:, :width], h[:, width:2 * width]
-            slots, index = h[:, 2 * width], h[:, 2 * width + 1:2 * width + 2]
-            feats = self.draft.condition(self.features[slots.view(-1, 1), positions])
-            meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
-                                     use_kernel=self.use_kernel)
-            logits, hidden = self.draft(ids, feats, self.cache, meta, index)
-            first = positions.gather(1, index)[:, 0] + 1
+            logits, hidden, first, slots = self._feed_body(h, width, kv_len)
             params = SamplingTensors.from_table(st["table"], facts)
             u = RowStreams(h[:, 2 * width + 2], h[:, 2 * width + 3], k).uniforms(k)
-            tokens, q = self._sampled_body(logits[:, 0], hidden[:, 0], first, slots, k, kv_len,
-                                           params, u, self.use_kernel)
+            tokens, q = self._sampled_body(logits, hidden, first, slots, k, kv_len, params, u,
+                                           self.use_kernel)
             st["out"].copy_(tokens)
             st["q"].copy_(q)
         self._register(key, st, run)

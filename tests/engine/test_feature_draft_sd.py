@@ -185,17 +185,23 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
             s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
 
 
-def test_the_captured_sampled_proposal_draws_what_the_eager_one_does(tiny_dirs, feature_draft):
-    """Sampled proposals through a graph pool (eager replays here; 3 rows in bucket 4, a ghost
-    row; a greedy row among sampling ones, top-p on one) draw the eager drafter's tokens with
-    its q, from the same streams, over two rounds: the first (rows far behind: eager) and the
-    next (one captured proposal: feed, draws and chain)."""
-    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+def _drafter_pair(ck, runner, draft, pool, dev="cpu"):
+    """An eager drafter and one through ``pool`` (the in-place attention kernel where it runs),
+    beside the target ``runner``."""
+    dev = torch.device(dev)
+    return [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                           ck.config.vocab_size, draws=4, pool=p,
+                           use_kernel=use_slot_kernel(dev) and p is not None)
+            for p in (None, pool)]
+
+
+def _check_sampled_proposals(runner, drafters, pool, atol=1e-6, rtol=1e-5):
+    """Two rounds of sampled proposals for 3 rows (bucket 4: a ghost row; a greedy row among
+    sampling ones, top-p on one), the first with rows far behind (eager), the second one
+    captured proposal: both drafters draw the same tokens with the same q from the same
+    streams."""
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
               SamplingParams(temperature=0.8, top_p=0.9, seed=2)]
-    pool = EagerPool(warmup=2)
-    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
-                               ck.config.vocab_size, draws=4, pool=p) for p in (None, pool)]
     runs = [[Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i], params[i]) for i in range(3)]
             for _ in drafters]
     for d, seqs in zip(drafters, runs):
@@ -205,13 +211,21 @@ def test_the_captured_sampled_proposal_draws_what_the_eager_one_does(tiny_dirs, 
         prefill(runner, runs[0])  # the target's features of every committed position
         out = [d.propose(seqs, 4) for d, seqs in zip(drafters, runs)]
         assert torch.equal(out[0][0], out[1][0]), round_
-        torch.testing.assert_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out[0][1], out[1][1], atol=atol, rtol=rtol)
         assert torch.equal(out[1][1][1].argmax(-1), out[1][0][1])  # the greedy row: one-hot q
         kinds = {key[0] for key in pool.keys()}
         assert ("feature_sampled_proposal" in kinds) == (round_ == 1)
         for seqs in runs:  # the round commits 2 drafts and a bonus token
             for i, s in enumerate(seqs):
                 s.tokens = s.tokens + out[0][0][i, :2].tolist() + [7 + i]
+
+
+def test_the_captured_sampled_proposal_draws_what_the_eager_one_does(tiny_dirs, feature_draft):
+    """Sampled proposals through a graph pool (eager replays here) draw the eager drafter's
+    tokens with its q (:func:`_check_sampled_proposals`)."""
+    ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+    pool = EagerPool(warmup=2)
+    _check_sampled_proposals(runner, _drafter_pair(ck, runner, draft, pool), pool)
 
 
 def test_the_captured_chains_ghost_rows_write_only_to_the_scratch_slot(tiny_dirs, feature_draft):
@@ -239,10 +253,7 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
     dev = torch.device("cuda")
     ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
     pool = make_graph_pool(dev)
-    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
-                               ck.config.vocab_size, draws=4, pool=p,
-                               use_kernel=use_slot_kernel(dev) and p is not None)
-                for p in (None, pool)]
+    drafters = _drafter_pair(ck, runner, draft, pool, dev)
     seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
     for d in drafters:
         for s in seqs:
@@ -267,30 +278,12 @@ def test_captured_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_captured_sampled_feature_proposals_equal_eager_ones_on_cuda(tiny_dirs, feature_draft):
     """On CUDA (fp32): sampled proposals replayed from CUDA graphs draw the eager drafter's
-    tokens with its q, over two rounds (the second captured)."""
+    tokens with its q (:func:`_check_sampled_proposals`)."""
     dev = torch.device("cuda")
     ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4, dev)
     pool = make_graph_pool(dev)
-    drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
-                               ck.config.vocab_size, draws=4, pool=p,
-                               use_kernel=use_slot_kernel(dev) and p is not None)
-                for p in (None, pool)]
-    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=2)]
-    runs = [[Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i], params[i]) for i in range(3)]
-            for _ in drafters]
-    for d, seqs in zip(drafters, runs):
-        for s in seqs:
-            d.reset(s.slot)
-    for _ in range(2):
-        prefill(runner, runs[0])
-        out = [d.propose(seqs, 4) for d, seqs in zip(drafters, runs)]
-        assert torch.equal(out[0][0], out[1][0])
-        torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=1e-4)
-        for seqs in runs:
-            for i, s in enumerate(seqs):
-                s.tokens = s.tokens + out[0][0][i, :2].tolist() + [7 + i]
-    assert any(key[0] == "feature_sampled_proposal" for key in pool.keys())
+    _check_sampled_proposals(runner, _drafter_pair(ck, runner, draft, pool, dev), pool,
+                             atol=1e-5, rtol=1e-4)
 
 
 def test_a_failed_capture_leaves_the_drafter_eager(tiny_dirs, feature_draft):
