@@ -43,11 +43,10 @@ import torch
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
-from ssdlib.engine.sampled_chain import fit_vocab
-from ssdlib.engine.sampler import draw_tokens
+from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
-from ssdlib.sampling import SamplingTensors, target_distributions
+from ssdlib.sampling import SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
 log = get_logger(__name__)
@@ -221,16 +220,12 @@ class FeatureDrafter:
         draft j from the row's target distribution q_j with draw ``u[:, j]`` (one-hot on greedy
         rows), then the pair (h, d_j) forward (not after the last) -> (tokens [b, k], q
         [b, k, V] float32). The eager and the captured proposal both run it."""
-        tokens, qs = [], []
-        for j in range(k):
-            logits = fit_vocab(logits, self.vocab_size)
-            q = target_distributions(logits, params)
-            tok = draw_tokens(q, logits, params, u[:, j])
-            tokens.append(tok)
-            qs.append(q)
-            if j < k - 1:
-                logits, hidden = self._step(tok, hidden, first + j, slots, kv_len, use_kernel)
-        return torch.stack(tokens, dim=1), torch.stack(qs, dim=1).float()
+        state = [hidden]  # the chain's last h
+
+        def step(tok: torch.Tensor, j: int) -> torch.Tensor:
+            logits, state[0] = self._step(tok, state[0], first + j, slots, kv_len, use_kernel)
+            return logits
+        return draw_chain(logits, k, self.vocab_size, params, u, step)
 
     def _captured_sampled_proposal(self, seqs, k: int, host_params, keys: torch.Tensor):
         """A sampled proposal as one replay (feed, draws and chain), where it fits as the

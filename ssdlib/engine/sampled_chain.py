@@ -48,17 +48,30 @@ def draw_steps(runner, logits, after, slots, steps: int, vocab: int, kv_len: int
     device (static buffers when captured: read here, at every replay)."""
     params = SamplingTensors.from_table(table, facts)
     u = RowStreams(streams[:, 0], streams[:, 1], steps + 1).uniforms(steps + 1)  # [rows, k]
+
+    def step(tok: torch.Tensor, j: int) -> torch.Tensor:
+        pos = (after + j).view(-1, 1)
+        meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=use_kernel)
+        return runner.step_model(tok.view(-1, 1), runner.cache, meta)[:, 0]
+    return draw_chain(logits, steps + 1, vocab, params, u, step)
+
+
+def draw_chain(logits: torch.Tensor, k: int, vocab: int, params: SamplingTensors,
+               u: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """k sampled drafts a row from the first logits [rows, v]: draft j drawn from the row's
+    target distribution q_j with ``u[:, j]`` (one-hot q and the argmax on greedy rows), then
+    ``step(draft j, j)`` -> the next logits (not after the last) -> (tokens [rows, k], q
+    [rows, k, vocab] float32). Every sampled proposal (a standalone draft's, a feature draft's
+    in SD and as SSD's jit draft) draws through it."""
     tokens, qs = [], []
-    for j in range(steps + 1):
+    for j in range(k):
         logits = fit_vocab(logits, vocab)
-        q = target_distributions(logits, params)  # [rows, vocab], one-hot on greedy rows
+        q = target_distributions(logits, params)  # [rows, vocab] float32
         tok = draw_tokens(q, logits, params, u[:, j])
         tokens.append(tok)
         qs.append(q)
-        if j < steps:
-            pos = (after + j).view(-1, 1)
-            meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=use_kernel)
-            logits = runner.step_model(tok.view(-1, 1), runner.cache, meta)[:, 0]
+        if j < k - 1:
+            logits = step(tok, j)
     return torch.stack(tokens, dim=1), torch.stack(qs, dim=1)
 
 

@@ -382,7 +382,8 @@ class LinkVerifier:
         timer.mark("verify")
         commit_round(active, result)
         keys = [q.slot for q in active]
-        self.policy.observe(keys, limits, result.accepted, [not q.params.greedy for q in active])
+        sampled = [not q.params.greedy for q in active]
+        self.policy.observe(keys, limits, result.accepted, sampled)
         record_acceptance(active, result, limits, self.k, [self.policy.alpha(i) for i in keys])
         for q, accepted in zip(active, result.accepted):
             record_source(q.metrics, self.spec[q.slot].source, accepted)
@@ -400,8 +401,8 @@ class LinkVerifier:
         # during this one's wait) says nothing of the costs; nor does one with sampling rows
         # (only greedy rows decide on measured costs, as in SDLoop)
         swept = sweeping or self.policy.sweeping
-        greedy = all(q.params.greedy for q in active)
-        ks = None if swept or capture_count() != captured or not greedy else (k, self._drafted)
+        ks = None if swept or capture_count() != captured or any(sampled) else \
+            (k, self._drafted)
         self._timed = ks if timer.timed and not phases else None
         self._read_phases(phases, ks)
         clock.tick("timer")

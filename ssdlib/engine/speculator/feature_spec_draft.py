@@ -10,10 +10,9 @@ import torch
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.static_inputs import batch_bucket
-from ssdlib.engine.sampled_chain import fit_vocab
-from ssdlib.engine.sampler import draw_tokens
+from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
-from ssdlib.sampling import SamplingTensors, target_distributions
+from ssdlib.sampling import SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -226,13 +225,9 @@ class FeatureSpecDraft:
         keys = RowStreams.reserve_host([r.stream for r in rows], max(k, self.draws))
         keys = keys.to(self.device, non_blocking=True)
         u = RowStreams(keys[:, 0], keys[:, 1], k).uniforms(k)
-        logits, hidden = self.last_logits[slots], self.last_hidden[slots]
-        tokens, qs = [], []
-        for j in range(k):
-            q = target_distributions(logits, params)
-            tok = draw_tokens(q, logits, params, u[:, j])
-            qs.append(q)
-            tokens.append(tok)
-            if j < k - 1:
-                logits, hidden = self.step(tok, hidden, first + j, slots, kv_len)
-        return torch.stack(tokens, dim=1), torch.stack(qs, dim=1).float()
+        state = [self.last_hidden[slots]]  # the chain's last h
+
+        def step(tok: torch.Tensor, j: int) -> torch.Tensor:
+            logits, state[0] = self.step(tok, state[0], first + j, slots, kv_len)
+            return logits
+        return draw_chain(self.last_logits[slots], k, self.vocab_size, params, u, step)
