@@ -38,9 +38,10 @@ KV_BUCKET = 256
 MAX_GRAPH_QUERIES = 64
 # Prefills longer than that are padded to a bucket: powers of two from this one up to
 # MAX_PREFILL_GRAPH or the cache's length (the last bucket), one captured graph per (batch
-# bucket, length bucket). Longer prefills of several rows, or continuing a cached prefix, run
-# eagerly: their kernels are long enough that launches do not matter, and a captured graph's
-# activations (and SDPA's mask, quadratic in the length) would stay reserved in the pool.
+# bucket, length bucket). A longer prefill runs as chunks of MAX_PREFILL_GRAPH positions, each
+# continuing the cached prefix the ones before it left (ModelRunner._prefill_chunks): one graph
+# that long would keep its activations (and SDPA's mask, quadratic in the length) reserved in
+# the pool.
 FIRST_PREFILL_BUCKET = 128
 MAX_PREFILL_GRAPH = 2048
 # A single row's prefill from position 0 (a prompt admitted alone, the usual case under
@@ -230,6 +231,9 @@ class ModelRunner:
                                        kv_len)
         if self._prefill_fits(input_ids, positions, logits_index):
             return self._prefill_step(input_ids, positions, slots, logits_index)
+        chunks = self._prefill_chunks(input_ids, positions, logits_index)
+        if chunks:
+            return self._chunked_prefill(input_ids, positions, slots, logits_index, chunks)
         dev = self.device
         from_zero = self.causal_prefill and from_position_zero(positions)
         positions = positions.to(dev)
@@ -288,6 +292,41 @@ class ModelRunner:
         if size > MAX_PREFILL_GRAPH and not (ids.shape[0] == 1 and from_position_zero(positions)):
             return False
         return int(positions[:, 0].max()) + size <= self.cache.max_len
+
+    def _prefill_chunks(self, ids, positions, logits_index) -> list[tuple[int, int]]:
+        """The column ranges [c, e) of MAX_PREFILL_GRAPH positions that a prefill too long for
+        one prefill graph runs as, one prefill graph each, when every chunk fits one; [] when
+        not (the prefill then runs eagerly). It needs each row's positions consecutive
+        (``pack_rows``' layout): a chunk continues the cached prefix the chunks before it left.
+        Op by op, a long prefill of a small model is bound by its launches: a windowed draft's
+        prompt (its mask keeps it off the single-row graphs), several rows admitted at once, or
+        one row continuing a cached prefix."""
+        s = ids.shape[1]
+        if (self.prefill_graphs is None or logits_index is None or s <= MAX_PREFILL_GRAPH
+                or positions.device.type != "cpu" or ids.device.type != "cpu"):
+            return []
+        if not torch.equal(positions, positions[:, :1] + torch.arange(s).view(1, -1)):
+            return []
+        chunks = [(c, min(c + MAX_PREFILL_GRAPH, s)) for c in range(0, s, MAX_PREFILL_GRAPH)]
+        last = torch.zeros_like(logits_index)  # a chunk's logits index: fits needs one
+        if all(self._prefill_fits(ids[:, c:e], positions[:, c:e], last) for c, e in chunks):
+            return chunks
+        return []
+
+    def _chunked_prefill(self, ids, positions, slots, logits_index,
+                         chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """The prefill as consecutive prefill graphs over ``chunks`` (``_prefill_chunks``):
+        each writes its positions' KV, which the chunks after it read as a cached prefix. Each
+        row's logits at ``logits_index`` [b, n] come from the chunk holding that index (the
+        others' are read at a clamped index and discarded) -> [b, n, V]."""
+        out = None
+        for c, e in chunks:
+            logits = self._prefill_step(ids[:, c:e], positions[:, c:e], slots,
+                                        (logits_index - c).clamp(0, e - c - 1))
+            inside = ((logits_index >= c) & (logits_index < e)).to(logits.device)
+            # a new tensor each chunk: a graph's output is overwritten by its next replay
+            out = logits.clone() if out is None else torch.where(inside[..., None], logits, out)
+        return out
 
     def _prefill_step(self, ids, positions, slots, logits_index) -> torch.Tensor:
         """The prefill padded to its length bucket: row i's positions are start_i + 0, 1, ...

@@ -550,6 +550,77 @@ def test_single_row_prefill_graphs_go_past_the_batched_cap(tiny_dirs, monkeypatc
         assert stepped._prefill_fits(ids, pos, last_index([len(r) for r in rows])) == fits
 
 
+@pytest.fixture(scope="module")
+def windowed_tiny(tmp_path_factory):
+    """A tiny Mistral (Llama layers, a sliding window of 128): its prompts past the window take
+    the masked prefill path, as the default SmolLM2 draft's do."""
+    from tests.tiny import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("windowed_tiny")), "smol_heads",
+                           sliding_window=128, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("device,pool_kind", kinds())
+def test_long_prefills_run_as_chunks_of_prefill_graphs(windowed_tiny, monkeypatch, device,
+                                                       pool_kind):
+    """A prefill too long for one prefill graph (several rows, a windowed model's row from 0,
+    a row continuing a cached prefix) runs as chunks of MAX_PREFILL_GRAPH positions, one
+    prefill graph each: its logits at every index asked (indices in different chunks) and the
+    KV it leaves equal the eager prefill's, and the decode step after it agrees. Positions
+    that are not consecutive, or a chunk that fits no graph, keep the eager prefill."""
+    from ssdlib.engine.batching import last_index, pack_rows
+    from ssdlib.engine.runner import model_runner
+    from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
+
+    monkeypatch.setattr(model_runner, "MAX_PREFILL_GRAPH", 128)  # the chunk, scaled down
+    ck = load_checkpoint(windowed_tiny)
+    eager = ModelRunner(ck, None, device, torch.float32, n_slots=4, max_len=400)
+    eager.graphs = None
+    stepped = ModelRunner(ck, None, device, torch.float32, n_slots=4, max_len=400)
+    stepped.graphs = None
+    pool = (make_graph_pool(torch.device(device), True) if device == "cuda"
+            else EagerPool(warmup=2 if pool_kind != "eager" else 0))
+    stepped.prefill_graphs = StepGraphs(stepped, pool, 4, 128, 0, kind="prefill",
+                                        use_kernel=False)
+    calls = []
+    real = stepped._prefill_step
+    stepped._prefill_step = lambda *a: calls.append((a[0].shape[0], a[0].shape[1])) or real(*a)
+    V = ck.config.vocab_size
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([3, 1])
+    rows = [torch.randint(3, V, (300,), generator=g).tolist(),
+            torch.randint(3, V, (250,), generator=g).tolist()]
+    cases = [  # rows, starts, slots, logits index, the chunks' (rows, columns)
+        ([rows[0]], [0], [3], last_index([300]), [(1, 128), (1, 128), (1, 44)]),
+        (rows, [0, 0], [3, 1], torch.tensor([[299, 5], [140, 249]]),
+         [(2, 128), (2, 128), (2, 44)]),
+        ([rows[1][:200]], [20], [2], last_index([200]), [(1, 128), (1, 72)]),
+    ]
+    for case_rows, starts, case_slots, index, chunks in cases:
+        calls.clear()
+        ids, pos = pack_rows(case_rows, starts)
+        a = eager.forward(ids, pos, torch.tensor(case_slots), index)
+        got = stepped.forward(ids, pos, torch.tensor(case_slots), index)
+        assert calls == chunks
+        assert (a - got).abs().max().item() <= 1e-4
+        for i, (r, st) in zip(case_slots, zip(case_rows, starts)):
+            torch.testing.assert_close(eager.cache.k[:, i, :, :st + len(r)],
+                                       stepped.cache.k[:, i, :, :st + len(r)],
+                                       atol=1e-5, rtol=1e-5)
+    new, p = torch.randint(3, V, (2, 1), generator=g), torch.tensor([[300], [250]])
+    assert (eager.forward(new, p, slots) - stepped.forward(new, p, slots)).abs().max() <= 1e-4
+    # not consecutive (a row's positions jump), or a last chunk past the cache: eager
+    ids, pos = pack_rows([rows[0]], [0])
+    pos[0, 200:] += 5
+    assert stepped._prefill_chunks(ids, pos, last_index([300])) == []
+    ids, pos = pack_rows([rows[0]], [stepped.cache.max_len - 300])
+    assert stepped._prefill_chunks(ids, pos, last_index([300])) == []
+    calls.clear()
+    ids, pos = pack_rows([rows[0][:100]], [0])  # one graph holds it: no chunks
+    stepped.forward(ids, pos, slots[:1], last_index([100]))
+    assert calls == [(1, 100)]
+
+
 @pytest.mark.parametrize("device,pool_kind", kinds())
 def test_prefix_chain_equals_forward_then_steps(tiny_dirs, device, pool_kind):
     """The draft's greedy proposal as one chain (the unseen tokens' forward, its argmax, then
