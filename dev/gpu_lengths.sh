@@ -41,10 +41,10 @@ for L in $LENGTHS; do
 done
 if [ "$B8" = 1 ]; then
   prompts 2048 16
-  B8MODES="ar,sd:adaptive_k=0,sd"
+  B8MODES=${B8MODES:-ar,sd:adaptive_k=0,sd}
   [ -n "$NEW_DRAFT" ] && B8MODES="$B8MODES,sd:draft=$NEW_DRAFT"
   echo "== 16 prompts of <= 2048 tokens, b = 8" | tee -a "$OUT/lengths.log"
-  timeout 200 python3 tools/bench.py --device cuda --prompts-file /tmp/long_2048_16.jsonl --chat \
+  timeout ${B8_TIMEOUT:-200} python3 tools/bench.py --device cuda --prompts-file /tmp/long_2048_16.jsonl --chat \
       --modes "$B8MODES" --max-new-tokens 128 --ignore-eos --max-len 2304 --n-prompts 16 --k 3 \
       --batch 8 --json "$OUT/len_2048_b8.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -20 | tee -a "$OUT/lengths.log"
 fi
