@@ -42,6 +42,7 @@ import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
 from ssdlib.engine.runner.kv_cache import KVCache
+from ssdlib.engine.runner.static_inputs import batch_bucket, batch_buckets
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
@@ -163,7 +164,7 @@ class FeatureDrafter:
         if max(map(len, rows)) > width or max(starts) + width > self.max_len:
             return None
         b = len(seqs)
-        bucket = 1 << (b - 1).bit_length()
+        bucket = batch_bucket(b)
         ids, _ = pack_rows(rows, starts)
         host = self._ghost_inputs(bucket, width, "cpu")
         host[:b, :width] = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
@@ -315,7 +316,7 @@ class FeatureDrafter:
         """The greedy chain's k - 1 steps after d_1 as one replay (module doc) -> [b, k-1];
         eagerly where capturing failed."""
         b = tok.shape[0]
-        bucket = 1 << (b - 1).bit_length()
+        bucket = batch_bucket(b)
         # one key length for every step (the in-place kernel reads each row up to its limit)
         kv_len = self.max_len
         key = self._captured_key("feature_chain", bucket, (k, kv_len),
@@ -336,12 +337,8 @@ class FeatureDrafter:
         return st["out"][:b].clone()
 
     def _buckets(self) -> list[int]:
-        """The batch buckets of a chain: powers of two up to the first >= the batch's rows."""
-        rows, size, out = self.scratch_slot, 1, [1]
-        while size < rows:
-            size *= 2
-            out.append(size)
-        return out
+        """The batch buckets of a captured step: every one up to the largest batch's."""
+        return batch_buckets(self.scratch_slot)
 
     def _capture(self, key, bucket: int, k: int, kv_len: int, like: torch.Tensor) -> None:
         dev = self.device

@@ -35,6 +35,15 @@ def batch_bucket(b: int) -> int:
     return -(-b // 8) * 8
 
 
+def batch_buckets(rows: int) -> list[int]:
+    """Every captured batch size up to the one that serves ``rows`` rows, ascending."""
+    out, b = [], 1
+    while not out or out[-1] < batch_bucket(rows):
+        out.append(batch_bucket(b))
+        b = out[-1] + 1
+    return out
+
+
 class Segment(NamedTuple):
     """One named input: up to ``cols`` values a row; rows past the real ones take ``ghost`` (a
     scalar, or one row of ``cols`` values); ``float64``: a float64 table stored as its bits."""
@@ -84,11 +93,7 @@ class StaticInputs:
         """The batch buckets to capture when ``rows`` is first needed (``rows`` last)."""
         if not self.all_buckets:
             return [rows]
-        out, b = [], 1
-        while b <= self.max_rows:
-            out.append(batch_bucket(b))
-            b = out[-1] + 1
-        return [r for r in out if r != rows] + [rows]
+        return [r for r in batch_buckets(self.max_rows) if r != rows] + [rows]
 
     def _span(self, name: str, rows: int, cols: int | None) -> tuple[int, int]:
         seg = self.segments[name]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket
+from ssdlib.engine.runner.static_inputs import Segment, StaticInputs, batch_bucket, batch_buckets
 
 GREEDY = (1.0, 0.0, 1.0, 1.0)
 
@@ -96,6 +96,9 @@ def test_bucket_policy():
     assert every.capture_buckets(24) == [1, 2, 4, 8, 16, 24]
     with pytest.raises(ValueError, match="cols"):
         StaticInputs("cpu", 2, {"x": Segment(0)})
+    # every bucket up to the one serving the rows (the feature drafter's captured steps too)
+    assert batch_buckets(1) == [1] and batch_buckets(3) == [1, 2, 4]
+    assert batch_buckets(17) == [1, 2, 4, 8, 16, 24] == batch_buckets(24)
 
 
 @pytest.mark.gpu
