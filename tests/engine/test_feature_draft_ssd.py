@@ -91,6 +91,49 @@ def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, 
         _commit(drafter, target, row, n - 1, fused)  # positions n - 1 and n: k + 1 of them
 
 
+def test_an_admission_commits_through_sdpa_and_a_round_through_the_kernel():
+    """The eager commit (an admission's prompt: any number of positions) attends through SDPA,
+    never the slot kernel, whose launch parameters follow the query count (a kernel variant
+    compiled per new prompt length, in the middle of a run); a round's captured commit (K + 1
+    positions, one shape) keeps the kernel. The commits' results are those of the same draft
+    without the kernel (CPU: the kernel's path is its reference)."""
+    target = PreviousTokenTarget()
+    draft = oracle_draft(target)
+    flags = []
+
+    class Recording(torch.nn.Module):  # the draft, recording its forwards' attention path
+        def __init__(self):
+            super().__init__()
+            self.inner = draft
+            self.config = draft.config
+            self.kv_heads_local = draft.kv_heads_local
+
+        def condition(self, feats):
+            return draft.condition(feats)
+
+        def forward(self, ids, feats, cache, meta, index=None):
+            flags.append(meta.use_kernel)
+            meta.kernel_backend = "torch"  # the kernel's reference (CPU)
+            return draft(ids, feats, cache, meta, index)
+
+    drafter = FeatureSpecDraft(Recording(), 3, 64, V, 4 * K, "cpu", torch.float32, draws=K,
+                               use_kernel=True, pool=EagerPool(warmup=1))
+    plain = FeatureSpecDraft(draft, 3, 64, V, 4 * K, "cpu", torch.float32, draws=K)
+    prompt = [5, 17, 3, 42, 8, 11, 9, 30, 2]
+    rows = [SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
+                    torch.device("cpu")) for _ in range(2)]
+    for d, row in zip((drafter, plain), rows):
+        d.prefill([row])
+        _commit(d, target, row, 0, False)  # the prompt: 9 positions > K + 1
+    assert flags == [False]
+    for d, row in zip((drafter, plain), rows):
+        n = len(row.tokens)
+        row.commit(1, _greedy(target, row.tokens, 1)[0])
+        _commit(d, target, row, n - 1, False)  # a round: k + 1 = 2 positions, captured
+    assert flags[1:] and all(flags[1:])
+    torch.testing.assert_close(drafter.last_logits[1], plain.last_logits[1])
+
+
 @pytest.mark.parametrize("k", [0, 1, K])
 def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
     """A chained round's build on the device (stream placement): from round r's outcome in the

@@ -212,7 +212,7 @@ class FeatureCacheBuilder:
         ids = history.gather(1, (n.view(-1, 1) + j).clamp(max=history.shape[1] - 1))
         buf = self.target_features
         feats = buf[slots.view(-1, 1), positions.clamp(max=buf.shape[1] - 1)]
-        d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len)
+        d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len, d.use_kernel)
         pick = None
         if sampling is not None:
             facts, fan, saguaro_c = sampling
