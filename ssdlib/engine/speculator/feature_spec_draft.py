@@ -94,9 +94,10 @@ class FeatureSpecDraft:
     def _commit_eager(self, rows, ids, positions, counts, values) -> None:
         """An admission's prompt (or a span too long for the captured commit), eagerly: its
         attention through SDPA, never the slot kernel, whose launch parameters follow the query
-        count, so that each new prompt length could compile a kernel variant in the middle of a
-        run (one H200, SSD with the feature draft at T = 0.7 on HumanEval: 4 of 16 prompts
-        waited 0.6-1.2 s in their first commit, none in a second pass over them)."""
+        count, so that a new prompt length could compile a kernel variant in the middle of a
+        run (the likely cause of what one H200 showed, SSD with the feature draft at T = 0.7 on
+        HumanEval: 4 of 16 prompts waited 0.6-1.2 s in their first commit, none in a second
+        pass over them)."""
         dev = self.device
         positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
         s = ids.shape[1]
