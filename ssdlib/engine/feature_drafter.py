@@ -28,11 +28,12 @@ the feed of each row's unfed positions padded to K_max + 1 (the usual round; the
 lands past the row and is overwritten before it is read), d_1 at each row's last real position,
 then the k - 1 chain steps (the pair (h, d_j) forward, its argmax). Its host inputs go up in one
 copy; rows past the batch are ghost rows writing to the scratch slot. A row further behind
-(after rounds at K = 0) takes the eager feed and then the captured chain. A sampled proposal is
-one replay too, keyed also by what the host knows of the rows' parameters: the same feed, then
-k draws, each from the row's target distribution q_j with draw j of its stream (positions
-reserved on the host, inputs like the token ids; greedy ghost rows), and the chain steps between
-them; where it does not fit, or with a row further behind, it runs eagerly (the same body). A
+(after rounds at K = 0) is first fed eagerly up to its last position but one, which the captured
+step then feeds. A sampled proposal is one replay too, keyed also by what the host knows of the
+rows' parameters: the same feed, then k draws, each from the row's target distribution q_j with
+draw j of its stream (positions reserved on the host, inputs like the token ids; greedy ghost
+rows), and the chain steps between them; where it does not fit it runs eagerly (the same
+body). A
 capture that fails is logged once and proposals run eagerly from then on.
 """
 
@@ -114,10 +115,16 @@ class FeatureDrafter:
             rows.append(s.tokens[start + 1:last + 2])
         return starts, rows
 
-    def _feed(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _feed(self, seqs, leave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed positions valid .. L-2 of every row (at least L-2) with the target's features ->
-        (logits [b, V], hidden [b, H]) at each row's position L-2."""
+        (logits [b, V], hidden [b, H]) at each row's position L-2. ``leave``: the last
+        ``leave`` of those positions stay unfed (every row must have more unfed than that);
+        the output is then at the last position fed."""
         starts, rows = self._rows(seqs)
+        if leave:
+            if min(map(len, rows)) <= leave:
+                raise ValueError(f"a feed leaving {leave} positions unfed needs more unfed")
+            rows = [r[:-leave] for r in rows]
         ids, positions = pack_rows(rows, starts)
         positions = positions.clamp(max=self.max_len - 1)  # padding past the end: clamped
         slots = slots_tensor(seqs)
@@ -130,8 +137,16 @@ class FeatureDrafter:
         index = to_device([[len(r) - 1] for r in rows], dev)
         logits, hidden = self.draft(ids.to(dev, non_blocking=True), feats, self.cache, meta, index)
         for s in seqs:
-            self.valid[s.slot] = len(s.tokens) - 1
+            self.valid[s.slot] = len(s.tokens) - 1 - leave
         return logits[:, 0], hidden[:, 0]
+
+    def _catch_up(self, seqs, width: int) -> None:
+        """Rows further behind than a captured proposal's feed of ``width`` positions (after
+        rounds at K = 0) are fed eagerly up to the last position but one, so that the
+        proposal's captured step, which feeds that one, fits them."""
+        behind = [s for r, s in zip(self._rows(seqs)[1], seqs) if len(r) > width]
+        if behind:
+            self._feed(behind, leave=1)
 
     def _feed_body(self, h: torch.Tensor, width: int, kv_len: int):
         """A captured proposal's feed, from its inputs ``h`` (:meth:`_ghost_inputs`' layout, on
@@ -360,6 +375,8 @@ class FeatureDrafter:
         greedy = all(s.params.greedy for s in seqs)
         # a proposal's time measures k draft steps unless a row was far behind (a catch-up)
         self.plain = max(map(len, self._rows(seqs)[1])) <= max(self.draws, k) + 1
+        if not self.plain and self.pool is not None:
+            self._catch_up(seqs, max(self.draws, k) + 1)
         if greedy and self.pool is not None:
             tokens = self._captured_proposal(seqs, k)
             if tokens is not None:

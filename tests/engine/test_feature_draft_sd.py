@@ -144,9 +144,11 @@ def test_features_are_kept_on_the_captured_step_path(tiny_dirs, ar_reference, fe
 def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
                                                                        feature_draft):
     """Greedy proposals through a graph pool (eager replays here; 3 rows in bucket 4, a ghost
-    row) equal the eager drafter's and a cache-free rollout's: the first round (each row far
-    behind: the eager feed, then the captured chain) and the next (every row within K_max + 1
-    unfed tokens: feed and chain as one captured proposal)."""
+    row) equal the eager drafter's and a cache-free rollout's: a round whose rows fit no
+    captured proposal (the eager feed, then the captured chain), one with every row within
+    K_max + 1 unfed tokens (feed and chain as one captured proposal), and one after rounds at
+    K = 0 (each row far behind: fed eagerly up to its last position but one, then the captured
+    proposal)."""
     ck, model, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
 
     def rollout(tokens, k):
@@ -168,8 +170,15 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
     for d in drafters:
         for s in seqs:
             d.reset(s.slot)
-    for round_ in range(2):
+    fits = drafters[1]._feed_inputs
+    replayed = []
+    replay = pool.replay
+    pool.replay = lambda key: replayed.append(key[0]) or replay(key)
+    for round_ in range(3):
+        replayed.clear()
         prefill(runner, seqs)  # the target's features of every committed position
+        # round 0: no row fits a captured proposal (as at the cache's end)
+        drafters[1]._feed_inputs = (lambda *a: None) if round_ == 0 else fits
         proposals = []
         for d in drafters:
             tokens, q = d.propose(seqs, 4, want_q=False)
@@ -181,8 +190,12 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
         kinds = {key[0] for key in pool.keys()}
         assert kinds == ({"feature_chain"} if round_ == 0 else
                          {"feature_chain", "feature_proposal"})
-        for i, s in enumerate(seqs):  # the round commits 2 drafts and a bonus token
-            s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
+        # one replay a proposal: the chain after the eager feed, then the whole proposal (in
+        # round 2 after the eager catch-up)
+        assert replayed == (["feature_chain"] if round_ == 0 else ["feature_proposal"]), round_
+        for i, s in enumerate(seqs):  # the round commits 2 drafts and a bonus token, and
+            # after round 1 three rounds at K = 0 commit a token each (the draft falls behind)
+            s.tokens = s.tokens + proposals[0][i][:2] + [7 + i] + ([5, 6, 7] if round_ else [])
 
 
 def _drafter_pair(ck, runner, draft, pool, dev="cpu"):
@@ -197,9 +210,9 @@ def _drafter_pair(ck, runner, draft, pool, dev="cpu"):
 
 def _check_sampled_proposals(runner, drafters, pool, atol=1e-6, rtol=1e-5):
     """Two rounds of sampled proposals for 3 rows (bucket 4: a ghost row; a greedy row among
-    sampling ones, top-p on one), the first with rows far behind (eager), the second one
-    captured proposal: both drafters draw the same tokens with the same q from the same
-    streams."""
+    sampling ones, top-p on one), each one captured proposal, the first with rows far behind
+    (fed eagerly up to their last position but one first): both drafters draw the same tokens
+    with the same q from the same streams."""
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(),
               SamplingParams(temperature=0.8, top_p=0.9, seed=2)]
     runs = [[Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i], params[i]) for i in range(3)]
@@ -214,7 +227,7 @@ def _check_sampled_proposals(runner, drafters, pool, atol=1e-6, rtol=1e-5):
         torch.testing.assert_close(out[0][1], out[1][1], atol=atol, rtol=rtol)
         assert torch.equal(out[1][1][1].argmax(-1), out[1][0][1])  # the greedy row: one-hot q
         kinds = {key[0] for key in pool.keys()}
-        assert ("feature_sampled_proposal" in kinds) == (round_ == 1)
+        assert "feature_sampled_proposal" in kinds
         for seqs in runs:  # the round commits 2 drafts and a bonus token
             for i, s in enumerate(seqs):
                 s.tokens = s.tokens + out[0][0][i, :2].tolist() + [7 + i]
@@ -322,5 +335,5 @@ def test_a_failed_capture_leaves_the_drafter_eager(tiny_dirs, feature_draft):
         feature_drafter.log.removeHandler(records)
     assert proposals[0] == proposals[1]
     assert records.messages == [
-        "capturing the feature draft's feature_chain failed (RuntimeError: no graphs here); "
+        "capturing the feature draft's feature_proposal failed (RuntimeError: no graphs here); "
         "it runs eagerly"]
