@@ -33,8 +33,7 @@ step then feeds. A sampled proposal is one replay too, keyed also by what the ho
 rows' parameters: the same feed, then k draws, each from the row's target distribution q_j with
 draw j of its stream (positions reserved on the host, inputs like the token ids; greedy ghost
 rows), and the chain steps between them; where it does not fit it runs eagerly (the same
-body). A
-capture that fails is logged once and proposals run eagerly from then on.
+body). A capture that fails is logged once and proposals run eagerly from then on.
 """
 
 from __future__ import annotations
