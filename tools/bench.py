@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -60,6 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import ssdlib  # noqa: E402
 from ssdlib import Generator, SamplingParams, env  # noqa: E402
 from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
@@ -405,6 +407,35 @@ def _git_commit() -> str | None:
     return out[1]
 
 
+def _git_dirty() -> bool | None:
+    """Whether the checkout's tracked files differ from its HEAD (``ssdlib_commit`` then does
+    not name the code measured); None where :func:`_git_commit` has no answer."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _git_commit() is None:
+        return None
+    try:
+        out = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def source_digest(root: str | None = None) -> str:
+    """The first 12 hex digits of a SHA-256 over the package's Python files (each relative
+    path and content, in path order): names the code measured whatever the git metadata of the
+    copy that ran it says."""
+    root = root or os.path.dirname(os.path.abspath(ssdlib.__file__))
+    h = hashlib.sha256()
+    paths = sorted(os.path.relpath(os.path.join(d, f), root)
+                   for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
+    for rel in paths:
+        h.update(rel.replace(os.sep, "/").encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def machine_info() -> dict:
     commit = env.text("SSDLIB_COMMIT") or _git_commit()
     cuda = torch.cuda.is_available()
@@ -414,7 +445,9 @@ def machine_info() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cuda_available": cuda,
             "triton": _version("triton"), "transformers": _version("transformers"),
-            "gguf": _version("gguf"), "ssdlib_commit": commit}
+            "gguf": _version("gguf"), "ssdlib_commit": commit,
+            "ssdlib_dirty": None if env.text("SSDLIB_COMMIT") else _git_dirty(),
+            "ssdlib_source": source_digest()}
 
 
 def fmt(value, spec: str, width: int) -> str:

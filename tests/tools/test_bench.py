@@ -31,8 +31,11 @@ def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "models", "command", "args", "rows", "breakdown"}
     machine = report["machine"]
-    for key in ("gpus", "cpu", "python", "torch", "triton", "transformers", "cuda"):
+    for key in ("gpus", "cpu", "python", "torch", "triton", "transformers", "cuda",
+                "ssdlib_commit", "ssdlib_dirty"):
         assert key in machine
+    from tools.bench import source_digest
+    assert machine["ssdlib_source"] == source_digest() and len(source_digest()) == 12
     assert report["models"]["target"]["path"] == tiny_dirs["smol_heads"]
     assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
     assert "--prompts-file" in report["command"]
@@ -219,3 +222,20 @@ def test_passes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["--passes", "0"])
     assert "--passes must be >= 1" in capsys.readouterr().err
+
+
+def test_the_source_digest_follows_the_files(tmp_path):
+    """``ssdlib_source`` changes with a file's content or name, not with other files."""
+    from tools.bench import source_digest
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")
+    first = source_digest(str(tmp_path))
+    (tmp_path / "pkg" / "notes.txt").write_text("other")
+    assert source_digest(str(tmp_path)) == first
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    changed = source_digest(str(tmp_path))
+    assert changed != first
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "b.py")
+    assert source_digest(str(tmp_path)) not in (first, changed)
