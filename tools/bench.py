@@ -409,10 +409,8 @@ def _git_commit() -> str | None:
 
 def _git_dirty() -> bool | None:
     """Whether the checkout's tracked files differ from its HEAD (``ssdlib_commit`` then does
-    not name the code measured); None where :func:`_git_commit` has no answer."""
+    not name the code measured); asked only where :func:`_git_commit` has an answer."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if _git_commit() is None:
-        return None
     try:
         out = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
                              capture_output=True, text=True, timeout=30)
@@ -437,7 +435,8 @@ def source_digest(root: str | None = None) -> str:
 
 
 def machine_info() -> dict:
-    commit = env.text("SSDLIB_COMMIT") or _git_commit()
+    git = None if env.text("SSDLIB_COMMIT") else _git_commit()
+    commit = env.text("SSDLIB_COMMIT") or git
     cuda = torch.cuda.is_available()
     return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if cuda else [],
@@ -446,7 +445,7 @@ def machine_info() -> dict:
             "cuda": torch.version.cuda, "cuda_available": cuda,
             "triton": _version("triton"), "transformers": _version("transformers"),
             "gguf": _version("gguf"), "ssdlib_commit": commit,
-            "ssdlib_dirty": None if env.text("SSDLIB_COMMIT") else _git_dirty(),
+            "ssdlib_dirty": None if git is None else _git_dirty(),
             "ssdlib_source": source_digest()}
 
 
