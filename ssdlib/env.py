@@ -101,8 +101,9 @@ SWITCHES: tuple[Switch, ...] = (
            "ssdlib.engine.speculator.spec_cache.next_speculation)"),
     Switch("SSDLIB_CHAIN_COMPILE", "flag", True,
            "chained rounds' next speculation (device lookup and n-gram, ~50 small kernels a "
-           "side) through torch.compile where the steps compile; 0: eager "
-           "(ssdlib.engine.speculator.spec_cache.next_speculation)"),
+           "side) and a round's acceptance and records (~30) through torch.compile where the "
+           "steps compile; 0: eager (ssdlib.engine.speculator.spec_cache.next_speculation, "
+           "ssdlib.engine.leader.chained_rounds.maybe_compiled)"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "

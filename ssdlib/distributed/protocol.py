@@ -499,15 +499,22 @@ class ChainState:
         """Write round ``p``'s committed tokens (its speculation's first k, then t*) into the
         history at positions n .. n + k (device ops; the positions past k go to the last
         column)."""
-        n, k = self.n[p, :rows].view(-1, 1), self.k[p, :rows].view(-1, 1)
-        K = self.spec.shape[-1]
-        i = torch.arange(K + 1, device=n.device).view(1, -1)
-        spec = self.spec[p, :rows]
-        tokens = torch.cat([spec, spec[:, :1]], dim=1)                  # [rows, K+1]
-        tokens = torch.where(i == k, self.bonus[p, :rows].view(-1, 1), tokens)
-        last = self.history.shape[1] - 1
-        at = torch.where(i <= k, (n + i).clamp(max=last), torch.full_like(i, last))
-        self.history[:rows].scatter_(1, at, tokens)
+        commit_history(self.history[:rows], self.n[p, :rows], self.k[p, :rows],
+                       self.spec[p, :rows], self.bonus[p, :rows])
+
+
+def commit_history(history: torch.Tensor, n: torch.Tensor, k: torch.Tensor, spec: torch.Tensor,
+                   bonus: torch.Tensor) -> None:
+    """:meth:`ChainState.commit` on tensors: rows' history [rows, max_len + 1] takes their
+    speculation spec [rows, K]'s first k [rows], then bonus [rows], at positions n [rows] on."""
+    n, k = n.view(-1, 1), k.view(-1, 1)
+    K = spec.shape[-1]
+    i = torch.arange(K + 1, device=n.device).view(1, -1)
+    tokens = torch.cat([spec, spec[:, :1]], dim=1)                      # [rows, K+1]
+    tokens = torch.where(i == k, bonus.view(-1, 1), tokens)
+    last = history.shape[1] - 1
+    at = torch.where(i <= k, (n + i).clamp(max=last), torch.full_like(i, last))
+    history.scatter_(1, at, tokens)
 
 
 @dataclass

@@ -200,9 +200,17 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     probabilities: only the argmax is used; ties go to torch.argmax's choice, as in AR greedy);
     num_draft [b] valid draft tokens per row, each row's limit (default K; module doc)."""
     b, K = _check_shapes(draft_tokens, target_logits)
+    nd = _num_draft(num_draft, b, K, draft_tokens.device)
+    return accept_greedy(draft_tokens, target_logits.argmax(-1), nd)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, best: torch.Tensor,
+                  nd: torch.Tensor) -> VerifyOutcome:
+    """:func:`verify_greedy` from the target's argmax ``best`` [b, K+1] (int64) and each row's
+    limit ``nd`` [b] (device int64): device ops only, no check, no host value (a compiled
+    chained round fuses them)."""
+    K = draft_tokens.shape[1]
     device = draft_tokens.device
-    nd = _num_draft(num_draft, b, K, device)
-    best = target_logits.argmax(-1)                                   # [b, K+1]
     valid = torch.arange(K, device=device) < nd[:, None]              # [b, K]
     match = (draft_tokens == best[:, :K]) & valid                     # [b, K]
     accepted_mask = match.long().cumprod(-1).bool()                   # [b, K] accepted prefix

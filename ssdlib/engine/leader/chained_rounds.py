@@ -61,14 +61,15 @@ import torch
 from ssdlib import env
 from ssdlib.distributed import protocol
 from ssdlib.distributed.local_link import OverlapMeter
-from ssdlib.distributed.protocol import ChainEnd, ChainRegroup, ChainStart, ChainState
+from ssdlib.distributed.protocol import (ChainEnd, ChainRegroup, ChainStart, ChainState,
+                                         commit_history)
 from ssdlib.engine.batching import slots_tensor
 from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.speculator.spec_cache import next_speculation
 from ssdlib.sampling import SamplingTensors, target_distributions
-from ssdlib.speculative.acceptance import DraftQ, QKind, verify_greedy, verify_sampled
+from ssdlib.speculative.acceptance import DraftQ, QKind, accept_greedy, verify_sampled
 from ssdlib.speculative.rng import RowStreams
 
 # A row of the chain's read-back: k, t*, hit, branch, n-gram, then the speculation [K].
@@ -83,7 +84,7 @@ def chained_rounds_on() -> bool:
 def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
                    q_cached: torch.Tensor, table: torch.Tensor, facts, streams: RowStreams):
     """A chained round's acceptance on the device where some row samples (a greedy chain
-    takes ``verify_greedy``): exact speculative sampling of speculation ``spec`` [rows, K]
+    takes ``greedy_tail``): exact speculative sampling of speculation ``spec`` [rows, K]
     against ``logits`` [rows, K+1, V]:
     a hit's tokens were drawn from the cache's q (``q_cached`` [rows, K, V], DENSE), a miss's
     are a deterministic proposal (the n-gram's or placeholder zeros: ONEHOT); the rows'
@@ -92,6 +93,46 @@ def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
     p = target_distributions(logits, SamplingTensors.from_table(table, facts))
     kinds = torch.where(hit, int(QKind.DENSE), int(QKind.ONEHOT))
     return verify_sampled(spec, DraftQ(kinds, q_cached), p, generators=streams)
+
+
+def record_round(k_into, bonus_into, n_into, spec_into, history, pack, accepted, bonus, n,
+                 spec, hit, branch, ngram) -> None:
+    """A chained round's outcome written on the device: into its index of the chain's state
+    (``k_into`` .. ``spec_into``: ``ChainState``'s k, bonus, n, spec at the round's parity,
+    the batch's rows), its committed tokens into the rows' ``history`` (the next round's
+    n-gram fallback reads them), and its read-back row ``pack`` [rows, HEAD + K]: k, t*, hit,
+    branch, n-gram, the speculation."""
+    k_into.copy_(accepted)
+    bonus_into.copy_(bonus)
+    n_into.copy_(n)
+    spec_into.copy_(spec)
+    commit_history(history, n, accepted, spec, bonus)
+    pack.copy_(torch.cat([accepted.view(-1, 1), bonus.view(-1, 1), hit.view(-1, 1).long(),
+                          branch.view(-1, 1).long(), ngram.view(-1, 1).long(), spec], dim=1))
+
+
+def greedy_tail(k_into, bonus_into, n_into, spec_into, history, pack, spec, best, n, hit, branch,
+                ngram) -> None:
+    """A greedy chained round after the target's argmax ``best`` [rows, K+1]: the acceptance
+    (``accept_greedy``, every row drafted K) and :func:`record_round`."""
+    limit = torch.full_like(n, spec.shape[1])
+    out = accept_greedy(spec, best, limit)
+    record_round(k_into, bonus_into, n_into, spec_into, history, pack, out.accepted, out.bonus,
+                 n, spec, hit, branch, ngram)
+
+
+_compiled: dict = {}  # torch.compile of a round's tail, by function, made on first use
+
+
+def maybe_compiled(fn, compiled: bool):
+    """``fn`` through ``torch.compile`` where the steps compile (``compiled``) and
+    ``SSDLIB_CHAIN_COMPILE`` is on, else ``fn``: a greedy round's acceptance and records are
+    some thirty small kernels eagerly, a few fused ones compiled."""
+    if not (compiled and env.flag("SSDLIB_CHAIN_COMPILE")):
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
 
 
 @dataclass
@@ -277,22 +318,19 @@ class ChainedRounds:
         hit, branch, spec, n, ngram = next_speculation(cache, slots, st, before, rows,
                                                        r.compiles)
         logits = r.speculation_step(st.bonus[before, :rows], spec, n, slots, kv_len)
+        into = (st.k[p, :rows], st.bonus[p, :rows], st.n[p, :rows], st.spec[p, :rows],
+                st.history[:rows], self.pack[p, :rows])
         if self.facts is None:  # [rows, K+1, V]
-            out = verify_greedy(spec, logits)
-        else:
-            draws = st.draws[before, :rows, 0]
-            streams = RowStreams(st.keys[:rows, 0], draws, K + 1)
-            out = verify_chained(spec, logits, hit, cache.q[slots, branch], self.table[:rows],
-                                 self.facts, streams)
-            st.draws[p, :rows, 0] = draws + K + 1
-        st.k[p, :rows] = out.accepted
-        st.bonus[p, :rows] = out.bonus
-        st.n[p, :rows] = n
-        st.spec[p, :rows] = spec
-        st.commit(p, rows)  # (the next round's n-gram fallback reads them)
-        self.pack[p, :rows] = torch.cat([out.accepted.view(-1, 1), out.bonus.view(-1, 1),
-                                         hit.view(-1, 1).long(), branch.view(-1, 1).long(),
-                                         ngram.view(-1, 1).long(), spec], dim=1)
+            tail = maybe_compiled(greedy_tail, r.compiles)
+            tail(*into, spec, logits.argmax(-1), n, hit, branch, ngram)
+            return
+        draws = st.draws[before, :rows, 0]
+        streams = RowStreams(st.keys[:rows, 0], draws, K + 1)
+        out = verify_chained(spec, logits, hit, cache.q[slots, branch], self.table[:rows],
+                             self.facts, streams)
+        st.draws[p, :rows, 0] = draws + K + 1
+        maybe_compiled(record_round, r.compiles)(*into, out.accepted, out.bonus, n, spec, hit,
+                                                 branch, ngram)
 
     def _regroup_state(self, old: list, rows_of: list, before: int) -> bool:
         """Between two rounds (on the leader's stream, after the round in flight and its
