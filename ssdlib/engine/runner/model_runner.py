@@ -426,8 +426,10 @@ class ModelRunner:
         token; kv_limit [b, B]: its slot prefix; full_mask [b, B*depth, B*depth]
         (``tree_mask_full`` without speculation keys); ``pick(d, logits [b, B, vocab])`` -> the
         next token of every branch [b, B] (default: the argmax, taken from the top-``top``
-        candidates: no second pass over the vocabulary). Returns (tokens
-        [b, B, depth], top-``top`` candidates after each token [b, B, depth, top])."""
+        candidates: no second pass over the vocabulary). ``top`` = 0 keeps no candidates (a
+        chained build, which computes them again: one argmax per depth instead of a top-k).
+        Returns (tokens [b, B, depth], top-``top`` candidates after each token
+        [b, B, depth, top], or None for ``top`` = 0)."""
         b, B = tok.shape
         lane = torch.arange(B, device=tok.device).expand(b, B)
         tokens, tops = [], []
@@ -437,10 +439,13 @@ class ModelRunner:
                                      tree_mask=full_mask[:, d * B:(d + 1) * B, :B * (d + 1)],
                                      tree_len=B * (d + 1), use_kernel=use_kernel)
             logits = self.step_model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
-            tops.append(logits.topk(top, dim=-1).indices)  # sorted: [..., 0] is a maximum
-            tok = tops[-1][..., 0] if pick is None else pick(d, logits)
+            if top:
+                tops.append(logits.topk(top, dim=-1).indices)  # sorted: [..., 0] is a maximum
+                tok = tops[-1][..., 0] if pick is None else pick(d, logits)
+            else:
+                tok = logits.argmax(dim=-1) if pick is None else pick(d, logits)
             tokens.append(tok)
-        return torch.stack(tokens, dim=2), torch.stack(tops, dim=2)
+        return torch.stack(tokens, dim=2), torch.stack(tops, dim=2) if top else None
 
     @torch.inference_mode()
     def tree_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

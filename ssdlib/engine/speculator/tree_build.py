@@ -10,7 +10,8 @@ everything else a build does depends only on device data and a few host integers
 1. the outcomes to cache: branch j forks after ``pos[j]`` speculation tokens and starts with the
    ``rank[j]``-th candidate at that position that is not the speculation's own token;
 2. the branch-to-branch tree mask (same branch, earlier depth) and each branch's slot prefix;
-3. the K tree-decode depths (``ModelRunner.tree_body``), argmax per branch, top-C kept per token;
+3. the K tree-decode depths (``ModelRunner.tree_body``), argmax per branch, top-C kept per token
+   (not in a chained build: nothing continues its branches);
 4. the stores: cache tokens, outcome keys, ready flags, the kept candidates.
 
 A sampled build (some row has temperature > 0) draws each branch token from Saguaro's
@@ -146,18 +147,21 @@ class TreeBuildStep:
         self._index_src: torch.Tensor | None = None
 
     def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None,
-             cache=None) -> None:
+             cache=None, keep_top: bool = True) -> None:
         """The build after the candidates, on device tensors (the captured function's body);
         ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build; ``cache``
-        the speculation cache it stores into (default the speculator's)."""
+        the speculation cache it stores into (default the speculator's); ``keep_top``: keep
+        each branch token's top-C candidates for a hit's continuation (``continue_hits``)."""
         cache = self.cache if cache is None else cache
         K = self.K
         fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
         r = self.runner
         pick = None if sampler is None else sampled_pick(slots, cache, *sampler)
-        tokens, tops = r.tree_body(first, kv_limit, full, slots, K, self.top, self.vocab,
-                                   kv_len, r.use_kernel, pick)
-        self.branch_top[slots, :, :, :tops.shape[-1]] = tops
+        tokens, tops = r.tree_body(first, kv_limit, full, slots, K,
+                                   self.top if keep_top else 0, self.vocab, kv_len,
+                                   r.use_kernel, pick)
+        if keep_top:
+            self.branch_top[slots, :, :, :tops.shape[-1]] = tops
         cache.tokens[slots] = tokens
         cache.store_keys(slots, fork, first)
 
@@ -215,8 +219,10 @@ class TreeBuildStep:
             sampler = (SamplingTensors.from_table(self.inputs.view("params", rows, 4), facts),
                        RowStreams(state.keys[:rows, 1], draws, taken), fan, saguaro_c)
             state.draws[p, :rows, 1] = draws + taken
+        # no top-C kept per branch token: a chain's hits compute their candidates again above,
+        # and a chain's end restarts its rows (no hit continues a chained build's branch)
         self.body(self._top_c(logits), sent, n, slots, pos, rank, kv_len, sampler,
-                  cache=caches[p])
+                  cache=caches[p], keep_top=False)
 
     def _top_c(self, logits: torch.Tensor) -> torch.Tensor:
         """The C candidates after each position of ``logits`` [..., v]: its top tokens (a
