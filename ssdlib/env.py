@@ -68,6 +68,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_ATTENTION", "choice", "",
            "'torch': CUDA steps use the PyTorch attention instead of the Triton slot kernel",
            choices=("torch",)),
+    Switch("SSDLIB_ROW_TOP", "choice", "",
+           "'torch': CUDA steps take argmaxes and top-k candidates with torch's kernels instead "
+           "of the Triton ones (ssdlib/ops/row_top.py)", choices=("torch",)),
     Switch("SSDLIB_DISABLE_EXT", "flag", False,
            "1: never use the compiled extension ssdlib._C (pure-PyTorch ops, torch's CUDA graphs)"),
     Switch("SSDLIB_K_SCHEDULE", "text", None,

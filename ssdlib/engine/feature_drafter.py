@@ -47,6 +47,7 @@ from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
+from ssdlib.ops.row_top import row_argmax
 from ssdlib.sampling import SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
@@ -222,7 +223,7 @@ class FeatureDrafter:
 
         def run():
             logits, hidden, first, slots = self._feed_body(st["host"], width, kv_len)
-            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
+            tok = row_argmax(fit_vocab(logits, self.vocab_size))
             out = [tok.view(-1, 1)]
             if k > 1:
                 out.append(self._chain_body(tok, hidden, first, slots, k - 1, kv_len))
@@ -300,7 +301,7 @@ class FeatureDrafter:
         out = []
         for j in range(steps):
             logits, hidden = self._step(tok, hidden, first + j, slots, kv_len, self.use_kernel)
-            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
+            tok = row_argmax(fit_vocab(logits, self.vocab_size))
             out.append(tok)
         return torch.stack(out, dim=1)
 
@@ -400,7 +401,7 @@ class FeatureDrafter:
             return self._sampled_body(logits, hidden, first, slots, k, kv_len, params, u, False)
         tokens = []
         for j in range(k):
-            tok = fit_vocab(logits, self.vocab_size).argmax(-1)
+            tok = row_argmax(fit_vocab(logits, self.vocab_size))
             tokens.append(tok)
             if j == 0 and k > 1 and self.pool is not None:
                 tokens.append(self._captured_chain(tok, hidden, first, slots, k))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ssdlib.ops.row_top import row_argmax
 from ssdlib.sampling import SamplingTensors, target_distributions
 from ssdlib.speculative.rng import RowStreams, sample_categorical
 from ssdlib.speculative.saguaro import saguaro_q
@@ -42,7 +43,7 @@ def draw_tokens(probs: torch.Tensor, logits: torch.Tensor, params: SamplingTenso
     tokens = sample_categorical(probs.reshape(-1, vocab), u.reshape(-1)).view(u.shape)
     if params.any_greedy:
         greedy = params.greedy.view((-1,) + (1,) * (u.dim() - 1))
-        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+        tokens = torch.where(greedy, row_argmax(logits), tokens)
     return tokens
 
 
@@ -50,7 +51,7 @@ def sample_tokens(logits: torch.Tensor, rows) -> torch.Tensor:
     """logits [b, V] (row i belongs to rows[i]) -> one token per row [b] on the device; one draw
     of each row's stream."""
     if all(r.params.greedy for r in rows):  # the decode hot path: no parameter tensors to build
-        return logits.argmax(-1)
+        return row_argmax(logits)
     params = sampling_tensors(rows, logits.device)
     u = reserve_streams(rows, 1, logits.device).uniforms(1)[:, 0]       # [b]
     return draw_tokens(target_distributions(logits, params), logits, params, u)

@@ -68,6 +68,7 @@ from ssdlib.engine.leader.verify import RoundResult
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
 from ssdlib.engine.speculator.spec_cache import next_speculation
+from ssdlib.ops.row_top import row_argmax
 from ssdlib.sampling import SamplingTensors, target_distributions
 from ssdlib.speculative.acceptance import DraftQ, QKind, accept_greedy, verify_sampled
 from ssdlib.speculative.rng import RowStreams
@@ -322,7 +323,7 @@ class ChainedRounds:
                 st.history[:rows], self.pack[p, :rows])
         if self.facts is None:  # [rows, K+1, V]
             tail = maybe_compiled(greedy_tail, r.compiles)
-            tail(*into, spec, logits.argmax(-1), n, hit, branch, ngram)
+            tail(*into, spec, row_argmax(logits), n, hit, branch, ngram)
             return
         draws = st.draws[before, :rows, 0]
         streams = RowStreams(st.keys[:rows, 0], draws, K + 1)

@@ -25,6 +25,7 @@ from ssdlib.log import get_logger
 from ssdlib.models.feature_spec import FeatureSpec
 from ssdlib.models.llama import LlamaForCausalLM
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
+from ssdlib.ops.row_top import row_argmax, top_indices
 from ssdlib.ops.slot_attention import triton_available
 
 log = get_logger(__name__)
@@ -374,7 +375,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(b, s) and not prefill:
             return self.graphs.prefix_chain(ids, positions, slots, logits_index, steps, vocab,
                                             kv_len)
-        first = self.forward(ids, positions, slots, logits_index)[:, 0, :vocab].argmax(-1)
+        first = row_argmax(self.forward(ids, positions, slots, logits_index)[:, 0, :vocab])
         if steps == 0:
             return first.view(-1, 1)
         after = positions.gather(1, logits_index)[:, 0] + 1  # host: the first draft's position
@@ -386,7 +387,7 @@ class ModelRunner:
         """``prefix_chain`` on device tensors (the captured body)."""
         meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
                                  use_kernel=use_kernel)
-        first = self.step_model(ids, self.cache, meta, index)[:, 0, :vocab].argmax(-1)  # [b]
+        first = row_argmax(self.step_model(ids, self.cache, meta, index)[:, 0, :vocab])  # [b]
         if steps == 0:
             return first.view(-1, 1)
         after = positions.gather(1, index)[:, 0] + 1  # the first drafted token's position
@@ -400,7 +401,7 @@ class ModelRunner:
         for j in range(steps):
             pos = (positions + j).view(-1, 1)
             meta = AttentionMetadata(pos, slots, kv_len, kv_limit=pos + 1, use_kernel=use_kernel)
-            tok = self.step_model(tok.view(-1, 1), self.cache, meta)[:, 0, :vocab].argmax(-1)
+            tok = row_argmax(self.step_model(tok.view(-1, 1), self.cache, meta)[:, 0, :vocab])
             out.append(tok)
         return torch.stack(out, dim=1)
 
@@ -440,10 +441,10 @@ class ModelRunner:
                                      tree_len=B * (d + 1), use_kernel=use_kernel)
             logits = self.step_model(tok, self.cache, meta)[..., :vocab]  # [b, B, vocab]
             if top:
-                tops.append(logits.topk(top, dim=-1).indices)  # sorted: [..., 0] is a maximum
+                tops.append(top_indices(logits, top))  # sorted: [..., 0] is a maximum
                 tok = tops[-1][..., 0] if pick is None else pick(d, logits)
             else:
-                tok = logits.argmax(dim=-1) if pick is None else pick(d, logits)
+                tok = row_argmax(logits) if pick is None else pick(d, logits)
             tokens.append(tok)
         return torch.stack(tokens, dim=2), torch.stack(tops, dim=2) if top else None
 

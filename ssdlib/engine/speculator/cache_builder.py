@@ -23,6 +23,7 @@ from ssdlib.engine.batching import pack_rows, to_device
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.speculator.tree_build import TreeBuildStep
+from ssdlib.ops.row_top import top_indices
 
 
 class CacheBuilder:
@@ -96,7 +97,7 @@ class CacheBuilder:
         index = torch.tensor([[len(x) - K - 1 + i for i in range(K + 1)] for x in inputs])
         slots = torch.tensor([r.slot for r in sub])
         logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
-        cand[to_device(fresh, self.device)] = logits.topk(self.C, dim=-1).indices
+        cand[to_device(fresh, self.device)] = top_indices(logits, self.C)
 
 
 def fan_index(fan: tuple, K: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,7 @@ from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.spec_cache import SpeculationCache, next_speculation
 from ssdlib.engine.speculator.tree_build import branch_setup, sampled_pick
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.ops.row_top import row_argmax, top_indices
 from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
@@ -122,10 +123,10 @@ class FeatureCacheBuilder:
         cache = self.cache if cache is None else cache
         # the speculation as a teacher-forced chain: candidates and H_0..H_K
         logits, hidden = d.last_logits[slots], d.last_hidden[slots]
-        tops, hs = [logits.topk(self.C, dim=-1).indices], [hidden]
+        tops, hs = [top_indices(logits, self.C)], [hidden]
         for j in range(K):
             logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
-            tops.append(logits.topk(self.C, dim=-1).indices)
+            tops.append(top_indices(logits, self.C))
             hs.append(hidden)
         cand, H = torch.stack(tops, dim=1), torch.stack(hs, dim=1)  # [b, K+1, C], [b, K+1, h]
         fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
@@ -141,7 +142,7 @@ class FeatureCacheBuilder:
                                      tree_len=B * (depth + 1), use_kernel=d.use_kernel)
             logits, feat = d.draft(tok, feat, d.cache, meta)
             logits = fit_vocab(logits, self.V)  # [b, B, V]
-            tok = logits.argmax(-1) if pick is None else pick(depth, logits)
+            tok = row_argmax(logits) if pick is None else pick(depth, logits)
             tokens.append(tok)
         cache.tokens[slots] = torch.stack(tokens, dim=2)
         cache.store_keys(slots, fork, start)

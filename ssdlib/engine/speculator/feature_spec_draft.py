@@ -12,6 +12,7 @@ from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.ops.row_top import row_argmax
 from ssdlib.sampling import SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
@@ -195,7 +196,7 @@ class FeatureSpecDraft:
         logits, hidden = self.last_logits[slots], self.last_hidden[slots]
         tokens = []
         for j in range(k):
-            tok = logits.argmax(-1)
+            tok = row_argmax(logits)
             tokens.append(tok)
             if j < k - 1:
                 logits, hidden = self.step(tok, hidden, first + j, slots, kv_len)

@@ -43,6 +43,7 @@ from ssdlib.engine.runner.step_graphs import GHOST_PARAMS, GHOST_ROW, any_bucket
 from ssdlib.engine.speculator.spec_cache import next_speculation
 from ssdlib.engine.sampler import sample_branches
 from ssdlib.layers.attention import AttentionMetadata
+from ssdlib.ops.row_top import top_indices
 from ssdlib.ops.tree_mask import tree_mask_full
 from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
@@ -227,7 +228,7 @@ class TreeBuildStep:
     def _top_c(self, logits: torch.Tensor) -> torch.Tensor:
         """The C candidates after each position of ``logits`` [..., v]: its top tokens (a
         vocabulary smaller than C repeats the last kept candidate) -> [..., C]."""
-        top = logits.topk(self.top, dim=-1).indices
+        top = top_indices(logits, self.top)
         if self.top < self.C:
             top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], self.C - self.top)],
                             dim=-1)
