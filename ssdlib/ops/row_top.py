@@ -2,16 +2,18 @@
 
 On the hot path these run on a few rows of V ~ 50k logits (a verify's K + 1 positions, a tree
 depth's branches, a draft step's row). torch's kernels take such a row on one block (the
-argmax: ~12 us on an H200 whatever the rows) or in several radix passes (top-17: 35-85 us),
-when two Triton passes that spread a row over many SMs take 4-7 us
-(``triton_row_top.py``; ``dev/gpu_micro_argmax.py`` times them).
+argmax: ~12 us on an H200 whatever the rows) or in several radix passes (top-17: 35-85 us).
+Two Triton passes that spread a row over many SMs (``triton_row_top.py``) take 4-7 us for the
+argmax and 16-32 us for the top-17 of up to 32 rows (``dev/gpu_micro_argmax.py``, one H200).
 
-``row_argmax`` / ``top_indices`` take the Triton kernels for CUDA tensors when triton imports
-and ``SSDLIB_ROW_TOP`` is not ``torch``, else torch.argmax / torch.topk. The kernels break ties
-the way the plain references below do (the lowest index first: torch.argmax's rule, and a
-stable sort's), and are tested for equality against them; torch.topk leaves the order of equal
-values open. NaN logits are outside the contract (a step that produced them is already broken).
-"""
+``row_argmax`` / ``top_indices`` take the Triton kernels inside a CUDA-graph capture (the
+captured steps, whose replay launches them at no host cost) when triton imports and
+``SSDLIB_ROW_TOP`` is not ``torch``; else torch.argmax / torch.topk. Called eagerly, two Triton
+launches cost the host more than they save on the GPU (AR's eager argmax after its step's
+replay made AR 7 % slower with them on an H200). The kernels break ties the way the plain
+references below do (the lowest index first: torch.argmax's rule, and a stable sort's), and are
+tested for equality against them; torch.topk leaves the order of equal values open. NaN logits
+are outside the contract (a step that produced them is already broken)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from ssdlib.log import get_logger
 logger = get_logger(__name__)
 
 MAX_K = 32  # the kernel unrolls k rounds per chunk; larger k goes to torch.topk
-MIN_VOCAB = 4096  # below it a row is small enough for torch's own kernels
+MAX_TOP_ROWS = 64
 
 
 def row_argmax_reference(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,11 @@ def _triton_module() -> ModuleType | None:
 
 
 def _use_kernel(x: torch.Tensor, k: int) -> bool:
-    return (x.is_cuda and x.numel() > 0 and x.shape[-1] >= MIN_VOCAB and k <= MAX_K
+    # top-k of many rows (a b = 8 tree depth's 128) is torch's: k rounds per chunk cost more
+    # there than its radix passes (dev/gpu_micro_argmax.py)
+    return (x.is_cuda and torch.cuda.is_current_stream_capturing() and x.numel() > 0
+            and k <= MAX_K
+            and (k == 1 or x.numel() // x.shape[-1] <= MAX_TOP_ROWS)
             and env.choice("SSDLIB_ROW_TOP") != "torch" and _triton_module() is not None)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-BIG_INDEX = 2**31 - 1
+BIG_INDEX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
