@@ -9,29 +9,14 @@ import argparse
 
 import torch
 
+from step_times import time_graph  # dev/, beside this script (puts the checkout on the path)
+
 from ssdlib.ops.triton_row_top import row_top
 
 
 def graph_us(fn, reps: int = 20, iters: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    for _ in range(5):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / (iters * reps)
+    """us a call of ``fn``, ``reps`` calls captured in one CUDA graph (step_times.time_graph)."""
+    return time_graph(lambda: [fn() for _ in range(reps)], iters, torch.device("cuda")) * 1e3 / reps
 
 
 def main() -> None:

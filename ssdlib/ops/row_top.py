@@ -17,15 +17,12 @@ are outside the contract (a step that produced them is already broken)."""
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
 
 from ssdlib import env
-from ssdlib.log import get_logger
-
-logger = get_logger(__name__)
+from ssdlib.ops.triton_modules import triton_module
 
 MAX_K = 32  # the kernel unrolls k rounds per chunk; larger k goes to torch.topk
 MAX_TOP_ROWS = 64
@@ -42,15 +39,8 @@ def top_indices_reference(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-@functools.lru_cache(maxsize=1)
 def _triton_module() -> ModuleType | None:
-    # triton is optional (and slow to import): tried once, when a kernel is first wanted
-    try:
-        from ssdlib.ops import triton_row_top
-    except ImportError as exc:
-        logger.debug("triton is not available (%s)", exc)
-        return None
-    return triton_row_top
+    return triton_module("triton_row_top")
 
 
 def _use_kernel(x: torch.Tensor, k: int) -> bool:

@@ -14,13 +14,13 @@ semantics and is the fallback on CPU or without Triton. docs/ATTENTION.md, "Slot
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
 
 from ssdlib import env
 from ssdlib.log import get_logger
+from ssdlib.ops.triton_modules import triton_module
 
 logger = get_logger(__name__)
 
@@ -114,15 +114,8 @@ def slot_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out.reshape(b, s, hq, hd).to(q.dtype)
 
 
-@functools.lru_cache(maxsize=1)
 def _triton_module() -> ModuleType | None:
-    # triton is optional (and slow to import): tried once, when a kernel is first wanted
-    try:
-        from ssdlib.ops import triton_slot_attention
-    except ImportError as exc:
-        logger.debug("triton is not available (%s)", exc)
-        return None
-    return triton_slot_attention
+    return triton_module("triton_slot_attention")
 
 
 def triton_available() -> bool:
