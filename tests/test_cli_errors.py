@@ -183,3 +183,6 @@ def test_empty_prompt_fails_before_loading(no_models, capsys, tmp_path):
     model = make_tiny_chat_model(str(tmp_path / "chat"))
     rc, line = run_main(capsys, "--target", model, "--mode", "ar", "--prompt", "")
     assert rc == 2 and "the prompt is empty" in line, line
+    # an invalid UTF-8 byte in argv arrives as a lone surrogate (surrogateescape)
+    rc, line = run_main(capsys, "--target", model, "--mode", "ar", "--prompt", "ab\udcff")
+    assert rc == 2 and "not valid Unicode text: a lone surrogate (U+DCFF)" in line, line

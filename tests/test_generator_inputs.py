@@ -42,6 +42,11 @@ def test_a_single_prompt_is_one_prompt(gen):
     (bytearray(b"Hi"), "got bytearray"),
     (None, "a list of prompts, got NoneType"),
     (7, "a list of prompts, got int"),
+    # lone surrogates (invalid UTF-8 bytes on a command line, half a JSON \u pair)
+    (["ab\udcff"], r"the prompt is not valid Unicode text: a lone surrogate \(U\+DCFF\) at "
+                    r"character 2"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]},
+     r"message 0's content is not valid Unicode text: a lone surrogate \(U\+D800\)"),
 ])
 def test_bad_prompts_are_clear_errors(gen, bad, needle):
     with pytest.raises(ConfigError, match=needle):

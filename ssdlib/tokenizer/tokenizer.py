@@ -16,6 +16,7 @@ from ssdlib.tokenizer.chat_template import render_chat_template
 from ssdlib.tokenizer.content_specials import ContentSafeEncoder
 from ssdlib.tokenizer.releasing import encode_releasing_gil
 from ssdlib.tokenizer.stream import StreamDecoder
+from ssdlib.tokenizer.unicode_text import check_unicode
 
 
 class Tokenizer:
@@ -63,7 +64,7 @@ class Tokenizer:
         prompts go through :meth:`encode_chat`, which keeps message contents plain text."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return encode_releasing_gil(self.backend, text, add_special_tokens)
+        return encode_releasing_gil(self.backend, check_unicode(text), add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -98,6 +99,10 @@ class Tokenizer:
         text, so a message cannot forge a turn. ``allow_special_tokens_in_content=True``
         recognises them everywhere, as encoding the rendered text would.
         """
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                check_unicode(content, f"message {i}'s content")
         if allow_special_tokens_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt, **variables)
             return self.encode(text, add_special_tokens=False)

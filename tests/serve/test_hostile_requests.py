@@ -203,6 +203,23 @@ INF = b'{"model": "tiny", "prompt": "Hi", "top_p": Infinity}'
     pytest.param(400, "text", INF, "top_p", id="infinite-top_p"),
     (413, "chat", {"messages": [{"role": "user", "content": "a" * (MAX_OUTPUT_CHARS + 1)}]},
      "messages"),
+    # fields the engine does not implement, set to change the answer: refused, not ignored
+    (400, "chat", {"messages": USER, "logprobs": True, "top_logprobs": 3}, "logprobs"),
+    (400, "chat", {"messages": USER, "logit_bias": {"42": 100}}, "logit_bias"),
+    (400, "chat", {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    (400, "chat", {"messages": USER, "tools": [{"type": "function",
+                                                "function": {"name": "f"}}]}, "tools"),
+    (400, "chat", {"messages": USER, "response_format": {"type": "json_object"}},
+     "response_format"),
+    (400, "text", {"prompt": "a", "echo": True}, "echo"),
+    (400, "text", {"prompt": "a", "best_of": 2}, "best_of"),
+    (400, "text", {"prompt": "a", "logprobs": 2}, "logprobs"),
+    # a lone surrogate (JSON's "\ud800" escape): not text a tokenizer can take
+    (400, "chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    (400, "chat", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                              "text": "a\udfff"}]}]},
+     "messages.0.content.0.text"),
+    (400, "text", {"prompt": ["ok", "\udc00"]}, "prompt"),
 ])
 def test_bad_fields_get_an_openai_error(server, status, path, body, param):
     url = server.url + ("/v1/chat/completions" if path == "chat" else "/v1/completions")
@@ -215,6 +232,21 @@ def test_bad_fields_get_an_openai_error(server, status, path, body, param):
     assert err["type"] == "invalid_request_error" and err["message"], err
     assert err["param"] == param, err
     assert "Traceback" not in r.text
+
+
+def test_unsupported_fields_at_their_neutral_values_are_served(server):
+    """What OpenAI's clients send by default (logprobs false, empty tools, a text response
+    format, zero penalties, a user name) changes nothing and is answered."""
+    neutral = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "tools": [],
+               "tool_choice": "auto", "response_format": {"type": "text"},
+               "presence_penalty": 0, "frequency_penalty": 0.0, "user": "u", "store": False}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny", "messages": USER, "max_tokens": 2, **neutral})
+    assert r.status_code == 200, r.text[:500]
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "echo": False,
+                         "best_of": 1, "suffix": None, "logprobs": None})
+    assert r.status_code == 200, r.text[:500]
 
 
 def test_extreme_sampling_values_are_served(server):
