@@ -76,8 +76,11 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError("stop must be a list of non-empty strings")
+        if not isinstance(self.stop, (list, tuple)) or \
+                any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.80}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r:.80}")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
         self.temperature = float(self.temperature)

@@ -40,7 +40,9 @@ def test_tiny_temperature_is_greedy():
 @pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
                                  dict(temperature=-1e-300), dict(top_p=0.0),
                                  dict(top_p=float("nan")), dict(max_new_tokens=True),
-                                 dict(top_k=True), dict(seed=1.5), dict(temperature=True)])
+                                 dict(top_k=True), dict(seed=1.5), dict(temperature=True),
+                                 dict(stop=5), dict(stop=None), dict(stop=[""]),
+                                 dict(ignore_eos="yes"), dict(ignore_eos=1)])
 def test_bad_values_are_clear_errors(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
         SamplingParams(**bad)
