@@ -5,6 +5,7 @@ Validated once, with clear errors, before any process is started.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,11 @@ class EngineConfig:
     def validate(self) -> "EngineConfig":
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for flag, spec in (("--target", self.target), ("--draft", self.draft)):
+            if not (spec is None and flag == "--draft") and not (
+                    isinstance(spec, (str, os.PathLike)) and str(spec).strip()):
+                raise ConfigError(f"{flag} must be a checkpoint path or a named model, got "
+                                  f"{spec!r:.80}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {self.tp!r}")
         if self.mode in ("sd", "ssd") and not self.draft:

@@ -108,3 +108,17 @@ def test_a_cache_that_cannot_fit_is_refused_with_what_fits(tiny_dirs, monkeypatc
 def test_real_free_memory_refuses_an_absurd_batch(tiny_dirs):
     with pytest.raises(ConfigError, match="KV cache.*fits"):
         Generator(target=tiny_dirs["smol_heads"], max_batch=10**7, max_len=100_000)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(target=5), "--target must be a checkpoint path or a named model, got 5"),
+    (dict(target=None), "--target must be a checkpoint path or a named model, got None"),
+    (dict(target="  "), "--target must be"),
+    (dict(target="smollm2-135m", draft=["x"]), r"--draft must be a checkpoint path .* got \['x'\]"),
+])
+def test_a_model_that_is_not_a_path_is_a_clear_error(kw, needle):
+    from ssdlib.engine_config import EngineConfig
+    with pytest.raises(ConfigError, match=needle):
+        EngineConfig(**kw)
+    with pytest.raises(ConfigError, match=needle):
+        Generator(**kw)
