@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, fields
 
 from ssdlib.errors import ConfigError, SSDError
-from ssdlib.jsonl import prompt_from_record, write_jsonl_atomic
+from ssdlib.jsonl import decode_line, prompt_from_record, write_jsonl_atomic
 from ssdlib.sampling import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -100,11 +100,16 @@ def read_records(path: str, defaults: SamplingParams) -> list[BatchRecord]:
     """
     out: list[BatchRecord] = []
     first_line: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # each line decoded alone: one bad line spoils only itself
+        for n, data in enumerate(f, 1):
+            where = f"{os.path.basename(path)}:{n}"
+            try:
+                line = decode_line(data, where)
+            except ConfigError as e:
+                out.append(BatchRecord(None, n, error=str(e)))
+                continue
             if not line.strip():
                 continue
-            where = f"{os.path.basename(path)}:{n}"
             try:
                 raw = json.loads(line)
             except ValueError as e:
@@ -127,16 +132,17 @@ def read_records(path: str, defaults: SamplingParams) -> list[BatchRecord]:
 
 
 def load_done(path: str) -> list[dict]:
-    """Records already written by an earlier run (a torn last line is ignored)."""
+    """Records already written by an earlier run (a torn last line, or any line that is not a
+    JSON object in UTF-8, is ignored: its record is generated again)."""
     if not os.path.exists(path):
         return []
     done = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line in f:
             try:
-                rec = json.loads(line)
-            except ValueError:
-                break
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError included
+                continue
             if isinstance(rec, dict):
                 done.append(rec)
     return done

@@ -43,12 +43,23 @@ def prompt_from_record(rec: object, where: str):
     raise ConfigError(f"{where}: '{key}' must be {kind}")
 
 
+def decode_line(data: bytes, where: str) -> str:
+    """One line of an input file as text; a ConfigError naming the first byte that is not
+    UTF-8 (each line decoded alone, so that a bad line names itself and spoils nothing else)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                          f"{e.start})") from None
+
+
 def read_prompts_file(path: str) -> list:
     if not os.path.exists(path):
         raise ConfigError(f"--prompts-file {path}: no such file")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, data in enumerate(f, 1):
+            line = decode_line(data, f"{path}:{n}")
             if not line.strip():
                 continue
             if path.endswith(".jsonl"):

@@ -48,6 +48,27 @@ def test_integer_ids_around_a_malformed_line_stay_unique(gen, tmp_path):
     assert all("error" not in r and len(r["token_ids"]) == 3 for r in recs)
 
 
+def test_a_line_that_is_not_utf8_spoils_only_itself(gen, tmp_path):
+    """Invalid UTF-8 bytes in one line (of the input, or of an earlier run's output) are that
+    line's error record; every other record is generated and kept."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = [json.dumps({"id": i, "prompt_ids": [5, 6, i + 1]}).encode() for i in range(3)]
+    inp.write_bytes(good[0] + b"\n" + b'{"id": 9, "prompt": "\xff\xfe"}\n' + good[1] + b"\n"
+                    + good[2] + b"\n")
+    run_batch(gen, read_records(str(inp), DEFAULTS), str(out), chat=False, chunk=2)
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == [0, None, 1, 2]
+    assert recs[1]["error"] == "in.jsonl:2: not valid UTF-8 (byte 0xff at byte 21)", recs[1]
+    assert all(len(r["token_ids"]) == 3 for r in recs if r["id"] is not None)
+    # an output line spoilt in the same way: its record is generated again, the others kept
+    lines = out.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b'"id": 1', b'"id": \xff')
+    out.write_bytes(b"\n".join(lines))
+    summary = run_batch(gen, read_records(str(inp), DEFAULTS), str(out), chat=False, chunk=2)
+    assert summary["skipped_done"] == 2
+    assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == [0, None, 1, 2]
+
+
 @pytest.mark.parametrize("record,needle", [
     ({"id": "a", "prompt": "x", "max_tokens": 5}, "unknown field 'max_tokens' (did you mean "
                                                   "'max_new_tokens'?)"),

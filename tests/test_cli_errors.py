@@ -79,6 +79,16 @@ def test_malformed_jsonl(tmp_path):
     assert_clean_error(run_cli("--prompts-file", str(f)), "p.jsonl:2", "malformed JSON")
 
 
+@pytest.mark.parametrize("name", ["p.jsonl", "p.txt"])
+def test_a_prompts_file_line_that_is_not_utf8(tmp_path, name):
+    f = tmp_path / name
+    f.write_bytes(b'{"prompt": "ok"}\n' if name.endswith(".jsonl") else b"ok\n")
+    with open(f, "ab") as out:
+        out.write(b"caf\xe9\n")  # Latin-1, not UTF-8
+    assert_clean_error(run_cli("--prompts-file", str(f)), f"{name}:2",
+                       "not valid UTF-8 (byte 0xe9 at byte 3)")
+
+
 def test_draft_vocab_mismatch(tiny_dirs):
     res = run_cli("--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["gqa"], "--mode", "sd",
                   "--prompt", "x")
