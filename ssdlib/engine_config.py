@@ -71,8 +71,9 @@ class EngineConfig:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for flag, spec in (("--target", self.target), ("--draft", self.draft)):
-            if not (spec is None and flag == "--draft") and not (
-                    isinstance(spec, (str, os.PathLike)) and str(spec).strip()):
+            if flag == "--draft" and spec is None:  # no draft: the target's default, below
+                continue
+            if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
                 raise ConfigError(f"{flag} must be a checkpoint path or a named model, got "
                                   f"{spec!r:.80}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:

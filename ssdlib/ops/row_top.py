@@ -73,4 +73,3 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if not _use_kernel(x, 1):
         return row_argmax_reference(x)
     return _triton_module().row_top(_rows(x), 1).view(x.shape[:-1])
-

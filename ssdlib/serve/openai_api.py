@@ -116,7 +116,7 @@ class _Sampling(BaseModel):
     def _unsupported(cls, value, info: ValidationInfo):
         neutral = UNSUPPORTED[info.field_name]
         if not _neutral(value, neutral):
-            shown = " or ".join("null" if n is None else json_text(n) for n in neutral)
+            shown = " or ".join(json.dumps(n) for n in neutral)  # null, false, {}, "auto"
             raise ValueError(f"not supported by this server (leave it out, or send {shown})")
         return value
 
@@ -173,6 +173,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
     @field_validator("prompt")
     @classmethod
@@ -183,12 +184,6 @@ class CompletionRequest(_Sampling):
             if isinstance(p, str):
                 valid_text(p)
         return prompt
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-
-
-def json_text(value) -> str:
-    """A value as JSON writes it (false, {}, "auto")."""
-    return json.dumps(value)
 
 
 def error_body(message: str, type_: str, param: str | None = None,
