@@ -53,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--fan-out", default="auto",
                    help="'auto' (Thm 12), a list like 8,5,3,2,1,4 (K+1 entries), or all-accepted:N")
     s.add_argument("--fan-out-budget", type=int, default=16, help="cache budget B for --fan-out auto")
+    s.add_argument("--fan-out-tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help="ssd with --fan-out auto, speculator on the GPU's own stream: each build "
+                        "takes B, B/2 or B/4 branches, the largest whose build the verify hides, "
+                        "by measurement (default: on)")
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1]")
     s.add_argument("--fallback", default="auto", choices=["auto", "jit", "ngram", "random"])
     s.add_argument("--draft-placement", default="leader", choices=["leader", "separate"])
@@ -76,7 +80,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
                 dtype=a.dtype, k=a.k, adaptive_k=a.adaptive_k, fan_out=a.fan_out,
-                fan_out_budget=a.fan_out_budget,
+                fan_out_budget=a.fan_out_budget, fan_out_tuning=a.fan_out_tuning,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
                 speculator_placement=a.speculator_placement,
                 max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,

@@ -39,6 +39,9 @@ class EngineConfig:
     adaptive_k: bool = True
     fan_out: str = "auto"
     fan_out_budget: int = 16
+    # ssd, --fan-out auto: chained builds (the stream placement) take the budget or its halves,
+    # the largest whose build the verify hides, by measurement (speculative/fanout_budget.py)
+    fan_out_tuning: bool = True
     saguaro_c: float = 1.0
     fallback: str = "auto"
     draft_placement: str = "leader"  # sd only: "leader" (on verifier rank 0) or "separate"
@@ -101,6 +104,9 @@ class EngineConfig:
             raise ConfigError(f"--k must be an integer in [1, 32], got {self.k!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ConfigError(f"adaptive_k must be True or False, got {self.adaptive_k!r}")
+        if not isinstance(self.fan_out_tuning, bool):
+            raise ConfigError(f"fan_out_tuning must be True or False, got "
+                              f"{self.fan_out_tuning!r:.80}")
         if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) \
                 or not (0.0 < self.saguaro_c <= 1.0):
             raise ConfigError(f"--saguaro-c must be in (0, 1], got {self.saguaro_c!r}")

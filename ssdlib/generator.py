@@ -540,7 +540,9 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     and ``stream_overlap`` (the stream placement on a GPU: mean ms per round of the verify's
     span, the build's span and the part of the build the verify hides; ``chain_overlap`` the
     same over chained rounds, ``chained_rounds`` how many rounds were chained, ``chain_counts``
-    how many chains started and how many rows joined a running one).
+    how many chains started and how many rows joined a running one, ``chain_budgets`` the
+    chained builds per fan-out budget and the budget held at the end, where the budget is
+    tuned: ``speculative/fanout_budget.py``).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -582,7 +584,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     # the speculator's own rounds: per batch (every output of a call holds the same), not summed
     for key in ("speculator_rounds", "speculator_rows_held", "speculator_ms_per_round",
                 "speculator_host_ms_per_round",
-                "stream_overlap", "chain_overlap", "chain_counts", "k_costs"):
+                "stream_overlap", "chain_overlap", "chain_counts", "chain_budgets",
+                "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

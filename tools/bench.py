@@ -164,7 +164,8 @@ def _env(value: str) -> tuple[str, str]:
 
 _ENGINE_SWITCHES = {s.name for s in env.SWITCHES if s.reader == "ssdlib"}
 _env.__name__ = "SSDLIB_NAME=VALUE (a variable listed in ssdlib/env.py)"
-MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "saguaro_c": float,
+MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "fan_out_tuning": _flag,
+                "saguaro_c": float,
                 "fallback": str, "draft": str, "compile": _flag, "env": _env,
                 "placement": str, "adaptive_k": _flag}
 ENGINE_MODES = ("ar", "sd", "ssd")
@@ -283,6 +284,8 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
         out["chained_rounds"] = run["chained_rounds"]
     if "chain_counts" in run:
         out["chain_counts"] = dict(run["chain_counts"])
+    if "chain_budgets" in run:  # the tuned fan-out budget (speculative/fanout_budget.py)
+        out["chain_budgets"] = dict(run["chain_budgets"])
     return out
 
 
@@ -518,9 +521,12 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
             count = f"chained {b.get('chained_rounds', 0)}/{b['rounds']} rounds, " \
                 f"{counts.get('chains', 0)} chains, {counts.get('joins', 0)} joins  " \
                 if key == "chain_overlap" else ""
+            budgets = b.get("chain_budgets") if key == "chain_overlap" else None
+            tuned = "" if not budgets else "  budgets " + ", ".join(
+                f"{n}x{a}" for a, n in budgets["builds"].items()) + f" (held {budgets['held']})"
             print(f"{b['mode']:12} {count}verify {o['verify_ms']:.3f}  "
                   f"build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
-                  f"({100 * share:.0f}% of the build)")
+                  f"({100 * share:.0f}% of the build){tuned}")
 
 
 def parse_args(argv):

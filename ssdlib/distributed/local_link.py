@@ -240,19 +240,30 @@ class LocalLink:
         self._run(self.speculator.regroup_chain, msg)
 
     def build_chained(self, parity: int, rows: int, kv_len: int, after, done,
-                      marks: tuple | None = None) -> None:
+                      marks: tuple | None = None) -> int:
         """Launch chained round's build of ``parity`` on the speculator's stream once the event
         ``after`` (the verify whose outcome it reads) has run; ``done`` is recorded after it,
-        ``marks``: two timing events around it (None on CPU)."""
+        ``marks``: two timing events around it (None on CPU). Returns the build's fan-out
+        budget (branches a row)."""
         if self.cuda:
             self.stream.wait_event(after)
             if marks is not None:
                 marks[0].record(self.stream)
-        self._run(self.speculator.build_chained, parity, rows, kv_len)
+        budget = self._run(self.speculator.build_chained, parity, rows, kv_len)
         if self.cuda:
             if marks is not None:
                 marks[1].record(self.stream)
             done.record(self.stream)
+        return budget
+
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
+        """A chained round's measured build and verify (ms), its build of ``budget`` branches:
+        for the speculator's choice of budget (``speculative/fanout_budget.py``)."""
+        self.speculator.cache.observe_build(budget, build_ms, verify_ms)
+
+    def budget_summary(self) -> dict | None:
+        """The chained builds per fan-out budget and the budget held (None: not tuned)."""
+        return self.speculator.cache.budget_summary()
 
     def end_chain(self, msg: ChainEnd) -> None:
         self._run(self.speculator.end_chain, msg)
@@ -311,8 +322,9 @@ class OverlapMeter:
         self._verify = self._build = False
         self.add(self._events)
 
-    def add(self, events) -> None:
-        """One round's four events (verify start and end, build start and end), done or not."""
+    def add(self, events) -> tuple[float, float]:
+        """One round's four events (verify start and end, build start and end), done or not.
+        Returns the round's (verify span, build span) in ms."""
         v0, v1, b0, b1 = events
         b1.synchronize()
         v1.synchronize()
@@ -322,6 +334,7 @@ class OverlapMeter:
         self.verify_s += verify / 1e3
         self.build_s += (end - start) / 1e3
         self.hidden_s += max(0.0, min(verify, end) - max(0.0, start)) / 1e3
+        return verify, end - start
 
     def take(self) -> dict:
         """Mean ms per measured round (verify span, build span, hidden) since the last take."""

@@ -180,13 +180,18 @@ class FanoutEstimator:
         sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
         return min(max(-sxy / sxx, self.r_range[0]), self.r_range[1])
 
-    def allocation(self, limit: int | None = None) -> list[int]:
-        """The current Thm 12 fan-out: K+1 integers summing to the budget. ``limit``: the
+    def allocation(self, limit: int | None = None, budget: int | None = None) -> list[int]:
+        """The current Thm 12 fan-out: K+1 integers summing to the budget (``budget``: this
+        build's, at most the estimator's; None: the estimator's). ``limit``: the
         verification checks only the first ``limit`` <= K tokens (adaptive K), so its outcomes
         are k = 0 .. limit, k = limit the all-accepted one; the budget goes to those and the
         positions after ``limit`` get 0."""
         k = self.K if limit is None else min(max(int(limit), 0), self.K)
-        return geometric_fanout(self.budget, k, self.a_p, self.r) + [0] * (self.K - k)
+        b = self.budget if budget is None else budget
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.budget:
+            raise ConfigError(f"a build's fan-out budget must be an integer in [1, "
+                              f"{self.budget}], got {budget!r}")
+        return geometric_fanout(b, k, self.a_p, self.r) + [0] * (self.K - k)
 
 
 def _host_list(values) -> list:

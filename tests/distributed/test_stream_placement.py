@@ -92,12 +92,31 @@ def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
               for n in (5, 17, 9, 30, 3, 12, 20, 7, 1, 14)]
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3)
+    # (a fixed budget: which rows end in the same round, and so the counts, follow the hits)
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3,
+                                    fan_out_tuning=False)
     assert [o.token_ids for o in outs] == ar
     # 10 prompts, 3 at the start; the one of max_new_tokens=1 ends at admission, unjoined
     assert run["chain_counts"] == {"chains": 1, "joins": 6}
     assert run["chained_rounds"] > 0.9 * run["rounds"]
     assert run["speculator_rows_held"] == 0  # every row that ran in the chain has left
+
+
+def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch):
+    """The tuner's budgets (16, 8 and 4 branches at K = 3) build chained rounds in turn while
+    it probes; with every build at the smallest the cache still hits; the tokens equal AR's."""
+    from ssdlib.speculative.fanout_budget import BudgetTuner
+
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(4)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 25, 40)]
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2)
+    assert [o.token_ids for o in outs] == ar
+    assert set(run["chain_budgets"]["builds"]) == {"16", "8", "4"}
+    assert run["chain_budgets"]["held"] == 16  # no timings (CPU): the whole budget
+    monkeypatch.setattr(BudgetTuner, "next_budget", lambda self: self.arms[-1])
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2)
+    assert [o.token_ids for o in outs] == ar
+    assert run["hit_rate"] > 0.2, run["hit_rate"]
 
 
 def test_a_batch_outgrowing_the_chain_ends_it_and_a_smaller_one_starts_another(tiny_dirs,
@@ -186,10 +205,21 @@ def test_cuda_plain_rounds_captured_equal_eager(tiny_dirs, monkeypatch):
 
 
 @cuda
-def test_cuda_build_overlaps_the_verify(tmp_path):
+def test_cuda_build_overlaps_the_verify(tmp_path, monkeypatch):
     """With a target whose verify takes long enough to matter, the GPU runs the speculator's
-    build beside it: part of the build's time is hidden under the verify."""
+    build beside it: part of the build's time is hidden under the verify; each chained round's
+    times reach the fan-out budget's tuner, with the budget its build took."""
+    from ssdlib.distributed.local_link import LocalLink
     from tests.tiny import make_tiny_llama
+
+    timed = []
+    real = LocalLink.observe_build
+
+    def observe(self, budget, build_ms, verify_ms):
+        timed.append((budget, build_ms, verify_ms))
+        real(self, budget, build_ms, verify_ms)
+
+    monkeypatch.setattr(LocalLink, "observe_build", observe)
 
     target = make_tiny_llama(str(tmp_path / "t"), "gqa", hidden_size=1024,
                              intermediate_size=4096, num_hidden_layers=12,
@@ -203,6 +233,9 @@ def test_cuda_build_overlaps_the_verify(tmp_path):
     # chained rounds (greedy): the round's verify and the next speculation's build
     chain = run["chain_overlap"]
     assert chain["rounds"] > 0 and chain["build_ms"] > 0 and chain["hidden_ms"] > 0, chain
+    assert {b for b, _, _ in timed} == {16, 8, 4}  # the probes: every arm timed
+    assert all(build > 0 and verify > 0 for _, build, verify in timed)
+    assert run["chain_budgets"]["held"] in (16, 8, 4)
 
 
 @pytest.mark.parametrize("order,want", [("verifier", (-5, 0)), ("speculator", (0, -5)),

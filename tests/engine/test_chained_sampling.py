@@ -57,11 +57,11 @@ def uniform_p_value(u: torch.Tensor) -> float:
     return chi2_test(counts, torch.full((BINS,), 1.0 / BINS))
 
 
-def sample_chained(target, draft, device="cpu", top_k: int = 0, **kw):
+def sample_chained(target, draft, device="cpu", top_k: int = 0, fan_out="2,1,1,2", **kw):
     params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_p=TOP_P, top_k=top_k,
                             seed=5, ignore_eos=True)
     with Generator(target=target, draft=draft, mode="ssd", k=3, max_batch=4, max_len=64,
-                   fan_out="2,1,1,2", speculator_placement="stream", device=device,
+                   fan_out=fan_out, speculator_placement="stream", device=device,
                    dtype="float32", **kw) as g:
         outs = g.generate([PROMPT] * N_SEQS, params)
     chained = sum(o.metrics.get("chained_rounds", 0) for o in outs)
@@ -75,6 +75,25 @@ def test_sampled_chained_rounds_follow_the_target(small_vocab, saguaro_c, top_k)
     seqs, share = sample_chained(t, d, top_k=top_k, saguaro_c=saguaro_c)
     assert share > 0.4  # most rounds were chained
     assert uniform_p_value(pit_values(t, seqs, top_k)) > 1e-3
+
+
+def test_sampled_chained_builds_of_a_smaller_budget_follow_the_target(small_vocab, monkeypatch):
+    """Chained builds of fewer branches than the cache holds (the tuned budget's smallest arm,
+    every chained build here: ``speculative/fanout_budget.py``): each branch token's q is the
+    one it was drawn from, and the cache's other branches are never hits."""
+    from ssdlib.speculative.fanout_budget import BudgetTuner
+
+    taken = []
+
+    def smallest(self):
+        taken.append(self.arms[-1])
+        return self.arms[-1]
+
+    monkeypatch.setattr(BudgetTuner, "next_budget", smallest)
+    t, d = small_vocab
+    seqs, share = sample_chained(t, d, fan_out="auto", fan_out_budget=8, saguaro_c=0.5)
+    assert share > 0.4 and taken and set(taken) == {4}
+    assert uniform_p_value(pit_values(t, seqs)) > 1e-3
 
 
 @pytest.mark.gpu

@@ -144,6 +144,7 @@ class Flight:
     parity: int  # where its state, cache and read-back are
     chained: bool  # False: the chain's first round (a plain round; the caller reads it)
     meter: tuple | None = None  # ChainMeter events of the round
+    budget: int = 0  # its build's fan-out budget (branches a row)
 
 
 @dataclass
@@ -171,9 +172,11 @@ class ChainMeter(OverlapMeter):
             return self._free.pop()
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
 
-    def read_round(self, events: tuple) -> None:
-        self.add(events)
+    def read_round(self, events: tuple) -> tuple[float, float]:
+        """The round's (verify span, build span) in ms, added to the sums."""
+        times = self.add(events)
         self._free.append(events)
+        return times
 
 
 class ChainedRounds:
@@ -413,9 +416,9 @@ class ChainedRounds:
         if self.facts is not None:  # the draws the verify took: the host's streams go on after
             for s in seqs:
                 s.stream.reserve(self.K + 1)
-        link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
-                           meter[2:] if meter is not None else None)
-        return Flight(list(rows_of), p, True, meter)
+        budget = link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
+                                    meter[2:] if meter is not None else None)
+        return Flight(list(rows_of), p, True, meter, budget)
 
     def read_previous(self, new: Flight) -> ChainedResult | None:
         """Read the round in flight back (waits for it), and keep ``new`` in flight instead.
@@ -437,7 +440,8 @@ class ChainedRounds:
         result = RoundResult(accepted, bonus, mask,
                              [s[:k] + [t] for s, k, t in zip(spec, accepted, bonus)])
         if flight.meter is not None:
-            self.meter.read_round(flight.meter)
+            verify_ms, build_ms = self.meter.read_round(flight.meter)
+            self.link.observe_build(flight.budget, build_ms, verify_ms)
         return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
                              [bool(r[4]) for r in rows])
 
@@ -452,7 +456,8 @@ class ChainedRounds:
             self.copied[flight.parity].synchronize()
             self.built[flight.parity].synchronize()
         if flight.meter is not None:
-            self.meter.read_round(flight.meter)
+            verify_ms, build_ms = self.meter.read_round(flight.meter)
+            self.link.observe_build(flight.budget, build_ms, verify_ms)
         live = [s for s in seqs if s is not None]
         self.link.end_chain(ChainEnd([s.slot for s in live], [list(s.tokens[:-1]) for s in live]))
         return live

@@ -444,6 +444,9 @@ class LinkVerifier:
         meter = self.chain.meter if self.chain is not None else None
         if meter is not None and meter.rounds:
             chain["chain_overlap"] = meter.take()
+        budgets = self.link.budget_summary() if self.chain is not None else None
+        if budgets is not None and budgets["builds"]:
+            chain["chain_budgets"] = budgets
         if stats is None:
             return {"k_costs": self.policy.costs.snapshot(), **chain}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds

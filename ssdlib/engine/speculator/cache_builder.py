@@ -24,6 +24,7 @@ from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.speculator.tree_build import TreeBuildStep
 from ssdlib.ops.row_top import top_indices
+from ssdlib.speculative.fanout_budget import budget_arms
 
 
 class CacheBuilder:
@@ -64,6 +65,11 @@ class CacheBuilder:
         self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
                            reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
         return sum(x >= 0 for x in reuse)
+
+    def budget_arms(self, budget: int) -> list[int]:
+        """The budgets a chained build may take (``fanout_budget.budget_arms``): its captured
+        build is keyed by its branches."""
+        return budget_arms(budget, self.K)
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`fan_index` of ``fan``, kept per fan-out."""

@@ -68,7 +68,7 @@ from ssdlib.speculative.rng import RowStreams
 
 class FeatureCacheBuilder:
     """The speculation cache's build for a feature draft (module doc), the interface of
-    ``cache_builder.CacheBuilder``: ``build`` and ``branch_index``."""
+    ``cache_builder.CacheBuilder``: ``build``, ``branch_index`` and ``budget_arms``."""
 
     def __init__(self, drafter: FeatureSpecDraft, cache: SpeculationCache, vocab_size: int,
                  saguaro_c: float, pool=None, target_features: torch.Tensor | None = None):
@@ -89,6 +89,11 @@ class FeatureCacheBuilder:
         # chained builds read it in place (None on a speculator rank, which runs no chains)
         self.target_features = target_features
         self._chain_table: torch.Tensor | None = None  # the chain's rows' sampling parameters
+
+    def budget_arms(self, budget: int) -> list[int]:
+        """Its chained build always takes the cache's whole budget (its body is written for B
+        branches): no other arm."""
+        return [budget]
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if fan not in self._index_cache:

@@ -45,7 +45,12 @@ class SpeculationCache:
         self.ready[torch.tensor(rows, device=self.device)] = False
 
     def store_keys(self, rows: torch.Tensor, fork: torch.Tensor, bonus: torch.Tensor) -> None:
-        """rows [n] batch rows; fork, bonus [n, B]: the outcome each branch assumes."""
+        """rows [n] batch rows; fork, bonus [n, b]: the outcome each of the first b <= B
+        branches assumes (the others assume none: a build of a smaller budget)."""
+        b = fork.shape[1]
+        if b < self.B:
+            none = fork.new_full((fork.shape[0], self.B - b), -1)
+            fork, bonus = torch.cat([fork, none], dim=1), torch.cat([bonus, none], dim=1)
         self.fork[rows] = fork
         self.bonus[rows] = bonus
         self.ready.index_fill_(0, rows, True)  # no host scalar: capturable

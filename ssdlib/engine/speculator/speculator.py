@@ -42,6 +42,7 @@ from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
+from ssdlib.speculative.fanout_budget import BudgetTuner
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -199,10 +200,10 @@ class Speculator:
         rows, the joined ones read from the state like the others."""
         self.cache.regroup_chain(msg, [self.rows[s] if s >= 0 else None for s in msg.slots])
 
-    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> int:
         """A chained round's build (no answer, no push: the leader's next lookup reads the
-        cache where it is)."""
-        self.cache.build_chained(parity, rows, kv_len)
+        cache where it is). Returns its fan-out budget."""
+        return self.cache.build_chained(parity, rows, kv_len)
 
     def end_chain(self, msg: ChainEnd) -> None:
         """The chain ended: each listed row's committed tokens but the last are ``msg``'s, and
@@ -281,6 +282,11 @@ class CacheRole:
         self.builder = builder(self.cache) if builder is not None else \
             CacheBuilder(runner, drafter, self.cache, vocab_size, cfg.saguaro_c)
         self.fallbacks = Fallbacks(drafter, cfg.fallback, self.K, vocab_size)
+        # chained rounds' budget per build, by what the verify hides of it (fanout_budget.py):
+        # with an estimated fan-out, where the builder's chained build takes smaller budgets
+        arms = self.builder.budget_arms(self.B) if fan == "auto" and cfg.fan_out_tuning \
+            else [self.B]
+        self.tuner = BudgetTuner(arms) if len(arms) > 1 else None
         if self.B != sum(self.fanout()):
             raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
                               f"{self.B} branches")
@@ -291,12 +297,13 @@ class CacheRole:
         self._chain_rows: list[SpecRow] | None = None  # its rows, when some samples
         self._chain_facts = None  # their sampled builds' facts (None: greedy builds)
 
-    def fanout(self, limit: int | None = None) -> list[int]:
+    def fanout(self, limit: int | None = None, budget: int | None = None) -> list[int]:
         """The fan-out in use: a fixed --fan-out as given, else the estimate for a verification
-        of the first ``limit`` tokens (``FanoutEstimator.allocation``; None: all K)."""
+        of the first ``limit`` tokens (``FanoutEstimator.allocation``; None: all K) with
+        ``budget`` branches (None: the cache's B)."""
         if self.fixed_fanout is not None:
             return self.fixed_fanout
-        return self.estimator.allocation(limit)
+        return self.estimator.allocation(limit, budget)
 
     def invalidate(self, slots: list[int]) -> None:
         """New sequences in ``slots``: no cache (of chained rounds too) holds anything for
@@ -408,11 +415,13 @@ class CacheRole:
                 key, draw = RowStreams.reserve_host([rows[i].stream], 0)[0].tolist()
                 self._chain.set_stream(1, msg.parity, i, key, draw)
 
-    def build_chained(self, parity: int, rows: int, kv_len: int) -> None:
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> int:
         """A chained round's build into the cache of ``parity``, with the fan-out for a
-        verification of all K (a chained round verifies them all); sampled where the chain's
-        rows sample (its draws reserved on the rows' host streams too)."""
-        fan = self.fanout()
+        verification of all K (a chained round verifies them all) and the tuner's budget;
+        sampled where the chain's rows sample (its draws reserved on the rows' host streams
+        too). Returns the build's budget (branches a row)."""
+        budget = self.tuner.next_budget() if self.tuner is not None else self.B
+        fan = self.fanout(budget=budget)
         self._fanout_used = fan
         pos, rank = self.builder.branch_index(tuple(fan))
         if self._chain_rows is not None:
@@ -422,6 +431,17 @@ class CacheRole:
         self.builder.chain_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
                                             rank, kv_len, self._chain_facts, tuple(fan),
                                             self.builder.saguaro_c)
+        return budget
+
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
+        """A chained round's times, its build of ``budget`` branches (for the tuner)."""
+        if self.tuner is not None:
+            self.tuner.observe(budget, build_ms, verify_ms)
+
+    def budget_summary(self) -> dict | None:
+        """The tuner's builds per budget since the last call and the budget it holds (None: no
+        tuner)."""
+        return self.tuner.take() if self.tuner is not None else None
 
     def push(self, link, live_rows: int, t_verify: float | None) -> None:
         """CACHE: the built rows' keys and tokens for the leader's lookup, in the answered

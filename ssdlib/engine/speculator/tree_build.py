@@ -103,9 +103,10 @@ def build_key(rows: int, kv_len: int, facts: SamplingFacts | None, fan: tuple,
 
 def sampled_pick(slots, cache, params: SamplingTensors, streams: RowStreams, fan: tuple,
                  saguaro_c: float):
-    """A sampled build's ``pick(d, logits [b, B, v])``: depth d's branch tokens drawn from
-    sigma_{F_d,C} of each row's distribution (B draws of its stream per depth, in branch order;
-    ``cache``'s B and K); the q each was drawn from goes to ``cache``."""
+    """A sampled build's ``pick(d, logits [b, n, v])``: depth d's branch tokens drawn from
+    sigma_{F_d,C} of each row's distribution (``cache``'s B draws of its stream reserved per
+    depth, the first n used, in branch order; n <= B the build's branches); the q each was drawn
+    from goes to ``cache``."""
     B, K, V = cache.B, cache.K, cache.V
     # every depth's draws at once (one chain of hash kernels, not one per depth): the same
     # values, draw j of the call is j whichever way they are computed
@@ -115,9 +116,10 @@ def sampled_pick(slots, cache, params: SamplingTensors, streams: RowStreams, fan
         if logits.shape[-1] < V:  # a draft with fewer rows than the target: never those
             logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]),
                                              value=float("-inf"))
-        u = u_all[:, d * B:(d + 1) * B]  # [b, B]
+        n = logits.shape[1]  # the build's branches: the cache's B, or fewer (a smaller budget)
+        u = u_all[:, d * B:d * B + n]  # [b, n]
         tok, q = sample_branches(logits, params, u, fan[d] if d < len(fan) else 0, saguaro_c)
-        cache.q[slots, :, d] = q
+        cache.q[slots, :n, d] = q
         return tok
     return pick
 
@@ -161,9 +163,10 @@ class TreeBuildStep:
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K,
                                    self.top if keep_top else 0, self.vocab, kv_len,
                                    r.use_kernel, pick)
+        n = pos.shape[0]  # branches: the cache's B, or fewer (a chained build's smaller budget)
         if keep_top:
-            self.branch_top[slots, :, :, :tops.shape[-1]] = tops
-        cache.tokens[slots] = tokens
+            self.branch_top[slots, :n, :, :tops.shape[-1]] = tops
+        cache.tokens[slots, :n] = tokens
         cache.store_keys(slots, fork, first)
 
     def continue_hits(self, cand, sent, n, slots, reuse, kv_len: int) -> None:
@@ -254,28 +257,33 @@ class TreeBuildStep:
                     facts: SamplingFacts | None = None, fan: tuple = (),
                     saguaro_c: float = 1.0) -> None:
         """Chained round r + 1's build (:meth:`chained_body`) over ``rows`` rows (the batch
-        bucket, ghost rows past the batch); pos, rank [B] the fan-out's branch index;
+        bucket, ghost rows past the batch); pos, rank [n] the fan-out's branch index (n <= B:
+        a smaller budget builds fewer branches, the cache's others hold no outcome);
         ``facts`` (those :meth:`start_chain` returned) for a sampled build, with the fan-out
         and Saguaro's C."""
         kv_len = self.runner.kv_bucket(kv_len)
         self._set_index(pos, rank)
         sampling = None if facts is None else (facts, tuple(fan), saguaro_c)
         if self.pool is None:
-            self.chained_body(state, rows, p, caches, self.index[0], self.index[1], kv_len,
-                              sampling)
+            n = pos.shape[0]
+            self.chained_body(state, rows, p, caches, self.index[0, :n], self.index[1, :n],
+                              kv_len, sampling)
             return
-        key = ("tree_chain", rows, p, kv_len) + build_key(rows, kv_len, facts, fan,
-                                                          saguaro_c)[3:]  # (its sampling)
+        n = pos.shape[0]
+        key = ("tree_chain", rows, p, kv_len, n) + build_key(rows, kv_len, facts, fan,
+                                                             saguaro_c)[3:]  # (its sampling)
         self.graphs.capture(key, lambda _, r: self.chained_body(
-            state, r, p, caches, self.index[0], self.index[1], kv_len, sampling),
+            state, r, p, caches, self.index[0, :n], self.index[1, :n], kv_len, sampling),
             max_rows=chain_max_rows())
         self.pool.replay(key)
 
     def _set_index(self, pos, rank) -> None:
-        """The fan-out's branch index into the static ``index`` (kept while it holds)."""
+        """The fan-out's branch index into the static ``index`` (its first len(pos) columns;
+        kept while it holds)."""
         if self._index_src is not pos:
-            self.index[0].copy_(pos)
-            self.index[1].copy_(rank)
+            n = pos.shape[0]
+            self.index[0, :n].copy_(pos)
+            self.index[1, :n].copy_(rank)
             self._index_src = pos
 
     def _fill(self, rows: int, cand, sent, lengths, slots, reuse, sampled_rows):

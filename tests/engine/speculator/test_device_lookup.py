@@ -43,3 +43,23 @@ def test_device_lookup_matches_the_mirror():
     fork, bonus = cache.fork[0].tolist(), cache.bonus[0].tolist()
     keys = list(zip(fork, bonus))
     assert len(set(keys)) < len(keys), "the test needs a repeated key"
+
+
+def test_a_build_of_fewer_branches_leaves_no_stale_outcome():
+    """A build of a smaller budget (the tuned fan-out budget) stores b < B branches: the
+    branches after them assume no outcome, so a key an earlier, larger build stored there
+    misses instead of answering with that build's tokens."""
+    rows, B, K, V = 3, 6, 3, 9
+    cache = SpeculationCache(rows, B, K, V, torch.device("cpu"))
+    slots = torch.tensor([0, 2])
+    full_fork = torch.arange(B).remainder(K + 1).expand(2, B).contiguous()
+    full_bonus = torch.arange(B).expand(2, B).contiguous()
+    cache.store_keys(slots, full_fork, full_bonus)
+    hit, branch, _ = cache.lookup(slots, torch.tensor([1, 1]), torch.tensor([5, 5]))
+    assert hit.tolist() == [True, True] and branch.tolist() == [5, 5]
+    cache.store_keys(slots, full_fork[:, :3], full_bonus[:, :3] + 1)  # b = 3
+    assert cache.fork[slots, 3:].eq(-1).all() and cache.bonus[slots, 3:].eq(-1).all()
+    hit, _, _ = cache.lookup(slots, torch.tensor([1, 1]), torch.tensor([5, 5]))
+    assert hit.tolist() == [False, False]
+    hit, branch, _ = cache.lookup(slots, torch.tensor([1, 1]), torch.tensor([2, 2]))
+    assert hit.tolist() == [True, True] and branch.tolist() == [1, 1]

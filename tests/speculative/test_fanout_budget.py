@@ -1,0 +1,85 @@
+"""The tuned fan-out budget (speculative/fanout_budget.py): its arms, its probes, and its choice
+of the largest budget whose build the verify hides."""
+
+import pytest
+
+from ssdlib.errors import ConfigError
+from ssdlib.speculative.fanout import FanoutEstimator
+from ssdlib.speculative.fanout_budget import BudgetTuner, budget_arms
+
+
+def test_arms_halve_down_to_one_branch_per_outcome():
+    assert budget_arms(16, 3) == [16, 8, 4]
+    assert budget_arms(16, 5) == [16, 8]       # 4 < K + 1 = 6
+    assert budget_arms(9, 3) == [9, 5]         # halves round up; 3 < 4
+    assert budget_arms(4, 3) == [4]            # nothing smaller keeps a branch per outcome
+    assert budget_arms(64, 1, count=2) == [64, 32]
+    with pytest.raises(ConfigError, match="integer >= 1"):
+        budget_arms(0, 3)
+
+
+def test_bad_arms_are_refused():
+    for arms in ([], [4, 8], [8, 8], [0]):
+        with pytest.raises(ConfigError, match="budget arms"):
+            BudgetTuner(arms)
+
+
+def run(tuner: BudgetTuner, builds: int, times: dict | None = None) -> list[int]:
+    """``builds`` budgets from ``tuner``, each build's (build, verify) ms from ``times``."""
+    out = []
+    for _ in range(builds):
+        b = tuner.next_budget()
+        out.append(b)
+        if times is not None:
+            tuner.observe(b, *times[b])
+    return out
+
+
+def test_probes_cycle_the_arms_then_hold_the_largest_hidden():
+    tuner = BudgetTuner([16, 8, 4], probe=2, hold=5)
+    # the verify hides 8 and 4, not 16 (build, verify ms)
+    times = {16: (1.5, 1.3), 8: (1.2, 1.3), 4: (1.1, 1.3)}
+    assert run(tuner, 6, times) == [16, 8, 4, 16, 8, 4]
+    assert run(tuner, 5, times) == [8] * 5
+    assert tuner.held == 8
+    # then it probes again, afresh: now 16 is hidden too
+    times = {16: (1.2, 1.3), 8: (1.1, 1.3), 4: (1.0, 1.3)}
+    assert run(tuner, 6, times) == [16, 8, 4, 16, 8, 4]
+    assert run(tuner, 2, times) == [16, 16]
+    assert tuner.take() == {"held": 16, "builds": {"16": 6, "8": 9, "4": 4}}
+    assert tuner.take()["builds"] == {}
+
+
+def test_when_no_build_is_hidden_the_smallest_is_held():
+    tuner = BudgetTuner([16, 8, 4], probe=1, hold=3)
+    times = {16: (7.9, 5.7), 8: (7.7, 5.7), 4: (7.6, 5.8)}  # the 8B / 1B-cost pair's shape
+    assert run(tuner, 6, times) == [16, 8, 4, 4, 4, 4]
+
+
+def test_without_timings_the_full_budget_is_held():
+    tuner = BudgetTuner([16, 8], probe=2, hold=4)
+    assert run(tuner, 8) == [16, 8, 16, 8, 16, 16, 16, 16]
+
+
+def test_a_mean_decides_and_other_budgets_are_ignored():
+    tuner = BudgetTuner([16, 8], probe=2, hold=4)
+    assert tuner.next_budget() == 16
+    tuner.observe(16, 1.0, 1.2)
+    tuner.observe(16, 1.6, 1.2)   # mean 1.3 > 1.2: not hidden
+    tuner.observe(32, 0.1, 9.0)   # not an arm
+    assert tuner.hidden(16) is False and tuner.hidden(8) is None
+    # 16 not hidden, 8 never timed: no arm is known hidden -> the smallest
+    assert run(tuner, 4) == [8, 16, 8, 8]
+    assert tuner.held == 8
+
+
+def test_an_allocation_takes_a_smaller_budget():
+    est = FanoutEstimator(16, 3)
+    assert sum(est.allocation()) == 16
+    for b in (8, 4, 1):
+        fan = est.allocation(budget=b)
+        assert len(fan) == 4 and sum(fan) == b
+    assert sum(est.allocation(limit=1, budget=8)) == 8
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ConfigError, match="budget"):
+            est.allocation(budget=bad)
