@@ -57,7 +57,8 @@ class SpeculatorRounds:
         from ssdlib.engine.speculator.speculator import CacheRole, Speculator, tree_len_of
 
         self.cfg = SimpleNamespace(k=k, fan_out="auto", fan_out_budget=budget, max_batch=b,
-                                   saguaro_c=1.0, fallback="jit", mode="ssd")
+                                   fan_out_tuning=False, saguaro_c=1.0, fallback="jit",
+                                   mode="ssd")
         self.device = torch.device(device)
         runner = ModelRunner(draft_ck, None, self.device, dtype, b, max_len + k + 2,
                              tree_len=tree_len_of(self.cfg),

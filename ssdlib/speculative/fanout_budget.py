@@ -11,8 +11,9 @@ on one H200 (K = 3, 16 HumanEval chat prompts, one invocation each, docs/BENCHMA
 :class:`BudgetTuner` measures it. Its arms are the configured budget and its halves (down to
 K + 1: one branch per outcome position). It probes them in turn, one round each in a cycle, for
 ``probe`` cycles (the first cycle also captures every arm's build, during the warm-up), keeping
-each arm's mean build and verify times (ms a round, from CUDA events, fed by the leader a round
-late). Then it holds the largest arm whose build the verify hides (mean build <= mean verify),
+each arm's build and verify times (ms a round, from CUDA events, fed by the leader a round
+late). Then it holds the largest arm whose build the verify hides (build <= verify in the median
+round: the rounds that captured a build are outliers),
 or the smallest arm when none is hidden, for ``hold`` rounds, and probes again. Without timings
 (CPU) it probes and then holds the full budget.
 """
@@ -44,8 +45,8 @@ class BudgetTuner:
             raise ConfigError("BudgetTuner: probe >= 1 and hold >= 1 required")
         self.arms = list(arms)
         self.probe, self.hold = probe, hold
-        # per arm: [rounds timed, build ms summed, verify ms summed]
-        self._timed = {a: [0, 0.0, 0.0] for a in self.arms}
+        # per arm: each timed round's build ms minus its verify ms
+        self._timed: dict[int, list[float]] = {a: [] for a in self.arms}
         self._step = 0  # builds since the phase began
         self._probing = True
         self.held = self.arms[0]  # the arm held after the last probe
@@ -60,7 +61,7 @@ class BudgetTuner:
         elif not self._probing and self._step >= self.hold:
             self._probing = True
             self._step = 0
-            self._timed = {a: [0, 0.0, 0.0] for a in self.arms}
+            self._timed = {a: [] for a in self.arms}
         arm = self.arms[self._step % len(self.arms)] if self._probing else self.held
         self._step += 1
         self.rounds[arm] += 1
@@ -69,16 +70,15 @@ class BudgetTuner:
     def observe(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """One round's times with a build of ``budget`` (another budget's: ignored)."""
         t = self._timed.get(budget)
-        if t is None:
-            return
-        t[0] += 1
-        t[1] += build_ms
-        t[2] += verify_ms
+        if t is not None:
+            t.append(build_ms - verify_ms)
 
     def hidden(self, budget: int) -> bool | None:
-        """Whether the verify hid the mean build of ``budget`` (None: no round timed)."""
-        n, build, verify = self._timed[budget]
-        return None if n == 0 else build <= verify
+        """Whether the verify hid the build of ``budget`` in most of its timed rounds (the
+        median of build - verify <= 0: a round that captured the build, timed with the capture's
+        eager runs, is an outlier that does not decide); None: no round timed."""
+        t = sorted(self._timed[budget])
+        return None if not t else t[(len(t) - 1) // 2] <= 0.0
 
     def choose(self) -> int:
         """The largest arm the verify hides; the smallest when it hides none; the largest when

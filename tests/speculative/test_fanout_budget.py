@@ -61,12 +61,16 @@ def test_without_timings_the_full_budget_is_held():
     assert run(tuner, 8) == [16, 8, 16, 8, 16, 16, 16, 16]
 
 
-def test_a_mean_decides_and_other_budgets_are_ignored():
+def test_the_median_round_decides_and_other_budgets_are_ignored():
     tuner = BudgetTuner([16, 8], probe=2, hold=4)
     assert tuner.next_budget() == 16
+    tuner.observe(16, 250.0, 1.2)  # the round that captured it: an outlier
     tuner.observe(16, 1.0, 1.2)
-    tuner.observe(16, 1.6, 1.2)   # mean 1.3 > 1.2: not hidden
-    tuner.observe(32, 0.1, 9.0)   # not an arm
+    tuner.observe(16, 1.1, 1.2)
+    assert tuner.hidden(16) is True
+    tuner.observe(16, 1.3, 1.2)
+    tuner.observe(16, 1.4, 1.2)    # now most rounds were not hidden
+    tuner.observe(32, 0.1, 9.0)    # not an arm
     assert tuner.hidden(16) is False and tuner.hidden(8) is None
     # 16 not hidden, 8 never timed: no arm is known hidden -> the smallest
     assert run(tuner, 4) == [8, 16, 8, 8]
