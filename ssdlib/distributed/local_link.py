@@ -49,8 +49,8 @@ import time
 import torch
 
 from ssdlib import env
-from ssdlib.distributed.protocol import (Admit, CacheRows, ChainEnd, ChainRegroup, ChainStart,
-                                         Outcome, Speculation, SpeculatorStats)
+from ssdlib.distributed.protocol import (Admit, CacheRows, ChainEnd, ChainRegroup, ChainSeen,
+                                         ChainStart, Outcome, Speculation, SpeculatorStats)
 from ssdlib.errors import SSDError
 
 
@@ -240,21 +240,25 @@ class LocalLink:
         self._run(self.speculator.regroup_chain, msg)
 
     def build_chained(self, parity: int, rows: int, kv_len: int, after, done,
-                      marks: tuple | None = None) -> int:
+                      marks: tuple | None = None) -> tuple:
         """Launch chained round's build of ``parity`` on the speculator's stream once the event
         ``after`` (the verify whose outcome it reads) has run; ``done`` is recorded after it,
-        ``marks``: two timing events around it (None on CPU). Returns the build's fan-out
-        budget (branches a row)."""
+        ``marks``: two timing events around it (None on CPU). Returns the build's fan-out (its
+        sum: the budget, branches a row)."""
         if self.cuda:
             self.stream.wait_event(after)
             if marks is not None:
                 marks[0].record(self.stream)
-        budget = self._run(self.speculator.build_chained, parity, rows, kv_len)
+        fan = self._run(self.speculator.build_chained, parity, rows, kv_len)
         if self.cuda:
             if marks is not None:
                 marks[1].record(self.stream)
             done.record(self.stream)
-        return budget
+        return fan
+
+    def observe_chain(self, msg: ChainSeen) -> None:
+        """A chained round read back, for the speculator's estimates (host data only)."""
+        self._run(self.speculator.observe_chain, msg)
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """A chained round's measured build and verify (ms), its build of ``budget`` branches:

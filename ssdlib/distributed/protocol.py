@@ -542,6 +542,21 @@ class ChainRegroup:
 
 
 @dataclass
+class ChainSeen:
+    """A chained round read back, for the speculator's online estimates (Thm 12's a_p and r,
+    the fallbacks' hit rate), which chained rounds otherwise never tell it: each row's accepted
+    tokens out of ``k`` verified, and each lookup against a cache built for its row (the
+    outcome position it looked up, hit or not) with ``fan`` the fan-out of the build that
+    cache came from (None: not known to the leader, the lookups are not counted).
+    In-process only."""
+
+    accepted: list[int]
+    k: int
+    lookups: list[tuple[int, bool]]
+    fan: tuple | None
+
+
+@dataclass
 class ChainEnd:
     """Chained rounds ended: each listed row's committed tokens as the leader holds them
     (``tokens``, all but the last: the next OUTCOME commits that one, as after an admission),

@@ -70,14 +70,15 @@ def test_chained_rounds_only_for_small_greedy_batches(tiny_dirs, monkeypatch):
     assert outs[1].metrics["chained_rounds"] > 0  # alone once the first ended
 
 
-def _ar_and_chained(tiny_dirs, prompts, params, ar_params=None, warm: bool = False, **kw):
+def _ar_and_chained(tiny_dirs, prompts, params, ar_params=None, warm: bool = False,
+                    fan_out: str = "auto", **kw):
     """(AR's tokens, SSD's outputs, SSD's run metrics) of one batch of ``prompts``, SSD with the
     stream placement (``ar_params``: AR's, default ``params``; ``warm``: SSD runs the first
-    three prompts once before, so that a GPU captures its steps first)."""
+    three prompts once before, so that a GPU captures its steps first; ``fan_out``: SSD's)."""
     kw = dict(target=tiny_dirs["smol_heads"], max_len=128, **kw)
     with Generator(**kw) as g:
         ar = [o.token_ids for o in g.generate(prompts, ar_params or params)]
-    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3,
+    with Generator(draft=tiny_dirs["smol_heads_draft"], mode="ssd", k=3, fan_out=fan_out,
                    speculator_placement="stream", **kw) as g:
         if warm:
             g.generate(prompts[:3], params[:3])
@@ -92,14 +93,45 @@ def test_chains_go_on_through_ends_and_admissions(tiny_dirs):
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(10)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
               for n in (5, 17, 9, 30, 3, 12, 20, 7, 1, 14)]
-    # (a fixed budget: which rows end in the same round, and so the counts, follow the hits)
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3,
-                                    fan_out_tuning=False)
+    # (a fixed fan-out: which rows end in the same round, and so the counts, follow the hits)
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=3, fan_out="6,4,3,3")
     assert [o.token_ids for o in outs] == ar
     # 10 prompts, 3 at the start; the one of max_new_tokens=1 ends at admission, unjoined
     assert run["chain_counts"] == {"chains": 1, "joins": 6}
     assert run["chained_rounds"] > 0.9 * run["rounds"]
     assert run["speculator_rows_held"] == 0  # every row that ran in the chain has left
+
+
+def test_chained_rounds_feed_the_fanout_estimates(tiny_dirs, monkeypatch):
+    """Each chained round read back tells the speculator its outcomes and lookups
+    (``ChainSeen``), with the fan-out of the build whose cache the lookups read: Thm 12's
+    a_p and r are estimated from chained rounds too, not only from plain ones."""
+    from ssdlib.engine.speculator.speculator import CacheRole
+
+    seen, roles = [], []
+    real = CacheRole.observe_chain
+
+    def observe(self, msg):
+        seen.append(msg)
+        roles.append(self)
+        real(self, msg)
+
+    monkeypatch.setattr(CacheRole, "observe_chain", observe)
+    prompts = [[1 + i, 5, 9, 11 + i] for i in range(3)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 25, 33)]
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2)
+    assert [o.token_ids for o in outs] == ar
+    assert seen and all(m.k == 3 for m in seen)
+    known = [m for m in seen if m.fan is not None]
+    assert len(known) >= len(seen) - run["chain_counts"]["chains"]  # all but chains' first
+    assert all(sum(m.fan) in (16, 8, 4) and len(m.fan) == 4 for m in known)
+    assert all(0 <= k <= 3 for m in known for k, _ in m.lookups)
+    hits = [h for m in known for _, h in m.lookups]
+    assert any(hits) and not all(hits)
+    est = roles[-1].estimator
+    counted = sum(n for n, _ in est.lookups.values())
+    assert counted >= len(hits)  # (plain rounds' lookups besides)
+    assert est.accepted >= sum(sum(m.accepted) for m in seen)
 
 
 def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch):

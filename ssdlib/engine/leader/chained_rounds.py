@@ -144,7 +144,8 @@ class Flight:
     parity: int  # where its state, cache and read-back are
     chained: bool  # False: the chain's first round (a plain round; the caller reads it)
     meter: tuple | None = None  # ChainMeter events of the round
-    budget: int = 0  # its build's fan-out budget (branches a row)
+    fan: tuple | None = None  # its build's fan-out (the next round's lookups read that cache)
+    looked_up: tuple | None = None  # the fan-out of the cache its lookups read (None: unknown)
 
 
 @dataclass
@@ -155,6 +156,7 @@ class ChainedResult:
     hit: list[bool]  # the speculation came from the cache
     branch: list[int]  # its cache branch
     ngram: list[bool]  # a miss's speculation was an n-gram proposal (else placeholder zeros)
+    fan: tuple | None = None  # the fan-out of the cache its lookups read (None: unknown)
 
 
 class ChainMeter(OverlapMeter):
@@ -416,9 +418,10 @@ class ChainedRounds:
         if self.facts is not None:  # the draws the verify took: the host's streams go on after
             for s in seqs:
                 s.stream.reserve(self.K + 1)
-        budget = link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
-                                    meter[2:] if meter is not None else None)
-        return Flight(list(rows_of), p, True, meter, budget)
+        fan = link.build_chained(p, rows, kv_len, self.verified[before], self.built[p],
+                                 meter[2:] if meter is not None else None)
+        # this round's lookups read the cache the round in flight's build filled
+        return Flight(list(rows_of), p, True, meter, fan, prev.fan)
 
     def read_previous(self, new: Flight) -> ChainedResult | None:
         """Read the round in flight back (waits for it), and keep ``new`` in flight instead.
@@ -441,9 +444,9 @@ class ChainedRounds:
                              [s[:k] + [t] for s, k, t in zip(spec, accepted, bonus)])
         if flight.meter is not None:
             verify_ms, build_ms = self.meter.read_round(flight.meter)
-            self.link.observe_build(flight.budget, build_ms, verify_ms)
+            self.link.observe_build(sum(flight.fan), build_ms, verify_ms)
         return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
-                             [bool(r[4]) for r in rows])
+                             [bool(r[4]) for r in rows], flight.looked_up)
 
     def end(self, seqs) -> list:
         """End the chain: the round in flight is discarded (waited for, its tokens dropped),
@@ -457,7 +460,7 @@ class ChainedRounds:
             self.built[flight.parity].synchronize()
         if flight.meter is not None:
             verify_ms, build_ms = self.meter.read_round(flight.meter)
-            self.link.observe_build(flight.budget, build_ms, verify_ms)
+            self.link.observe_build(sum(flight.fan), build_ms, verify_ms)
         live = [s for s in seqs if s is not None]
         self.link.end_chain(ChainEnd([s.slot for s in live], [list(s.tokens[:-1]) for s in live]))
         return live

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ssdlib.distributed.local_link import LocalLink
-from ssdlib.distributed.protocol import Admit, AdmitRow, Choice, Outcome, Replies, SpeculatorStats
+from ssdlib.distributed.protocol import (Admit, AdmitRow, ChainSeen, Choice, Outcome, Replies,
+                                         SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.leader.ar_loop import admit_with_first_token
 from ssdlib.engine.leader.chained_rounds import ChainedRounds, chained_rounds_on
@@ -192,6 +193,12 @@ class LinkVerifier:
             for q, h, kind in zip(done, hits, kinds):
                 record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, kind)
                 q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
+            # the speculator's estimates (Thm 12's a_p and r): its outcomes, and the lookups of
+            # rows whose last round was chained too (a joined row's first found an empty cache)
+            self.link.observe_chain(ChainSeen(
+                list(result.accepted), K,
+                [(self._chain_k[q.slot], h) for q, h in zip(done, hits) if q.slot in self._chain_k],
+                got.fan))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]

@@ -20,8 +20,8 @@ import time
 import torch
 
 from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit, ChainEnd,
-                                         ChainRegroup, ChainStart, FeatureRows, Op, Outcome,
-                                         SpeculatorStats)
+                                         ChainRegroup, ChainSeen, ChainStart, FeatureRows, Op,
+                                         Outcome, SpeculatorStats)
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
@@ -200,10 +200,14 @@ class Speculator:
         rows, the joined ones read from the state like the others."""
         self.cache.regroup_chain(msg, [self.rows[s] if s >= 0 else None for s in msg.slots])
 
-    def build_chained(self, parity: int, rows: int, kv_len: int) -> int:
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> tuple:
         """A chained round's build (no answer, no push: the leader's next lookup reads the
-        cache where it is). Returns its fan-out budget."""
+        cache where it is). Returns its fan-out."""
         return self.cache.build_chained(parity, rows, kv_len)
+
+    def observe_chain(self, msg: ChainSeen) -> None:
+        """A chained round read back by the leader (``protocol.ChainSeen``)."""
+        self.cache.observe_chain(msg)
 
     def end_chain(self, msg: ChainEnd) -> None:
         """The chain ended: each listed row's committed tokens but the last are ``msg``'s, and
@@ -415,11 +419,11 @@ class CacheRole:
                 key, draw = RowStreams.reserve_host([rows[i].stream], 0)[0].tolist()
                 self._chain.set_stream(1, msg.parity, i, key, draw)
 
-    def build_chained(self, parity: int, rows: int, kv_len: int) -> int:
+    def build_chained(self, parity: int, rows: int, kv_len: int) -> tuple:
         """A chained round's build into the cache of ``parity``, with the fan-out for a
         verification of all K (a chained round verifies them all) and the tuner's budget;
         sampled where the chain's rows sample (its draws reserved on the rows' host streams
-        too). Returns the build's budget (branches a row)."""
+        too). Returns the build's fan-out (its sum: the budget, branches a row)."""
         budget = self.tuner.next_budget() if self.tuner is not None else self.B
         fan = self.fanout(budget=budget)
         self._fanout_used = fan
@@ -431,7 +435,18 @@ class CacheRole:
         self.builder.chain_step.run_chained(self._chain, rows, parity, self.chain_caches(), pos,
                                             rank, kv_len, self._chain_facts, tuple(fan),
                                             self.builder.saguaro_c)
-        return budget
+        return tuple(fan)
+
+    def observe_chain(self, msg: ChainSeen) -> None:
+        """A chained round's outcomes and lookups (``protocol.ChainSeen``): into the fan-out's
+        estimates and the fallbacks' hit rate, as a plain round's OUTCOME and answer are."""
+        self.observe_round([(k, msg.k) for k in msg.accepted])
+        if msg.fan is None or not msg.lookups:
+            return
+        hits = [h for _, h in msg.lookups]
+        self.fallbacks.observe_lookups(len(hits), sum(hits))
+        if self.estimator is not None:
+            self.estimator.observe_lookups([msg.fan[k] for k, _ in msg.lookups], hits)
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """A chained round's times, its build of ``budget`` branches (for the tuner)."""
