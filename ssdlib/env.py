@@ -102,6 +102,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_CHAIN_NGRAM", "flag", True,
            "a chained round's miss verifies the device n-gram proposal (0: placeholder zeros; "
            "ssdlib.engine.speculator.spec_cache.next_speculation)"),
+    Switch("SSDLIB_CHAIN_ESTIMATES", "flag", True,
+           "each chained round read back feeds the speculator's fan-out and fallback estimates "
+           "(0: they keep the values the chain started with; ssdlib.engine.leader.verifier)"),
     Switch("SSDLIB_CHAIN_COMPILE", "flag", True,
            "chained rounds' next speculation (device lookup and n-gram, ~50 small kernels a "
            "side) and a round's acceptance and records (~30) through torch.compile where the "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ssdlib import env
 from ssdlib.distributed.local_link import LocalLink
 from ssdlib.distributed.protocol import (Admit, AdmitRow, ChainSeen, Choice, Outcome, Replies,
                                          SpeculatorStats)
@@ -98,6 +99,7 @@ class LinkVerifier:
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._joining: list = []  # admitted into a running chain, not launched in it yet
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
+        self._chain_estimates = env.flag("SSDLIB_CHAIN_ESTIMATES")  # chained rounds teach them
 
     def admit(self, seqs) -> None:
         self.clock.admitted()
@@ -195,10 +197,11 @@ class LinkVerifier:
                 q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
             # the speculator's estimates (Thm 12's a_p and r): its outcomes, and the lookups of
             # rows whose last round was chained too (a joined row's first found an empty cache)
-            self.link.observe_chain(ChainSeen(
-                list(result.accepted), K,
-                [(self._chain_k[q.slot], h) for q, h in zip(done, hits) if q.slot in self._chain_k],
-                got.fan))
+            if self._chain_estimates:
+                self.link.observe_chain(ChainSeen(
+                    list(result.accepted), K,
+                    [(self._chain_k[q.slot], h) for q, h in zip(done, hits)
+                     if q.slot in self._chain_k], got.fan))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]
