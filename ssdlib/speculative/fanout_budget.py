@@ -13,9 +13,10 @@ K + 1: one branch per outcome position). It probes them in turn, one round each 
 ``probe`` cycles (the first cycle also captures every arm's build, during the warm-up), keeping
 each arm's build and verify times (ms a round, from CUDA events, fed by the leader a round
 late). Then it holds the largest arm whose build the verify hides (build <= verify in the median
-round: the rounds that captured a build are outliers),
-or the smallest arm when none is hidden, for ``hold`` rounds, and probes again. Without timings
-(CPU) it probes and then holds the full budget.
+round: the rounds that captured a build are outliers), or the smallest arm when none is
+hidden, and probes again after a hold that starts at ``first_hold`` builds and doubles up to
+``hold``: the first choices, made while the warm-up captured and compiled, are checked again
+soon, later ones rarely. Without timings (CPU) it probes and then holds the full budget.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
 class BudgetTuner:
     """Chooses each build's fan-out budget among ``arms`` (see the module doc)."""
 
-    def __init__(self, arms: list[int], probe: int = 8, hold: int = 512) -> None:
+    def __init__(self, arms: list[int], probe: int = 8, hold: int = 512,
+                 first_hold: int = 32) -> None:
         if not arms or any(a < 1 for a in arms) or sorted(set(arms), reverse=True) != list(arms):
             raise ConfigError(f"budget arms must be distinct positive integers, largest first, "
                               f"got {arms!r}")
-        if probe < 1 or hold < 1:
-            raise ConfigError("BudgetTuner: probe >= 1 and hold >= 1 required")
+        if probe < 1 or not 1 <= first_hold <= hold:
+            raise ConfigError("BudgetTuner: probe >= 1 and 1 <= first_hold <= hold required")
         self.arms = list(arms)
         self.probe, self.hold = probe, hold
+        self._hold = first_hold  # the next hold's builds
         # per arm: each timed round's build ms minus its verify ms
         self._timed: dict[int, list[float]] = {a: [] for a in self.arms}
         self._step = 0  # builds since the phase began
@@ -58,9 +61,10 @@ class BudgetTuner:
             self._probing = False
             self._step = 0
             self.held = self.choose()
-        elif not self._probing and self._step >= self.hold:
+        elif not self._probing and self._step >= self._hold:
             self._probing = True
             self._step = 0
+            self._hold = min(2 * self._hold, self.hold)
             self._timed = {a: [] for a in self.arms}
         arm = self.arms[self._step % len(self.arms)] if self._probing else self.held
         self._step += 1

@@ -22,6 +22,8 @@ def test_bad_arms_are_refused():
     for arms in ([], [4, 8], [8, 8], [0]):
         with pytest.raises(ConfigError, match="budget arms"):
             BudgetTuner(arms)
+    with pytest.raises(ConfigError, match="first_hold"):
+        BudgetTuner([8, 4], hold=8, first_hold=16)
 
 
 def run(tuner: BudgetTuner, builds: int, times: dict | None = None) -> list[int]:
@@ -36,7 +38,7 @@ def run(tuner: BudgetTuner, builds: int, times: dict | None = None) -> list[int]
 
 
 def test_probes_cycle_the_arms_then_hold_the_largest_hidden():
-    tuner = BudgetTuner([16, 8, 4], probe=2, hold=5)
+    tuner = BudgetTuner([16, 8, 4], probe=2, hold=5, first_hold=5)
     # the verify hides 8 and 4, not 16 (build, verify ms)
     times = {16: (1.5, 1.3), 8: (1.2, 1.3), 4: (1.1, 1.3)}
     assert run(tuner, 6, times) == [16, 8, 4, 16, 8, 4]
@@ -51,18 +53,18 @@ def test_probes_cycle_the_arms_then_hold_the_largest_hidden():
 
 
 def test_when_no_build_is_hidden_the_smallest_is_held():
-    tuner = BudgetTuner([16, 8, 4], probe=1, hold=3)
+    tuner = BudgetTuner([16, 8, 4], probe=1, hold=3, first_hold=3)
     times = {16: (7.9, 5.7), 8: (7.7, 5.7), 4: (7.6, 5.8)}  # the 8B / 1B-cost pair's shape
     assert run(tuner, 6, times) == [16, 8, 4, 4, 4, 4]
 
 
 def test_without_timings_the_full_budget_is_held():
-    tuner = BudgetTuner([16, 8], probe=2, hold=4)
+    tuner = BudgetTuner([16, 8], probe=2, hold=4, first_hold=4)
     assert run(tuner, 8) == [16, 8, 16, 8, 16, 16, 16, 16]
 
 
 def test_the_median_round_decides_and_other_budgets_are_ignored():
-    tuner = BudgetTuner([16, 8], probe=2, hold=4)
+    tuner = BudgetTuner([16, 8], probe=2, hold=4, first_hold=4)
     assert tuner.next_budget() == 16
     tuner.observe(16, 250.0, 1.2)  # the round that captured it: an outlier
     tuner.observe(16, 1.0, 1.2)
@@ -87,3 +89,13 @@ def test_an_allocation_takes_a_smaller_budget():
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ConfigError, match="budget"):
             est.allocation(budget=bad)
+
+
+def test_the_holds_double_from_the_first():
+    """A choice made early (the warm-up's captures and compiles in its probe) is checked again
+    soon; the holds then double up to the longest."""
+    tuner = BudgetTuner([16, 8], probe=1, hold=8, first_hold=2)
+    times = {16: (1.0, 1.3), 8: (0.9, 1.3)}
+    held = run(tuner, 2 + 2 + 2 + 4 + 2 + 8 + 2 + 8 + 2, times)
+    assert held == ([16, 8] + [16] * 2 + [16, 8] + [16] * 4 + [16, 8] + [16] * 8 + [16, 8]
+                    + [16] * 8 + [16, 8])
