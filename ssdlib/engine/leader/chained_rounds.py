@@ -156,7 +156,7 @@ class ChainedResult:
     hit: list[bool]  # the speculation came from the cache
     branch: list[int]  # its cache branch
     ngram: list[bool]  # a miss's speculation was an n-gram proposal (else placeholder zeros)
-    fan: tuple | None = None  # the fan-out of the cache its lookups read (None: unknown)
+    looked_up: tuple | None = None  # the fan-out of the cache its lookups read (None: unknown)
 
 
 class ChainMeter(OverlapMeter):

@@ -201,7 +201,7 @@ class LinkVerifier:
                 self.link.observe_chain(ChainSeen(
                     list(result.accepted), K,
                     [(self._chain_k[q.slot], h) for q, h in zip(done, hits)
-                     if q.slot in self._chain_k], got.fan))
+                     if q.slot in self._chain_k], got.looked_up))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]
