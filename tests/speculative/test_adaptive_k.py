@@ -227,22 +227,6 @@ def test_schedule_fixes_each_rows_k(monkeypatch):
             k_schedule(4)
 
 
-def test_flag_and_config():
-    import argparse
-
-    from ssdlib.cli_args import add_engine_args, engine_kwargs
-    from ssdlib.engine_config import EngineConfig
-    from ssdlib.errors import ConfigError
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_kwargs(p.parse_args([]))["adaptive_k"] is True
-    assert engine_kwargs(p.parse_args(["--no-adaptive-k"]))["adaptive_k"] is False
-    assert EngineConfig().adaptive_k is True
-    with pytest.raises(ConfigError, match="adaptive_k"):
-        EngineConfig(adaptive_k="yes")
-
-
 def test_probes_after_a_failed_one_cost_at_most_the_probe_budget():
     costs = StepCosts(3)
     assert costs.probe_gap() == 0  # nothing timed: the doubling intervals alone

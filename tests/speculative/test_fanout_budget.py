@@ -99,18 +99,3 @@ def test_the_holds_double_from_the_first():
     held = run(tuner, 2 + 2 + 2 + 4 + 2 + 8 + 2 + 8 + 2, times)
     assert held == ([16, 8] + [16] * 2 + [16, 8] + [16] * 4 + [16, 8] + [16] * 8 + [16, 8]
                     + [16] * 8 + [16, 8])
-
-
-def test_flag_and_config():
-    import argparse
-
-    from ssdlib.cli_args import add_engine_args, engine_kwargs
-    from ssdlib.engine_config import EngineConfig
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_kwargs(p.parse_args([]))["fan_out_tuning"] is True
-    assert engine_kwargs(p.parse_args(["--no-fan-out-tuning"]))["fan_out_tuning"] is False
-    assert EngineConfig().fan_out_tuning is True
-    with pytest.raises(ConfigError, match="fan_out_tuning must be True or False"):
-        EngineConfig(fan_out_tuning="yes")
