@@ -258,7 +258,7 @@ class LocalLink:
 
     def observe_chain(self, msg: ChainSeen) -> None:
         """A chained round read back, for the speculator's estimates (host data only)."""
-        self._run(self.speculator.observe_chain, msg)
+        self._run(self.speculator.cache.observe_chain, msg)
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """A chained round's measured build and verify (ms), its build of ``budget`` branches:

@@ -442,11 +442,16 @@ class ChainedRounds:
         mask = [[1] * k + [0] * (K - k) for k in accepted]
         result = RoundResult(accepted, bonus, mask,
                              [s[:k] + [t] for s, k, t in zip(spec, accepted, bonus)])
+        self._time_round(flight)
+        return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
+                             [bool(r[4]) for r in rows], flight.looked_up)
+
+    def _time_round(self, flight: Flight) -> None:
+        """A round read back (GPU): its verify and build spans into the meter's sums, and to the
+        speculator's fan-out budget tuner with the budget its build took."""
         if flight.meter is not None:
             verify_ms, build_ms = self.meter.read_round(flight.meter)
             self.link.observe_build(sum(flight.fan), build_ms, verify_ms)
-        return ChainedResult(result, [bool(r[2]) for r in rows], [r[3] for r in rows],
-                             [bool(r[4]) for r in rows], flight.looked_up)
 
     def end(self, seqs) -> list:
         """End the chain: the round in flight is discarded (waited for, its tokens dropped),
@@ -458,9 +463,7 @@ class ChainedRounds:
         if self.cuda:
             self.copied[flight.parity].synchronize()
             self.built[flight.parity].synchronize()
-        if flight.meter is not None:
-            verify_ms, build_ms = self.meter.read_round(flight.meter)
-            self.link.observe_build(sum(flight.fan), build_ms, verify_ms)
+        self._time_round(flight)
         live = [s for s in seqs if s is not None]
         self.link.end_chain(ChainEnd([s.slot for s in live], [list(s.tokens[:-1]) for s in live]))
         return live

@@ -205,10 +205,6 @@ class Speculator:
         cache where it is). Returns its fan-out."""
         return self.cache.build_chained(parity, rows, kv_len)
 
-    def observe_chain(self, msg: ChainSeen) -> None:
-        """A chained round read back by the leader (``protocol.ChainSeen``)."""
-        self.cache.observe_chain(msg)
-
     def end_chain(self, msg: ChainEnd) -> None:
         """The chain ended: each listed row's committed tokens but the last are ``msg``'s, and
         its draft KV holds them (every chained build fed the tokens before its speculation);

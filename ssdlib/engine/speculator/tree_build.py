@@ -264,12 +264,11 @@ class TreeBuildStep:
         kv_len = self.runner.kv_bucket(kv_len)
         self._set_index(pos, rank)
         sampling = None if facts is None else (facts, tuple(fan), saguaro_c)
+        n = pos.shape[0]
         if self.pool is None:
-            n = pos.shape[0]
             self.chained_body(state, rows, p, caches, self.index[0, :n], self.index[1, :n],
                               kv_len, sampling)
             return
-        n = pos.shape[0]
         key = ("tree_chain", rows, p, kv_len, n) + build_key(rows, kv_len, facts, fan,
                                                              saguaro_c)[3:]  # (its sampling)
         self.graphs.capture(key, lambda _, r: self.chained_body(
