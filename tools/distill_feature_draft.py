@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-dtype", default="float16", choices=tuple(models.STORAGE_DTYPES))
     p.add_argument("--max-mb", type=float, default=None,
                    help="refuse a draft whose model.safetensors exceeds this (MB)")
+    p.add_argument("--compile", default="auto", choices=("auto", "off", "loss", "all"),
+                   help="torch.compile in the training step: the KL loss (loss), also the "
+                        "teacher's forward (all); auto: all on a GPU, off on a CPU")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -147,7 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.train_budget is not None and args.train_budget <= 0:
         raise SystemExit(f"--train-budget must be positive, got {args.train_budget}")
-    budget = StepBudget(args.train_budget, on_decide=lambda r: print(
+    # the steps it times come after the first short and long batches (their compiles)
+    skip = 3 + (max(args.long_every, 1) if args.long_seq_len else 0)
+    budget = StepBudget(args.train_budget, skip=skip, on_decide=lambda r: print(
         f"train budget {r['seconds']:.0f} s: {1e3 * r['seconds_per_step']:.1f} ms a step, "
         f"steps cut from {r['steps_before']} to {r['steps']}")) if args.train_budget else None
     if args.layers < 1:
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = DTYPES[args.dtype if args.dtype != "auto"
                    else ("bfloat16" if device.type == "cuda" else "float32")]
     storage = models.STORAGE_DTYPES[args.storage_dtype]
+    compiled = args.compile if args.compile != "auto" else (
+        "all" if device.type == "cuda" else "off")
     torch.manual_seed(args.seed)
     try:
         ck = load_checkpoint(args.target)
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
             loss=args.loss, ttt_steps=args.ttt_steps,
             feature_loss_weight=args.feature_loss_weight, eval_depth=args.eval_depth,
             token_gain=gain,
+            compile_loss=compiled in ("loss", "all"), compile_teacher=compiled == "all",
             amp_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None)
     except (ValueError, CheckpointError) as e:
         raise SystemExit(str(e)) from None

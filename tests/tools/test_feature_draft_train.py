@@ -22,8 +22,10 @@ from ssdlib.models.feature_draft import FeatureDraft
 from tests.feature_oracle import H, V, PreviousTokenTarget, oracle_draft
 from tests.tiny import make_tiny_llama
 from tools.distill.data import Batcher, Docs, load_splits, pack_rows, save_splits
-from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, init_feature_draft,
-                                         token_gain_for, unroll, unrolled_losses)
+from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, compiled_kl,
+                                         init_feature_draft, token_gain_for, unroll,
+                                         unrolled_losses)
+from tools.distill.train import kl_from_log_probs, teacher_log_probs
 from tools.distill.models import load_teacher
 from tools.distill_feature_draft import main
 
@@ -88,6 +90,35 @@ def test_unroll_step_j_reads_step_j_minus_1_one_position_on(setup):
             assert torch.equal(logits, expected[0]) and torch.equal(hidden, expected[1])
             own = torch.cat([features[:, :1], hidden[:, :-1]], dim=1)
             expected = draft.forward_full(own, ids[:, 1:])
+
+
+def test_the_kl_from_log_probs_and_its_compiled_form_match_the_plain_reference(setup):
+    """The training KL (the teacher's log-probabilities computed once) equals torch's kl_div on
+    the two log-softmaxes, and so does its torch.compile form, value and gradient; the unrolled
+    losses are the same with the compiled KL."""
+    g = torch.Generator().manual_seed(0)
+    d, t = torch.randn(3, 7, 40, generator=g), 3 * torch.randn(3, 7, 40, generator=g)
+    reference = torch.nn.functional.kl_div(d.log_softmax(-1), t.log_softmax(-1),
+                                           log_target=True, reduction="none").sum(-1)
+    grads = []
+    for kl in (kl_from_log_probs, compiled_kl()):
+        x = d.clone().requires_grad_(True)
+        value = kl(x, teacher_log_probs(t))
+        assert torch.allclose(value, reference, atol=1e-5), kl
+        (value * torch.arange(7.0)).sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert not torch.equal(grads[0], torch.zeros_like(grads[0]))
+    _, teacher, _ = setup
+    draft = FeatureDraft.for_target(teacher, layers=1)
+    init_feature_draft(draft, teacher, seed=0)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 12), generator=g)
+    with torch.no_grad():
+        t_logits, t_features = teacher.forward_full_features(ids)
+        plain, fused = (unrolled_losses(draft, ids, t_logits, t_features,
+                                        settings(ttt_steps=2, compile_loss=c))
+                        for c in (False, True))
+        assert torch.allclose(torch.stack(plain), torch.stack(fused), atol=1e-5)
 
 
 def train(setup, ttt_steps: int, steps: int = 60) -> list[dict]:

@@ -39,6 +39,7 @@ layer's features and learns from there what the lower layers add.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -52,7 +53,8 @@ from torch.nn.utils import parametrize
 from ssdlib.models.feature_draft import FeatureDraft
 from tools.distill.data import Batcher, Docs
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
-                                 kl_per_position, optimizer_step)
+                                 kl_from_log_probs, kl_per_position, optimizer_step,
+                                 teacher_log_probs)
 
 
 @dataclass
@@ -63,6 +65,11 @@ class FeatureTrainSettings(TrainSettings):
     eval_depth: int = 4
     # fc's token columns trained as token_gain * W' (module doc; 1: plain)
     token_gain: float = 1.0
+    # the KL loss through torch.compile: on a GPU its softmaxes, products and sums become a few
+    # fused kernels instead of a dozen passes over [positions, vocabulary] float32 tensors
+    compile_loss: bool = False
+    # the teacher's forward (logits and features of a training batch) through torch.compile
+    compile_teacher: bool = False
 
     def __post_init__(self):
         if self.ttt_steps < 1 or self.eval_depth < 1:
@@ -174,14 +181,34 @@ def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tens
     next_ids, feats, target_logits, target_feats = shifted(ids, t_logits, t_features)
     if s.feature_loss_weight:  # what h_t estimates: f_{t+1}, held (module doc)
         target_feats = draft.condition(target_feats).detach()
+    token_loss = _token_loss(target_logits, s)
     losses = []
     for logits, hidden in unroll(draft, feats, next_ids, s.ttt_steps):
-        loss = LOSSES[s.loss](logits, target_logits).mean()
+        loss = token_loss(logits).mean()
         if s.feature_loss_weight:
             regression = F.smooth_l1_loss(hidden.float(), target_feats.float())
             loss = loss + s.feature_loss_weight * regression
         losses.append(loss)
     return losses
+
+
+@functools.cache
+def compiled_kl() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``kl_from_log_probs`` through torch.compile (one compiled function per process; a new
+    shape, such as the long rows', compiles once more)."""
+    return torch.compile(kl_from_log_probs, dynamic=False)
+
+
+def _token_loss(target_logits: torch.Tensor,
+                s: FeatureTrainSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-position token loss of draft logits against ``target_logits`` (``s.loss``).
+    For KL the teacher's log-probabilities are computed once, for every unroll step, and the
+    KL is compiled when ``s.compile_loss``."""
+    if s.loss != "kl":
+        return lambda logits: LOSSES[s.loss](logits, target_logits)
+    t_logp = teacher_log_probs(target_logits)
+    kl = compiled_kl() if s.compile_loss else kl_from_log_probs
+    return lambda logits: kl(logits, t_logp)
 
 
 @torch.no_grad()
@@ -223,6 +250,8 @@ class FeatureTrainer:
             [{"params": [p for p in params if p.dim() > 1], "weight_decay": s.weight_decay},
              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
             lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.teacher_outputs = (torch.compile(teacher_outputs, dynamic=False)
+                                if s.compile_teacher else teacher_outputs)
         self.step = 0
         self.history: list[dict] = []
         # what a time budget (tools/distill/budget.py) reads: evaluations' seconds; the draft is
@@ -256,7 +285,7 @@ class FeatureTrainer:
         puts on); returns the loss (not read)."""
         s = self.s
         with torch.no_grad():
-            t_logits, t_features = teacher_outputs(self.teacher, self.draft, ids)
+            t_logits, t_features = self.teacher_outputs(self.teacher, self.draft, ids)
         with _autocast(self.device, s.amp_dtype):
             loss = torch.stack(unrolled_losses(self.draft, ids, t_logits, t_features, s)).mean()
         optimizer_step(self.opt, loss, self.draft.parameters(), self.step, s)

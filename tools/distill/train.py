@@ -64,11 +64,23 @@ def lr_at(step: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def teacher_log_probs(teacher_logits: torch.Tensor) -> torch.Tensor:
+    """The teacher's log-probabilities [..., V] (float32) from its logits: what
+    :func:`kl_from_log_probs` reads, computed once where several draft outputs meet the same
+    teacher (the unroll steps of a feature draft)."""
+    return F.log_softmax(teacher_logits.float(), dim=-1)
+
+
+def kl_from_log_probs(draft_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || draft) in nats at each position, the teacher given as log-probabilities
+    (:func:`teacher_log_probs`): logits [..., V] -> [...] (float32)."""
+    d = F.log_softmax(draft_logits.float(), dim=-1)
+    return (teacher_logp.exp() * (teacher_logp - d)).sum(-1)
+
+
 def kl_per_position(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """KL(teacher || draft) in nats at each position: logits [..., V] -> [...] (float32)."""
-    d = F.log_softmax(draft_logits.float(), dim=-1)
-    t = F.log_softmax(teacher_logits.float(), dim=-1)
-    return F.kl_div(d, t, log_target=True, reduction="none").sum(-1)
+    return kl_from_log_probs(draft_logits, teacher_log_probs(teacher_logits))
 
 
 def tvd_per_position(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
