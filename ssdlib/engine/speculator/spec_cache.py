@@ -48,11 +48,11 @@ class SpeculationCache:
         """rows [n] batch rows; fork, bonus [n, b]: the outcome each of the first b <= B
         branches assumes (the others assume none: a build of a smaller budget)."""
         b = fork.shape[1]
-        self.fork[rows, :b] = fork
-        self.bonus[rows, :b] = bonus
-        if b < self.B:
-            self.fork[rows, b:] = -1
-            self.bonus[rows, b:] = -1
+        if b < self.B:  # a device tensor of -1 (a host scalar written here is not capturable)
+            none = fork.new_full((fork.shape[0], self.B - b), -1)
+            fork, bonus = torch.cat([fork, none], dim=1), torch.cat([bonus, none], dim=1)
+        self.fork[rows] = fork
+        self.bonus[rows] = bonus
         self.ready.index_fill_(0, rows, True)  # no host scalar: capturable
 
     def pushed_rows(self, rows: torch.Tensor, live: torch.Tensor, fallback: int) -> torch.Tensor:
