@@ -122,3 +122,22 @@ def test_sampler_graphs_make_the_same_data(setup, tmp_path):
     assert a_train.n_tokens() == b_train.n_tokens() > 0
     assert a_train.ids == b_train.ids and a_train.source == b_train.source
     assert a_held.ids == b_held.ids
+
+
+def test_merging_sets_keeps_held_out_documents_unseen(tmp_path):
+    """Two data sets whose splits differ (one holds out a document the other trains on): the
+    merge drops that training copy, and keeps every other document of both, in order."""
+    from tools.distill.data import Docs, merge_splits, save_splits
+
+    def docs(*rows):
+        d = Docs()
+        for row in rows:
+            d.add(row, 1, "pysrc")
+        return d
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    save_splits(a, docs([1, 2, 3], [4, 5, 6]), docs([7, 8, 9]))
+    save_splits(b, docs([7, 8, 9], [10, 11]), docs([4, 5, 6]))
+    train, held = merge_splits([a, b])
+    assert held.ids == [[7, 8, 9], [4, 5, 6]]
+    assert train.ids == [[1, 2, 3], [10, 11]]
+    assert len(train.score_from) == len(train.source) == 2

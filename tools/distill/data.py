@@ -89,14 +89,23 @@ def load_splits(path: str) -> tuple[Docs, Docs]:
 
 
 def merge_splits(paths: list[str]) -> tuple[Docs, Docs]:
-    """The splits of several data files (shards) as one: train and held-out documents
-    concatenated in the order of ``paths``, each keeping its source."""
+    """The splits of several data files (shards, or data sets of different seeds) as one: train
+    and held-out documents concatenated in the order of ``paths``, each keeping its source. A
+    training document equal to a held-out one is dropped (sets of different seeds may pick the
+    same Python source and split it differently), so held-out stays unseen."""
     train, held = Docs(), Docs()
     for path in paths:
         tr, ev = load_splits(path)
         train.extend(tr)
         held.extend(ev)
-    return train, held
+    unseen = {tuple(d) for d in held.ids}
+    kept = Docs()
+    for ids, score_from, source in zip(train.ids, train.score_from, train.source):
+        if tuple(ids) not in unseen:
+            kept.ids.append(ids)
+            kept.score_from.append(score_from)
+            kept.source.append(source)
+    return kept, held
 
 
 def default_text_roots() -> list[str]:
