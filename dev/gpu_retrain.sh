@@ -4,10 +4,13 @@
 #   PART=tests   carry .stage/smol.part.00 .whl      GPU tests of the speculative engine
 #   (then)       bash dev/stage_gguf.sh, carry .stage/smol.part.01
 #   PART=data    carry .stage/smol.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
-#                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill
+#                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill;
+#                EXTRA_DATA="a.safetensors.gz ..." (sets of earlier seeds, carried) are merged
+#                in (tools/distill_data.py merge: held-out documents stay unseen)
 #   PART=train   the default draft continued with long rows (tools/distill_draft.py
 #                --long-seq-len, its window kept) and the feature draft continued
-#                (tools/distill_feature_draft.py), side by side on the GPU
+#                (tools/distill_feature_draft.py), side by side on the GPU; FD_ONLY=1: the
+#                feature draft alone
 #   PART=eval    acceptance of both against the shipped ones: chat, HumanEval, by prompt length
 #                (default draft); offline both ways and in the engine (feature draft; its
 #                script's bench is cut: the evaluations share the GPU)
@@ -41,8 +44,22 @@ case "${PART:?PART=tests|data|train|eval|lengths|chat}" in
   data)
     bash dev/stage_gguf.sh || exit 3
     STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=320 DATA_EXTRA="--seed $SEED" \
-      OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25 ;;
+      OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25
+    if [ -n "${EXTRA_DATA:-}" ]; then
+      sets=(/tmp/distill/data.safetensors); i=0
+      for f in $EXTRA_DATA; do
+        i=$((i + 1)); gunzip -c "$f" > /tmp/distill/extra$i.safetensors; sets+=(/tmp/distill/extra$i.safetensors)
+      done
+      python3 tools/distill_data.py merge --out /tmp/distill/merged.safetensors "${sets[@]}" 2>&1 | tail -8 \
+        && mv /tmp/distill/merged.safetensors /tmp/distill/data.safetensors
+    fi ;;
   train)
+    if [ "${FD_ONLY:-0}" = 1 ]; then
+      OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
+        STEPS=40000 TRAIN_TIMEOUT=$TRAIN_S TRAIN_ONLY=1 TRAIN_FLAGS="$FD_FLAGS" \
+        bash dev/gpu_feature.sh 2>&1 | tail -12
+      exit 0
+    fi
     ( OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
         STEPS=20000 TRAIN_TIMEOUT=$TRAIN_S TRAIN_ONLY=1 TRAIN_FLAGS="$FD_FLAGS" \
         bash dev/gpu_feature.sh > /tmp/fd_train.log 2>&1 ) &

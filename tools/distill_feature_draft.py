@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     storage = models.STORAGE_DTYPES[args.storage_dtype]
     compiled = args.compile if args.compile != "auto" else (
         "all" if device.type == "cuda" else "off")
+    if compiled != "off":  # a function torch.compile cannot compile runs eagerly (a warning)
+        torch._dynamo.config.suppress_errors = True
     torch.manual_seed(args.seed)
     try:
         ck = load_checkpoint(args.target)
