@@ -39,6 +39,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from ssdlib.ops._extension import native_graph_pool_class
+from ssdlib.ops.capture_rules import CaptureRules
 
 StepFn = Callable[[], object]
 
@@ -107,7 +108,9 @@ class EagerPool(GraphPool):
     """No capture: ``replay`` calls the stored function (CPU, or CUDA graphs turned off).
     ``warmup`` > 0 runs a function that many times when it is registered, as the graph pools'
     warm-up does: tests use it to check on CPU that a step tolerates the repeated runs (its
-    body must be idempotent for its inputs)."""
+    body must be idempotent for its inputs). Those runs also check what a capture would refuse
+    (``ops/capture_rules.py``: a host read-back, a copy of host data to the device), so a CPU
+    run of the captured-step path fails where a GPU's capture would."""
 
     kind = "eager"
 
@@ -118,7 +121,8 @@ class EagerPool(GraphPool):
 
     def _capture(self, key: Hashable, fn: StepFn) -> None:
         for _ in range(self.warmup):
-            fn()
+            with CaptureRules(str(key)):
+                fn()
 
     def replay(self, key: Hashable) -> None:
         try:

@@ -72,6 +72,16 @@ class DraftQ:
             _check_kinds(self.kinds, self.probs is not None)
 
     @classmethod
+    def computed(cls, kinds: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftQ":
+        """A DraftQ whose kinds a captured step computed from QKind values: not checked on any
+        device (on a GPU a check would read the kinds back, which a capture refuses; the CPU
+        runs the same step unchanged)."""
+        q = object.__new__(cls)
+        object.__setattr__(q, "kinds", kinds)
+        object.__setattr__(q, "probs", probs)
+        return q
+
+    @classmethod
     def from_probs(cls, probs: torch.Tensor) -> "DraftQ":
         """Dense q for every row: probs [b, K, V]."""
         return cls(torch.full((probs.shape[0],), int(QKind.DENSE), device=probs.device), probs)

@@ -134,10 +134,16 @@ def test_chained_rounds_feed_the_fanout_estimates(tiny_dirs, monkeypatch):
     assert est.accepted >= sum(sum(m.accepted) for m in seen)
 
 
-def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch):
+@pytest.mark.parametrize("path", ["", "eager"])
+def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch, path):
     """The tuner's budgets (16, 8 and 4 branches at K = 3) build chained rounds in turn while
-    it probes; with every build at the smallest the cache still hits; the tokens equal AR's."""
+    it probes; with every build at the smallest the cache still hits; the tokens equal AR's.
+    ``eager``: on the GPU's captured-step path, whose registrations check what a CUDA graph
+    capture would refuse (ops/capture_rules.py)."""
     from ssdlib.speculative.fanout_budget import BudgetTuner
+
+    if path:
+        monkeypatch.setenv("SSDLIB_STEP_GRAPHS", path)
 
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(4)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 25, 40)]

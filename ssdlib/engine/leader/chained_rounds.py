@@ -93,7 +93,7 @@ def verify_chained(spec: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
     ``streams`` (K + 1 a row)."""
     p = target_distributions(logits, SamplingTensors.from_table(table, facts))
     kinds = torch.where(hit, int(QKind.DENSE), int(QKind.ONEHOT))
-    return verify_sampled(spec, DraftQ(kinds, q_cached), p, generators=streams)
+    return verify_sampled(spec, DraftQ.computed(kinds, q_cached), p, generators=streams)
 
 
 def record_round(k_into, bonus_into, n_into, spec_into, history, pack, accepted, bonus, n,
