@@ -1,5 +1,5 @@
 """Times one training step of a feature draft (tools/distill/feature_train.py) at SmolLM2-135M's
-shape with random weights, and where the step's device time goes: the short rows and the long
+shape with random weights, and where the step's GPU kernel time goes: the short rows and the long
 rows, eager and with the KL loss and the teacher's forward compiled.
 
     python dev/feature_train_step.py --device cuda [--steps 20] [--profile]
