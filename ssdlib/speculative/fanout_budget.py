@@ -21,6 +21,8 @@ soon, later ones rarely. Without timings (CPU) it probes and then holds the full
 
 from __future__ import annotations
 
+import statistics
+
 from ssdlib.errors import ConfigError
 
 
@@ -81,8 +83,8 @@ class BudgetTuner:
         """Whether the verify hid the build of ``budget`` in most of its timed rounds (the
         median of build - verify <= 0: a round that captured the build, timed with the capture's
         eager runs, is an outlier that does not decide); None: no round timed."""
-        t = sorted(self._timed[budget])
-        return None if not t else t[(len(t) - 1) // 2] <= 0.0
+        t = self._timed[budget]
+        return None if not t else statistics.median_low(t) <= 0.0
 
     def choose(self) -> int:
         """The largest arm the verify hides; the smallest when it hides none; the largest when
