@@ -43,7 +43,7 @@ case "${PART:?PART=tests|data|train|eval|lengths|chat}" in
       tests/engine/runner/test_step_graphs.py 2>&1 | $F | tail -15 ;;
   data)
     bash dev/stage_gguf.sh || exit 3
-    STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=320 DATA_EXTRA="--seed $SEED" \
+    STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} DATA_EXTRA="--seed $SEED" \
       OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25
     if [ -n "${EXTRA_DATA:-}" ]; then
       sets=(/tmp/distill/data.safetensors); i=0
