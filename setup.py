@@ -206,8 +206,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["ssdlib", "ssdlib.*"]),
-    package_data={"ssdlib": ["assets/**/*"]},
+    # ssdlib.assets holds data only (the shipped drafts, one folder each), named as a package so
+    # that setuptools installs it as one
+    packages=find_packages(include=["ssdlib", "ssdlib.*"]) + ["ssdlib.assets"],
+    package_data={"ssdlib.assets": ["*/*"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",
