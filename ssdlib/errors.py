@@ -32,6 +32,13 @@ class ConfigError(SSDError, ValueError):
     """Invalid configuration (flags, sampling parameters, world size)."""
 
 
+def require_int(name: str, value: object, low: int) -> int:
+    """``value`` when it is an int (not a bool) >= ``low``; else ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
 class RankFailure(SSDError):
     """A rank of the job failed; the message carries that rank's error.
 

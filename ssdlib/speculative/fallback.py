@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 
 Fallback = Literal["jit", "ngram", "random"]
 FALLBACKS: tuple[Fallback, ...] = ("jit", "ngram", "random")  # also the tie-break order
@@ -52,21 +52,15 @@ def _check_time(name: str, value: float) -> float:
     return float(value)
 
 
-def _check_int(name: str, value: int, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def expected_tokens(a: float, K: int) -> float:
     """Expected tokens committed per round, (1 - a^(K+1)) / (1 - a), acceptance a over K tokens."""
-    a, K = _check_prob("acceptance", a), _check_int("K", K, 0)
+    a, K = _check_prob("acceptance", a), require_int("K", K, 0)
     return K + 1.0 if a == 1.0 else (1.0 - a ** (K + 1)) / (1.0 - a)
 
 
 def batch_hit_rate(p_hit: float, batch_size: int) -> float:
     """Probability that no row of a batch misses, p_hit^b (Cor 16)."""
-    return _check_prob("p_hit", p_hit) ** _check_int("batch_size", batch_size, 1)
+    return _check_prob("p_hit", p_hit) ** require_int("batch_size", batch_size, 1)
 
 
 def expected_speedup(p_hit: float, e_hit: float, e_miss: float, t_p: float, t_b: float,
@@ -123,7 +117,7 @@ def critical_batch_size(p_hit: float, a_p: float, K: int, t_jit: float, t_ngram:
                         **kwargs: float | bool) -> int | None:
     """b*: the smallest batch size at which a fast backup beats just-in-time drafting, or None if
     jit stays best up to ``max_batch``. Arguments as in :func:`choose_fallback`."""
-    _check_int("max_batch", max_batch, 1)
+    require_int("max_batch", max_batch, 1)
     for b in range(1, max_batch + 1):
         if choose_fallback(b, p_hit, a_p, K, t_jit, t_ngram, a_ngram, **kwargs) != "jit":
             return b

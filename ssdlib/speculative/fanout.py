@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 
 # a_p is clipped into this range: at a_p = 1 the all-accepted weight (1 - a)^(-1/(1+r)) is
 # infinite, at a_p = 0 every later position gets nothing; either extreme is a poor basis for
@@ -28,15 +28,9 @@ from ssdlib.errors import ConfigError
 A_P_RANGE = (0.01, 0.99)
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def _check_geometry(budget: int, K: int, a_p: float, r: float) -> float:
-    _check_int("fan-out budget B", budget, 1)
-    _check_int("K", K, 0)
+    require_int("fan-out budget B", budget, 1)
+    require_int("K", K, 0)
     if not isinstance(a_p, (int, float)) or not 0.0 <= a_p <= 1.0:
         raise ConfigError(f"a_p must be in [0, 1], got {a_p!r}")
     if not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
@@ -73,7 +67,7 @@ def geometric_fanout(budget: int, K: int, a_p: float, r: float) -> list[int]:
 def parse_fanout(spec: str | Sequence[int], K: int) -> list[int] | Literal["auto"]:
     """Parse a ``--fan-out`` value: ``"auto"``, ``"8,5,3,2,1,4"`` or a list (K+1 entries >= 0,
     positive sum), or ``"all-accepted:N"`` (cache N guesses after an all-accepted outcome only)."""
-    _check_int("K", K, 0)
+    require_int("K", K, 0)
     if isinstance(spec, str):
         text = spec.strip().lower()
         if text == "auto":

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import statistics
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 
 
 def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
     """The budgets a tuner tries, largest first: ``budget``, then halved (rounded up) while
     the half is at least K + 1, at most ``count`` of them."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ConfigError(f"fan-out budget must be an integer >= 1, got {budget!r}")
+    require_int("fan-out budget", budget, 1)
     arms = [budget]
     while len(arms) < count and (arms[-1] + 1) // 2 >= K + 1 and (arms[-1] + 1) // 2 < arms[-1]:
         arms.append((arms[-1] + 1) // 2)

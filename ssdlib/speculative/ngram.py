@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 from ssdlib.speculative.acceptance import DraftQ, QKind
 from ssdlib.speculative.rng import Generators, RowStream, uniforms
 
@@ -29,8 +29,7 @@ def propose_ngram(tokens: Sequence[int] | torch.Tensor, K: int, max_ngram: int =
     from the proposal itself (LZ77-style overlapping copy), i.e. the matched stretch is assumed to
     repeat -- exactly right for the loops n-gram lookup is good at.
     """
-    if isinstance(K, bool) or not isinstance(K, int) or K < 0:
-        raise ConfigError(f"K must be an integer >= 0, got {K!r}")
+    require_int("K", K, 0)
     if not 1 <= min_ngram <= max_ngram:
         raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
     seq = (tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else list(tokens))

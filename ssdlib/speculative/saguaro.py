@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 from ssdlib.speculative.rng import Generators, sample_token
 
 
@@ -47,8 +47,7 @@ def saguaro_q(draft_probs: torch.Tensor, fan_out: int | torch.Tensor, c: float) 
             raise ConfigError("fan_out must be >= 0")
         f_max = min(int(fan_out.max()), vocab) if fan_out.numel() else 0
     else:
-        if isinstance(fan_out, bool) or not isinstance(fan_out, int) or fan_out < 0:
-            raise ConfigError(f"fan_out must be an integer >= 0, got {fan_out!r}")
+        require_int("fan_out", fan_out, 0)
         f_max = min(fan_out, vocab)
     if c == 1.0 or f_max == 0:
         return draft_probs

@@ -9,7 +9,10 @@ import pytest
 from ssdlib.errors import ConfigError
 from ssdlib.speculative import (FanoutEstimator, geometric_fanout, geometric_fanout_real,
                                 parse_fanout)
+from ssdlib.speculative.fallback import batch_hit_rate, expected_tokens
 from ssdlib.speculative.fanout import A_P_RANGE, round_to_total
+from ssdlib.speculative.fanout_budget import budget_arms
+from ssdlib.speculative.ngram import propose_ngram
 
 def test_sums_to_budget_and_is_monotone():
     for B, K, a, r in itertools.product([1, 7, 23, 64, 257], [0, 1, 3, 5, 8],
@@ -136,3 +139,16 @@ def test_the_allocation_follows_the_verified_limit(limit):
     assert len(alloc) == 6 and sum(alloc) == 23
     assert alloc[:k + 1] == geometric_fanout(23, k, 0.6, 1.5) and not any(alloc[k + 1:])
     assert est.allocation(None) == est.allocation()
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda v: geometric_fanout(v, 3, 0.7, 1.0), "fan-out budget B"),
+    (lambda v: budget_arms(v, 3), "fan-out budget"),
+    (lambda v: propose_ngram([1, 2, 1, 2], v), "K"),
+    (lambda v: expected_tokens(0.5, v), "K"),
+    (lambda v: batch_hit_rate(0.5, v), "batch_size"),
+])
+@pytest.mark.parametrize("bad", [True, 2.0, "3", -1])
+def test_integer_arguments_refuse_bools_floats_strings_and_negatives(call, name, bad):
+    with pytest.raises(ConfigError, match=f"^{name} must be an integer >= "):
+        call(bad)
