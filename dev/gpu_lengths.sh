@@ -14,7 +14,8 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 HUMANEVAL=${HUMANEVAL:?HUMANEVAL=path of HumanEval.jsonl.gz}
 LENGTHS=${LENGTHS:-512 2048 6144}
 NEW_DRAFT=${NEW_DRAFT:-}
-# PASSES=N: each row is the median of N timed passes over its prompts (tools/bench.py --passes)
+# PASSES=N: each row is the median of N timed passes over its prompts (tools/bench.py --passes;
+# default auto: passes until they add up to 2 s)
 B8=${B8:-1}
 export PYTHONUNBUFFERED=1
 RND=/tmp/random-draft
@@ -37,7 +38,7 @@ for L in $LENGTHS; do
   echo "== prompts of <= $L tokens, b = 1" | tee -a "$OUT/lengths.log"
   timeout ${BENCH_TIMEOUT:-200} python3 tools/bench.py --device cuda --prompts-file "/tmp/long_${L}_2.jsonl" --chat \
       --modes "$MODES" --max-new-tokens 128 --ignore-eos --max-len 8192 --n-prompts 2 --k 3 \
-      --passes "${PASSES:-1}" --json "$OUT/len_$L.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -24 | tee -a "$OUT/lengths.log"
+      --passes "${PASSES:-auto}" --json "$OUT/len_$L.json" 2>&1 | grep -v "^\[rank\|WARN" | tail -24 | tee -a "$OUT/lengths.log"
 done
 if [ "$B8" = 1 ]; then
   prompts 2048 16

@@ -12,8 +12,10 @@ Prints two tables and writes JSON (machine, versions, models, command, args, row
   idle fraction, whether greedy output equals AR's, and ``ready s``: the engine's start-up plus
   the warm-up call (loading, graph capture, and torch.compile with ``compile=1``; JSON rows
   also hold ``engine_ready_s``, the engine's own start-up with its warm-up, and
-  ``captured_in_run``, steps captured inside the timed call, which should be 0); with
-  ``--passes N`` the prompts are timed N times in a row and the row is the median pass, every
+  ``captured_in_run``, steps captured inside the timed call, which should be 0); the
+  prompts are timed in passes, N with ``--passes N``, and by default (``auto``) until the passes
+  add up to ``--min-timed-s`` (2 s; an odd count, at most 9: a batch's pass of a fraction of a
+  second moves by several percent from one pass to the next); the row is the median pass, every
   pass's tok/s printed and kept (``tok_s_passes``);
 - per-round time breakdown: per engine mode, mean ms per round of every phase-time key
   (``*_s``) in the run aggregate (draft, verify, wait, ...), their sum, the wall clock per
@@ -154,6 +156,14 @@ def _flag(value: str) -> bool:
 _flag.__name__ = "flag (0 or 1)"
 
 
+def _passes(value: str) -> int | str:
+    """--passes: 'auto' or an integer (checked >= 1 after parsing, with a clear message)."""
+    return "auto" if value.strip().lower() == "auto" else int(value)
+
+
+_passes.__name__ = "pass count (an integer or auto)"
+
+
 def _env(value: str) -> tuple[str, str]:
     name, eq, val = value.partition("=")
     # a name the engine does not read (a typo, a removed experiment) would change nothing
@@ -210,6 +220,22 @@ def _environment(pair: tuple[str, str] | None):
             os.environ[name] = old
 
 
+AUTO_MAX_PASSES = 9  # --passes auto stops here however short a pass is
+
+
+def enough_passes(walls: list[float], passes: int | str, min_timed_s: float) -> bool:
+    """Whether a mode has been timed enough: ``passes`` passes, or with ``"auto"`` at least one
+    and then until the passes add up to ``min_timed_s`` seconds (at most AUTO_MAX_PASSES, and
+    always an odd count, so that the median is one pass). A pass of a fraction of a second (a
+    batch of rows at a time) moves by several percent from one pass to the next; the median of
+    a few is what a row reports."""
+    if passes != "auto":
+        return len(walls) >= passes
+    if len(walls) >= AUTO_MAX_PASSES:
+        return True
+    return len(walls) % 2 == 1 and sum(walls) >= min_timed_s
+
+
 def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
     """Time one engine mode (a spec of :func:`parse_mode`); returns its row (labelled with the
     spec) and the run aggregate (for the breakdown)."""
@@ -235,7 +261,7 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
         sync(args.device)
         ready = time.perf_counter() - t_start  # engine start-up + warm-up (loading, capture)
         passes = []  # (wall, outputs, run metrics) of each timed pass over the prompts
-        for _ in range(args.passes):
+        while not enough_passes([p[0] for p in passes], args.passes, args.min_timed_s):
             t0 = time.perf_counter()
             outs = gen.generate(prompt_ids, params)
             sync(args.device)
@@ -568,16 +594,22 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (default: stop at EOS)")
-    p.add_argument("--passes", type=int, default=1,
-                   help="timed passes over the prompts per mode (after the warm-up); a row "
-                        "reports the median pass and every pass's tok/s (tok_s_passes)")
+    p.add_argument("--passes", type=_passes, default="auto",
+                   help="timed passes over the prompts per mode (after the warm-up), or 'auto' "
+                        "(the default): passes until they add up to --min-timed-s, an odd count "
+                        f"up to {AUTO_MAX_PASSES}; a row reports the median pass and every "
+                        "pass's tok/s (tok_s_passes)")
+    p.add_argument("--min-timed-s", type=float, default=2.0,
+                   help="--passes auto: the timed seconds a mode reaches (default 2)")
     p.add_argument("--json", default=None)
     p.add_argument("--json-token-ids", action="store_true",
                    help="keep each row's generated token ids in --json (to compare runs, e.g. "
                         "TP 2 with TP 1)")
     args = p.parse_args(argv)
-    if args.passes < 1:
-        p.error(f"--passes must be >= 1, got {args.passes}")
+    if args.passes != "auto" and args.passes < 1:
+        p.error(f"--passes must be >= 1 or auto, got {args.passes}")
+    if not args.min_timed_s >= 0:
+        p.error(f"--min-timed-s must be >= 0, got {args.min_timed_s}")
     if args.peers not in ("", "hf"):
         p.error(f"--peers: only 'hf' is known, got {args.peers!r}")
     for spec in filter(None, args.modes.split(",")):

@@ -215,7 +215,7 @@ def test_bench_hf_assisted_peer_uses_the_materialised_draft(shared, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["--target", target, "--draft", flagged, "--prompts-file", str(prompts),
                  "--n-prompts", "2", "--max-new-tokens", "8", "--max-len", "128",
-                 "--modes", "ar", "--peers", "hf", "--json", str(out)]) == 0
+                 "--modes", "ar", "--peers", "hf", "--passes", "1", "--json", str(out)]) == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["hf-assisted"]["tokens"] == 16
     assert rows["hf-assisted"]["greedy_equals_ar"] is True

@@ -20,7 +20,8 @@ def prompts_file(tmp_path):
 def bench(tiny_dirs, prompts_file, out, *extra):
     return main(["--target", tiny_dirs["smol_heads"], "--draft", tiny_dirs["smol_heads_draft"],
                  "--prompts-file", prompts_file, "--n-prompts", "2", "--max-new-tokens", "8",
-                 "--max-len", "128", "--json", str(out), *extra])
+                 "--max-len", "128", "--json", str(out),
+                 *(() if "--passes" in extra else ("--passes", "1")), *extra])
 
 
 def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
@@ -218,10 +219,35 @@ def test_passes_report_the_median_pass_and_every_pass(tiny_dirs, prompts_file, t
         assert row["tokens"] == 16
 
 
-def test_passes_must_be_positive(capsys):
+@pytest.mark.parametrize("value,message", [("0", "--passes must be >= 1 or auto"),
+                                           ("many", "invalid pass count")])
+def test_passes_must_be_positive_or_auto(value, message, capsys):
     with pytest.raises(SystemExit):
-        main(["--passes", "0"])
-    assert "--passes must be >= 1" in capsys.readouterr().err
+        main(["--passes", value])
+    assert message in capsys.readouterr().err
+
+
+def test_auto_passes_time_odd_counts_until_the_minimum_is_reached():
+    from tools.bench import AUTO_MAX_PASSES, enough_passes
+
+    assert not enough_passes([], "auto", 0.0)  # always one pass
+    assert enough_passes([0.1], "auto", 0.0)
+    assert not enough_passes([0.5], "auto", 2.0)
+    assert not enough_passes([0.5, 0.5], "auto", 0.5)  # an even count: one more for a median
+    assert enough_passes([0.5, 0.5, 0.5], "auto", 1.5)
+    assert enough_passes([3.0], "auto", 2.0)  # a long pass is enough alone
+    assert enough_passes([0.01] * AUTO_MAX_PASSES, "auto", 2.0)
+    assert not enough_passes([0.01] * 2, 3, 2.0) and enough_passes([9.0] * 3, 3, 0.0)
+
+
+def test_auto_passes_in_a_run(tiny_dirs, prompts_file, tmp_path):
+    """The default: short passes repeat until they add up to --min-timed-s."""
+    out = tmp_path / "bench.json"
+    assert bench(tiny_dirs, prompts_file, out, "--modes", "ar", "--passes", "auto",
+                 "--min-timed-s", "1e9") == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert len(row["tok_s_passes"]) == 9 and row["tok_s"] == pytest.approx(
+        sorted(row["tok_s_passes"])[4])
 
 
 def test_the_source_digest_follows_the_files(tmp_path):
