@@ -17,6 +17,9 @@ HUMANEVAL=${HUMANEVAL:?HUMANEVAL=path of HumanEval.jsonl.gz}
 STEPS=${STEPS:-2000}
 TRAIN_FLAGS=${TRAIN_FLAGS:-"--layers 1 --token-gain auto --init-layer-from-target 29 --ttt-steps 3 --batch 16 --seq-len 512 --lr 2e-3 --warmup 200 --long-seq-len 4096 --long-every 4"}
 TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
+# RUN_BUDGET=S (> TRAIN_TIMEOUT - 30): one schedule of S seconds over several calls; this call
+# stops before its timeout with the run's state in $FD.work, RESUME=1 in the next call goes on
+RUN_BUDGET=${RUN_BUDGET:-$((TRAIN_TIMEOUT - 30))}
 FD=${FD:-/tmp/feature-draft}
 DEVICE=${DEVICE:-cuda}  # (cpu: a dry run of the script's commands on a tiny target)
 N_CHAT=${N_CHAT:-24}
@@ -30,9 +33,18 @@ say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
 say "train: $STEPS steps, $TRAIN_FLAGS"
 # shellcheck disable=SC2086
-timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py --target "$TARGET" --out "$FD" \
-    --data-from "$DATA" --steps "$STEPS" --device "$DEVICE" --max-mb 16 --eval-every 500 \
-    --train-budget $((TRAIN_TIMEOUT - 30)) $TRAIN_FLAGS \
+if [ "${RESUME:-0}" = 1 ]; then
+  TRAIN_CMD=(--resume --work-dir "$FD.work" --out "$FD" --device "$DEVICE")
+else
+  # shellcheck disable=SC2206
+  TRAIN_CMD=(--target "$TARGET" --out "$FD" --data-from "$DATA" --steps "$STEPS" --device "$DEVICE"
+             --max-mb 16 --eval-every 500 --train-budget "$RUN_BUDGET" $TRAIN_FLAGS)
+fi
+# a schedule longer than this call (or the rest of one) stops in time, its state kept
+STOP=()
+[ "${RESUME:-0}" = 1 ] || [ "$RUN_BUDGET" -gt $((TRAIN_TIMEOUT - 30)) ] \
+  && STOP=(--stop-after $((TRAIN_TIMEOUT - 35)))
+timeout "$TRAIN_TIMEOUT" python3 tools/distill_feature_draft.py "${TRAIN_CMD[@]}" "${STOP[@]}" \
     2>&1 | tr '\r' '\n' | grep -v '%|' | grep -v '^\s*$' | tail -15 | tee -a "$LOG"
 fi
 [ -s "$FD/model.safetensors" ] || { say "no draft written"; exit 1; }

@@ -10,7 +10,8 @@
 #   PART=train   the default draft continued with long rows (tools/distill_draft.py
 #                --long-seq-len, its window kept) and the feature draft continued
 #                (tools/distill_feature_draft.py), side by side on the GPU; FD_ONLY=1: the
-#                feature draft alone
+#                feature draft alone; with RUN_BUDGET=S (> TRAIN_S - 30) its schedule spans
+#                several calls: PART=resume goes on with it (same optimizer, no fresh warm-up)
 #   PART=eval    acceptance of both against the shipped ones: chat, HumanEval, by prompt length
 #                (default draft); offline both ways and in the engine (feature draft; its
 #                script's bench is cut: the evaluations share the GPU)
@@ -33,7 +34,7 @@ LONG_FLAGS="$LONG_FLAGS --long-seq-len 4096 --long-batch 4 --long-every 4"
 FD_FLAGS="--init-from ssdlib/assets/smollm2-135m-eagle --ttt-steps 3 --batch 16 --seq-len 512"
 FD_FLAGS="$FD_FLAGS --lr ${FD_LR:-8e-4} --warmup 100 --long-seq-len 4096 --long-every 4 --token-gain auto"
 F="grep -v ^\[rank\|WARN"
-case "${PART:?PART=tests|data|train|eval|lengths|chat}" in
+case "${PART:?PART=tests|data|train|resume|eval|lengths|chat}" in
   tests)
     bash dev/stage_gguf.sh
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
@@ -66,6 +67,9 @@ case "${PART:?PART=tests|data|train|eval|lengths|chat}" in
     STEP=train TRAIN_ONLY=1 TRAIN_TIMEOUT=$TRAIN_S STEPS=20000 CANDIDATES="long|$LONG_FLAGS" \
       OUT=$OUT/d bash dev/gpu_draft.sh 2>&1 | tail -22
     wait; tail -12 /tmp/fd_train.log ;;
+  resume)
+    OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
+      TRAIN_TIMEOUT=$TRAIN_S TRAIN_ONLY=1 RESUME=1 bash dev/gpu_feature.sh 2>&1 | tail -12 ;;
   eval)
     ( OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
         SKIP_TRAIN=1 BENCH_TIMEOUT=1 \
@@ -86,5 +90,5 @@ EOF2
     timeout 540 python3 tools/bench.py --device cuda --target smollm2-135m --prompts-file /tmp/chat24.jsonl \
       --chat --modes "${MODES:-ar,sd,sd:draft=$NEW,ssd:draft=$NEW,sd:draft=$FD,ssd:draft=$FD}" \
       --max-new-tokens 256 --k 3 --n-prompts 24 --json "$OUT/chat.json" 2>&1 | $F | tail -40 ;;
-  *) echo "PART must be tests, data, train, eval, lengths or chat"; exit 2 ;;
+  *) echo "PART must be tests, data, train, resume, eval, lengths or chat"; exit 2 ;;
 esac

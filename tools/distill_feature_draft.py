@@ -19,6 +19,13 @@ or copied, and feature_distill.json (the run's settings and evaluations).
         --data-from data.safetensors --layers 1 --init-layer-from-target 29 --max-mb 16
     python -m tools.distill.feature_eval --draft runs/feature --target smollm2-135m \
         --data-from data.safetensors
+
+A run may span several calls (each under its own time limit) with one schedule: the first gets
+the whole run's ``--train-budget`` and ``--stop-after`` (seconds, or ``--stop-after-steps``);
+where it stops before its schedule ends it writes the draft trained so far and the run's state
+(``--work-dir``, default OUT.work: the tensors, the optimizer, the step, the data's place) and
+``--resume --work-dir DIR --out OUT`` goes on with the same schedule, from the same optimizer,
+as if it had not stopped (no fresh warm-up, unlike ``--init-from``).
 """
 
 from __future__ import annotations
@@ -77,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="target checkpoint (name, HF dir "
                    "or .gguf)")
     p.add_argument("--out", required=True, help="output feature draft directory")
-    p.add_argument("--data-from", required=True,
-                   help="data.safetensors of tools/distill_data.py gen (train and held-out)")
+    p.add_argument("--data-from", default=None,
+                   help="data.safetensors of tools/distill_data.py gen (train and held-out); "
+                        "required but with --resume")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft")
     p.add_argument("--features", choices=tuple(FEATURE_KINDS), default=None,
                    help="the target features the draft reads: last (the last layer's output "
@@ -110,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock seconds for the whole run from its start: after timing its "
                         "first steps the run cuts its step count once to what fits, so its "
                         "schedule ends (and the draft is written) on time")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="end this call after SECONDS from its start even if the schedule goes "
+                        "on: the draft so far is written and the run's state kept in --work-dir "
+                        "for --resume")
+    p.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
+                   help="end this call after N steps, as --stop-after")
+    p.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="where a stopped run keeps its state (default: OUT.work)")
+    p.add_argument("--resume", action="store_true", default=False,
+                   help="go on with the run stopped in --work-dir: its settings, schedule, "
+                        "optimizer and data order (this call's --out, --device, --stop-after* "
+                        "and --work-dir apply; every other option is the run's)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--long-seq-len", type=int, default=None, metavar="N",
@@ -146,15 +166,52 @@ def fmt_eval(r: dict) -> str:
     return f"step {r['step']:>6}  KL/agreement by unroll depth: {depths}"
 
 
+# what a --resume call sets itself; every other option is the stopped run's
+RESUME_OWN = ("out", "work_dir", "resume", "stop_after", "stop_after_steps", "device")
+STATE_FILE, RUN_FILE = "state.pt", "run.json"
+
+
+def _resumed_args(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, dict]:
+    """--resume: the stopped run's options (with this call's RESUME_OWN), its record and its
+    state; SystemExit naming what is missing."""
+    run_path = os.path.join(args.work_dir, RUN_FILE)
+    state_path = os.path.join(args.work_dir, STATE_FILE)
+    if not (os.path.isfile(run_path) and os.path.isfile(state_path)):
+        raise SystemExit(f"--resume: no stopped run in {args.work_dir} (it holds no "
+                         f"{RUN_FILE} and {STATE_FILE})")
+    with open(run_path) as f:
+        record = json.load(f)
+    merged = dict(record["args"])
+    merged.update({k: getattr(args, k) for k in RESUME_OWN})
+    if isinstance(merged.get("fused_layers"), list):  # saved as read from the draft
+        merged["fused_layers"] = ",".join(str(i) for i in merged["fused_layers"])
+    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    return argparse.Namespace(**merged), record, state
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    args.work_dir = args.work_dir or args.out.rstrip("/\\") + ".work"
+    record, state = {}, None
+    if args.resume:
+        args, record, state = _resumed_args(args)
+    elif args.data_from is None:
+        raise SystemExit("--data-from is required (a data.safetensors of tools/distill_data.py "
+                         "gen)")
     if args.train_budget is not None and args.train_budget <= 0:
         raise SystemExit(f"--train-budget must be positive, got {args.train_budget}")
-    # the steps it times come after the first short and long batches (their compiles)
+    for flag, value in (("--stop-after", args.stop_after),
+                        ("--stop-after-steps", args.stop_after_steps)):
+        if value is not None and not value > 0:
+            raise SystemExit(f"{flag} must be positive, got {value}")
+    # the steps it times come after the first short and long batches (their compiles); a
+    # resumed run's schedule was cut by its first call
     skip = 3 + (max(args.long_every, 1) if args.long_seq_len else 0)
     budget = StepBudget(args.train_budget, skip=skip, on_decide=lambda r: print(
         f"train budget {r['seconds']:.0f} s: {1e3 * r['seconds_per_step']:.1f} ms a step, "
-        f"steps cut from {r['steps_before']} to {r['steps']}")) if args.train_budget else None
+        f"steps cut from {r['steps_before']} to {r['steps']}")) if (
+        args.train_budget and state is None) else None
     if args.layers < 1:
         raise SystemExit(f"--layers must be at least 1, got {args.layers}")
     try:
@@ -194,7 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
             long_batch = args.long_batch or max(1, args.batch * args.seq_len // args.long_seq_len)
             batcher = mixed_batcher(train_docs, args.seq_len, args.batch, args.long_seq_len,
                                     long_batch, args.long_every, args.seed, separator)
-        if args.init_from:
+        if state is not None:  # the stopped run's draft: its shape here, its tensors below
+            with torch.device(device):
+                draft = FeatureDraft.for_target(teacher, args.layers, max_positions, spec)
+        elif args.init_from:
             if args.init_layer_from_target is not None:
                 raise ValueError("--init-from and --init-layer-from-target exclude each other")
             draft = load_feature_draft(args.init_from, ck, teacher, device, torch.float32,
@@ -208,9 +268,10 @@ def main(argv: list[str] | None = None) -> dict:
                 draft = FeatureDraft.for_target(teacher, args.layers, max_positions, spec)
         args.features = next(k for k, v in FEATURE_KINDS.items() if v == draft.feature.kind)
         args.fused_layers = None if draft.feature.layers is None else list(draft.feature.layers)
-        gain = fixed_gain if fixed_gain is not None else token_gain_for(
-            draft, teacher, rows[:8].to(device))
-        if not args.init_from:
+        gain = record["token_gain"] if state is not None else (
+            fixed_gain if fixed_gain is not None else token_gain_for(
+                draft, teacher, rows[:8].to(device)))
+        if not args.init_from and state is None:
             init_feature_draft(draft, teacher, args.seed, args.init_layer_from_target, gain)
         mb = check_max_mb(draft, storage, args.max_mb)
         settings = FeatureTrainSettings(
@@ -237,8 +298,27 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     trainer = FeatureTrainer(draft, teacher, batcher, held_out, settings)
-    history = trainer.run(on_step, lambda r: print("eval " + fmt_eval(r)), budget)
-    train_s = time.perf_counter() - t0
+    rows_count = int(rows.shape[0])
+    if state is not None:
+        if state.get("rows") != rows_count:
+            raise SystemExit(f"--resume: {args.data_from} now packs into {rows_count} rows, the "
+                             f"stopped run's into {state.get('rows')}: not the same data")
+        try:
+            trainer.restore(state)
+        except ValueError as e:
+            raise SystemExit(f"--resume: {e}") from None
+        print(f"resumed at step {trainer.step} of {trainer.s.steps}")
+    first_step = trainer.step
+
+    def stop(step: int) -> bool:
+        return ((args.stop_after is not None and time.perf_counter() - t_start >= args.stop_after)
+                or (args.stop_after_steps is not None
+                    and step - first_step >= args.stop_after_steps))
+
+    stopped: dict = {}
+    history = trainer.run(on_step, lambda r: print("eval " + fmt_eval(r)), budget, stop=stop,
+                          on_stop=lambda st: stopped.update(st, rows=rows_count))
+    train_s = time.perf_counter() - t0 + record.get("train_seconds", 0.0)
     ref = tokenizer_source(args.target, ck) if args.target in registry.names() else None
     try:
         size = save_feature_draft(draft, args.out, storage, ref, args.max_mb)
@@ -246,11 +326,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(str(e)) from None
     if ref is None:
         models.copy_tokenizer(ck, args.out)
-    report = {"command": " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    command = " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    report = {"command": command, "commands": [*record.get("commands", []), command],
               "args": vars(args), "token_gain": gain, "safetensors_bytes": size,
               "train_seconds": round(train_s, 1), "history": history}
     with open(os.path.join(args.out, "feature_distill.json"), "w") as f:
         json.dump(report, f, indent=2)
+    if stopped:  # the schedule goes on in a later call
+        os.makedirs(args.work_dir, exist_ok=True)
+        torch.save(stopped, os.path.join(args.work_dir, STATE_FILE + ".tmp"))
+        os.replace(os.path.join(args.work_dir, STATE_FILE + ".tmp"),
+                   os.path.join(args.work_dir, STATE_FILE))
+        with open(os.path.join(args.work_dir, RUN_FILE), "w") as f:
+            json.dump({k: report[k] for k in ("commands", "args", "token_gain", "train_seconds")},
+                      f, indent=2)
+        print(f"stopped at step {trainer.step} of {trainer.s.steps}: the draft so far is in "
+              f"{args.out}; go on with --resume --work-dir {args.work_dir} --out DIR")
     last = history[-1]
     print(f"done: step {trainer.step}, held-out KL {last['kl'][0]:.4f} with the target's "
           f"features, {last['kl'][-1]:.4f} at unroll depth {len(last['kl']) - 1}; wrote "

@@ -54,3 +54,29 @@ def test_gpu_feature_dry_run(tmp_path):
     assert "| chat | 0 |" in log  # the engine's acceptance table
     bench = json.loads((out / "bench_feature.json").read_text())
     assert [row["mode"] for row in bench["rows"]][:2] == ["ar", f"sd:draft={fd}"]
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_gpu_feature_training_over_two_calls(tmp_path):
+    """A run stopped in its first call (here after 2 of 4 steps) goes on in the next with
+    RESUME=1, to the end of its schedule."""
+    from ssdlib.loading import load_checkpoint
+
+    target = make_tiny_chat_model(str(tmp_path / "target"))
+    vocab = load_checkpoint(target).config.vocab_size
+    data = tmp_path / "data.safetensors"
+    save_splits(str(data), docs(24, 40, vocab, 0), docs(4, 40, vocab, 1))
+    fd, out = tmp_path / "fd", tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": REPO, "DEVICE": "cpu", "TARGET": target,
+           "DATA": str(data), "HUMANEVAL": "unused", "STEPS": "4", "TRAIN_TIMEOUT": "150",
+           "TRAIN_FLAGS": "--layers 1 --batch 4 --seq-len 32 --ttt-steps 2 --stop-after-steps 2",
+           "FD": str(fd), "OUT": str(out), "TRAIN_ONLY": "1"}
+    for resume in ("0", "1"):
+        r = subprocess.run(["bash", "dev/gpu_feature.sh"], cwd=REPO,
+                           env={**env, "RESUME": resume}, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (out / "feature.log").read_text()
+    assert "stopped at step 2 of 4" in log and "resumed at step 2 of 4" in log, log
+    report = json.loads((fd / "feature_distill.json").read_text())
+    assert report["history"][-1]["step"] == 4 and len(report["commands"]) == 2

@@ -297,3 +297,48 @@ def test_cli_continues_a_draft_it_wrote(setup, tmp_path):
     with pytest.raises(SystemExit, match="exclude each other"):
         main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--init-from", str(first),
                        "--init-layer-from-target", "0"])
+
+
+def test_a_stopped_run_goes_on_with_resume_as_if_it_had_not_stopped(setup, tmp_path, capsys):
+    """--stop-after-steps ends a call early, keeping the run's state; --resume goes on with the
+    same schedule, optimizer and data order: the draft it writes is the uninterrupted run's,
+    tensor for tensor (CPU, float32; the token gain included; fused features:
+    tests/tools/test_fused_feature_train.py)."""
+    target, _, data = setup
+    common = ["--target", target, "--data-from", data, "--device", "cpu", "--batch", "4",
+              "--seq-len", str(SEQ), "--ttt-steps", "2", "--lr", "3e-3", "--eval-every", "0",
+              "--steps", "9", "--warmup", "3", "--init-layer-from-target", "1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    a = main(common + ["--out", str(whole)])
+    first = main(common + ["--out", str(split), "--stop-after-steps", "4"])
+    assert [h["step"] for h in first["history"]] == [0, 4]
+    assert "go on with --resume" in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "split.work" / "state.pt")
+    b = main(["--resume", "--work-dir", str(tmp_path / "split.work"), "--out", str(split),
+              "--device", "cpu"])
+    assert "resumed at step 4 of 9" in capsys.readouterr().out
+    assert [h["step"] for h in b["history"]] == [0, 4, 9]
+    assert b["history"][-1] == a["history"][-1]
+    assert len(b["commands"]) == 2 and b["args"]["steps"] == 9
+    wa, wb = load_file(str(whole / "model.safetensors")), load_file(str(split / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(SystemExit, match="no stopped run"):
+        main(["--resume", "--work-dir", str(tmp_path / "nothing"), "--out", str(split)])
+
+
+def test_resume_refuses_other_data(setup, tmp_path):
+    target, teacher, data = setup
+    common = ["--target", target, "--device", "cpu", "--batch", "4", "--seq-len", str(SEQ),
+              "--ttt-steps", "1", "--eval-every", "0", "--steps", "6"]
+    first = tmp_path / "d"
+    main(common + ["--data-from", data, "--out", str(first), "--stop-after-steps", "2"])
+    other = str(tmp_path / "other.safetensors")
+    save_splits(other, sample_docs(teacher, 48, SEQ, seed=5), sample_docs(teacher, 8, SEQ, 6))
+    run = json.loads((tmp_path / "d.work" / "run.json").read_text())
+    run["args"]["data_from"] = other  # as if the data file had been replaced
+    (tmp_path / "d.work" / "run.json").write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match="not the same data"):
+        main(["--resume", "--work-dir", str(tmp_path / "d.work"), "--out", str(first)])
+    with pytest.raises(SystemExit, match="--stop-after-steps must be positive"):
+        main(common + ["--data-from", data, "--out", str(tmp_path / "x"),
+                       "--stop-after-steps", "0"])

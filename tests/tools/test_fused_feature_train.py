@@ -120,3 +120,20 @@ def test_the_size_limit_counts_fuse(setup, tmp_path):
     main(common + ["--out", str(tmp_path / "plain")])
     with pytest.raises(SystemExit, match="more than the limit"):
         main(common + ["--out", str(tmp_path / "fused"), "--features", "fused"])
+
+
+def test_a_stopped_fused_run_resumes_with_its_layers(setup, tmp_path):
+    """--resume of a fused draft's run: the kind and the layers come from the stopped run, and
+    the draft it writes is the uninterrupted run's, tensor for tensor."""
+    target, _, data = setup
+    common = ["--target", target, "--data-from", data, "--device", "cpu", "--batch", "4",
+              "--seq-len", str(SEQ), "--eval-every", "0", "--eval-batch", "4", "--steps", "6",
+              "--features", "fused", "--fused-layers", "0,2,3"]
+    main(common + ["--out", str(tmp_path / "whole")])
+    main(common + ["--out", str(tmp_path / "split"), "--stop-after-steps", "3"])
+    b = main(["--resume", "--work-dir", str(tmp_path / "split.work"),
+              "--out", str(tmp_path / "split")])
+    assert b["args"]["fused_layers"] == [0, 2, 3] and b["history"][-1]["step"] == 6
+    wa = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -302,10 +302,15 @@ class FeatureTrainer:
         return result
 
     def run(self, on_step: Callable[[int, torch.Tensor], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None, budget=None) -> list[dict]:
+            on_eval: Callable[[dict], None] | None = None, budget=None,
+            stop: Callable[[int], bool] | None = None,
+            on_stop: Callable[[dict], None] | None = None) -> list[dict]:
         """Evaluate, train to ``steps`` (evaluating every ``eval_every`` steps and at the end);
         returns the evaluations. ``budget`` (a ``tools.distill.budget.StepBudget``) may lower
-        ``steps`` once, early, so that the run ends on time (its schedule with it)."""
+        ``steps`` once, early, so that the run ends on time (its schedule with it). ``stop``
+        (asked before each step with the step count) ends the run early, after an evaluation;
+        ``on_stop`` then gets :meth:`state`, from which a later :meth:`restore` goes on with
+        the same schedule."""
         s = self.s
         self._gain(True)
         try:
@@ -316,6 +321,8 @@ class FeatureTrainer:
                     budget.before_step([self])
                     if self.done:
                         break
+                if stop is not None and stop(self.step):
+                    break
                 loss = self.train_on(self.batcher.next().to(self.device))
                 if on_step:
                     on_step(self.step, loss)
@@ -323,9 +330,41 @@ class FeatureTrainer:
                     self._evaluate(on_eval)
             if self.history[-1]["step"] != self.step:
                 self._evaluate(on_eval)
+            if not self.done and on_stop is not None:
+                on_stop(self.state())  # fc as the optimizer sees it: through the token gain
         finally:  # the draft leaves as it is stored: a plain fc
             self._gain(False)
         return self.history
+
+    # -- a run over several calls --------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything the next step depends on (on the CPU): the trained tensors as the optimizer
+        holds them (fc's through the token gain, so no rounding comes between the calls), the
+        optimizer's moments, the step and the schedule's length, the batcher's place, the
+        evaluations so far."""
+        return {"step": self.step, "steps": self.s.steps,
+                "params": {n: p.detach().to("cpu", copy=True)
+                           for n, p in self.draft.named_parameters()},
+                "optimizer": self.opt.state_dict(), "batcher": self.batcher.state(),
+                "history": list(self.history), "rng_cpu": torch.get_rng_state()}
+
+    def restore(self, state: dict) -> None:
+        """Go on from :meth:`state` of a run of the same draft, settings and data: the draft's
+        tensors, the optimizer, the step, the schedule's length and the batcher's place."""
+        self._gain(True)
+        params = dict(self.draft.named_parameters())
+        saved = state["params"]
+        if set(params) != set(saved) or any(saved[n].shape != p.shape for n, p in params.items()):
+            raise ValueError("the saved run's draft is not this one (its tensors "
+                             f"{sorted(saved)} against {sorted(params)})")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+        self.opt.load_state_dict(state["optimizer"])
+        self.batcher.restore(state["batcher"])
+        self.step, self.s.steps = int(state["step"]), int(state["steps"])
+        self.history = list(state["history"])
+        torch.set_rng_state(state["rng_cpu"])
 
     def _evaluate(self, on_eval: Callable[[dict], None] | None) -> None:
         result = self.run_eval()
