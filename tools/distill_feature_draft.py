@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
                       f, indent=2)
         print(f"stopped at step {trainer.step} of {trainer.s.steps}: the draft so far is in "
               f"{args.out}; go on with --resume --work-dir {args.work_dir} --out DIR")
+    elif state is not None:  # the resumed run is complete: nothing is left to go on with
+        for name in (STATE_FILE, RUN_FILE):
+            os.remove(os.path.join(args.work_dir, name))
     last = history[-1]
     print(f"done: step {trainer.step}, held-out KL {last['kl'][0]:.4f} with the target's "
           f"features, {last['kl'][-1]:.4f} at unroll depth {len(last['kl']) - 1}; wrote "

@@ -320,6 +320,7 @@ def test_a_stopped_run_goes_on_with_resume_as_if_it_had_not_stopped(setup, tmp_p
     assert [h["step"] for h in b["history"]] == [0, 4, 9]
     assert b["history"][-1] == a["history"][-1]
     assert len(b["commands"]) == 2 and b["args"]["steps"] == 9
+    assert not os.path.exists(tmp_path / "split.work" / "state.pt")  # complete: nothing to resume
     wa, wb = load_file(str(whole / "model.safetensors")), load_file(str(split / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(SystemExit, match="no stopped run"):
