@@ -12,7 +12,7 @@ import torch
 
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
-from ssdlib.errors import ConfigError
+from ssdlib.errors import ConfigError, require_int
 from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.loading.registry import default_draft
 from ssdlib.speculative.fanout import parse_fanout
@@ -119,12 +119,9 @@ class EngineConfig:
                               f"got {self.speculator_placement!r}")
         for name, flag, low in (("max_batch", "--max-batch", 1), ("max_len", "--max-len", 8),
                                 ("fan_out_budget", "--fan-out-budget", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
-        if self.threads is not None and (isinstance(self.threads, bool)
-                                         or not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"--threads must be an integer >= 1, got {self.threads!r}")
+            require_int(flag, getattr(self, name), low)
+        if self.threads is not None:
+            require_int("--threads", self.threads, 1)
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         self._check_fan_out()
