@@ -31,7 +31,8 @@ export PYTHONUNBUFFERED=1
 case "$DATA" in *.gz) gunzip -c "$DATA" > /tmp/feature_data.safetensors; DATA=/tmp/feature_data.safetensors ;; esac
 say() { echo "[gpu_feature $(date +%T)] $*" | tee -a "$LOG"; }
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
-say "train: $STEPS steps, $TRAIN_FLAGS"
+if [ "${RESUME:-0}" = 1 ]; then say "train: the run stopped in $FD.work goes on"
+else say "train: $STEPS steps, $TRAIN_FLAGS"; fi
 # shellcheck disable=SC2086
 if [ "${RESUME:-0}" = 1 ]; then
   TRAIN_CMD=(--resume --work-dir "$FD.work" --out "$FD" --device "$DEVICE")

@@ -3,8 +3,10 @@
 Shared by ``dev/op_count.py`` (counts each step's device ops, CPU is enough) and
 ``dev/step_times.py`` (times each step on a GPU, eagerly and as one graph replay, and lists
 a step's kernels). A step is what one role runs once a round: the target's verify forward
-(K + 1 queries a row) and the acceptance after it, SD's proposal and verify round as the leader
-runs them (host inputs packed and copied, the captured steps replayed, the outcome read back), the draft's decode step, SD's draft chain
+(K + 1 queries a row; again with a feature draft's features kept, as the engine's target does
+beside one) and the acceptance after it, SD's proposal and verify round as the leader
+runs them (host inputs packed and copied, the captured steps replayed, the outcome read back;
+also with features kept), the draft's decode step, SD's draft chain
 (greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
 continue a hit), the speculator's whole round as its rank runs it (``speculator_rounds.py``:
 OUTCOME in, answer, build, CACHE read on the leader's host; greedy and T = 0.7) and the sampled
@@ -61,11 +63,11 @@ def add_step_args(ap) -> None:
     ap.add_argument("--batch", type=int, default=1)
 
 
-def _runner(ck, device, dtype, n_slots: int, tree_len: int):
+def _runner(ck, device, dtype, n_slots: int, tree_len: int, features=False):
     from ssdlib.engine.runner.model_runner import ModelRunner
 
     r = ModelRunner(ck, None, device, dtype, n_slots=n_slots, max_len=256, tree_len=tree_len,
-                    cuda_graphs=torch.device(device).type == "cuda")
+                    cuda_graphs=torch.device(device).type == "cuda", features=features)
     r.use_kernel = True  # the hot path's attention: one slot-attention op a layer
     return r
 
@@ -110,6 +112,15 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         out["logits"] = tr.step_model(ids, tr.cache, meta)
         return out["logits"]
     steps["target verify forward"] = Step(verify_fwd, True)
+    # the same forward where a feature draft reads the target: it also keeps the features of
+    # the fed positions (fused: three layers' outputs; last_prenorm below 4 layers)
+    from ssdlib.models.feature_spec import FeatureSpec
+
+    n_layers = tck.config.num_hidden_layers
+    spec = FeatureSpec.fused(n_layers) if n_layers >= 4 else FeatureSpec()
+    ftr = _runner(tck, dev, dtype, b, 0, features=spec)
+    steps[f"target verify forward, {spec.kind} features kept"] = Step(
+        lambda: ftr.step_model(ids, ftr.cache, meta), True)
     drafts = ids[:, 1:]
     steps["acceptance, greedy"] = Step(lambda: verify_greedy(drafts, out["logits"]), True)
     q = torch.softmax(torch.randn(b, K, V, device=dev), -1)
@@ -139,6 +150,9 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
     steps[f"SD draft proposal, engine path ({K} tokens)"] = Step(propose, False)
     steps["SD verify round, engine path (greedy, read back)"] = Step(
         lambda: read_round(proposed["tokens"], verify_round(tr, greedy_rows, proposed["tokens"],
+                                                            None, dev)), False)
+    steps[f"SD verify round, engine path, {spec.kind} features kept"] = Step(
+        lambda: read_round(proposed["tokens"], verify_round(ftr, greedy_rows, proposed["tokens"],
                                                             None, dev)), False)
     # -- the draft: decode step, SD's chain, the speculator's build ---------------------------
     fan = tuple(geometric_fanout(budget, K, 0.7, 1.0))

@@ -18,7 +18,7 @@ def test_every_step_timed_on_cpu(tiny_dirs, tmp_path, capsys):
     res = json.loads(out.read_text())
     printed = capsys.readouterr().out
     names = list(res["steps"])
-    assert names[0] == "target verify forward" and len(names) == 15
+    assert names[0] == "target verify forward" and len(names) == 17
     for name, r in res["steps"].items():
         assert r["eager_ms"] > 0 and r["graph_ms"] is None
         if name.startswith("speculator round"):
