@@ -72,6 +72,7 @@ from tools.distill.sources import (OPENER_SETS, SourceSettings, build_splits,  #
                                    parse_sources)
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.lockstep import Hooks, run_lockstep  # noqa: E402
+from tools.distill.run_state import RunStateError  # noqa: E402
 from tools.distill.train import LOSSES, Trainer, TrainSettings  # noqa: E402
 
 # Options a resumed run may change; every other option comes from the run being resumed.
@@ -499,7 +500,10 @@ def build_candidate(args, shared: Shared, say=print) -> Candidate:
     trainer = Trainer(draft, shared.teacher, shared.batcher, shared.held_docs, settings,
                       args.work_dir)
     if args.resume:
-        trainer.load()
+        try:
+            trainer.load()
+        except RunStateError as e:
+            raise SystemExit(f"--resume: {e}") from None
         say(f"resumed at step {trainer.step} (batches: {shared.batcher.state()})")
     return Candidate(args, dcfg, n_params, draft, trainer, ck)
 

@@ -50,8 +50,11 @@ from ssdlib.models.feature_spec import FUSED, LAST_PRENORM, FeatureSpec  # noqa:
 from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
-from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
-                                         init_feature_draft, token_gain_for)
+from tools.distill.feature_train import (FEATURE_KEYS, FeatureTrainer,  # noqa: E402
+                                         FeatureTrainSettings, init_feature_draft,
+                                         token_gain_for)
+from tools.distill.run_state import (SHARED_KEYS, RunStateError, read_state,  # noqa: E402
+                                     write_state)
 from tools.distill.train import LOSSES  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -169,6 +172,8 @@ def fmt_eval(r: dict) -> str:
 # what a --resume call sets itself; every other option is the stopped run's
 RESUME_OWN = ("out", "work_dir", "resume", "stop_after", "stop_after_steps", "device")
 STATE_FILE, RUN_FILE = "state.pt", "run.json"
+# what STATE_FILE holds: the trainer's state and the number of training rows it was packed into
+STATE_KEYS = (*SHARED_KEYS, *FEATURE_KEYS, "rows")
 
 
 def _resumed_args(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, dict]:
@@ -185,7 +190,10 @@ def _resumed_args(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, d
     merged.update({k: getattr(args, k) for k in RESUME_OWN})
     if isinstance(merged.get("fused_layers"), list):  # saved as read from the draft
         merged["fused_layers"] = ",".join(str(i) for i in merged["fused_layers"])
-    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    try:
+        state = read_state(state_path, STATE_KEYS)
+    except RunStateError as e:
+        raise SystemExit(f"--resume: {e}") from None
     return argparse.Namespace(**merged), record, state
 
 
@@ -333,10 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     with open(os.path.join(args.out, "feature_distill.json"), "w") as f:
         json.dump(report, f, indent=2)
     if stopped:  # the schedule goes on in a later call
-        os.makedirs(args.work_dir, exist_ok=True)
-        torch.save(stopped, os.path.join(args.work_dir, STATE_FILE + ".tmp"))
-        os.replace(os.path.join(args.work_dir, STATE_FILE + ".tmp"),
-                   os.path.join(args.work_dir, STATE_FILE))
+        write_state(stopped, os.path.join(args.work_dir, STATE_FILE))
         with open(os.path.join(args.work_dir, RUN_FILE), "w") as f:
             json.dump({k: report[k] for k in ("commands", "args", "token_gain", "train_seconds")},
                       f, indent=2)

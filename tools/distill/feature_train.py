@@ -52,6 +52,7 @@ from torch.nn.utils import parametrize
 
 from ssdlib.models.feature_draft import FeatureDraft
 from tools.distill.data import Batcher, Docs
+from tools.distill.run_state import SHARED_KEYS, capture_shared, require_keys, restore_shared
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
                                  kl_from_log_probs, kl_per_position, optimizer_step,
                                  teacher_log_probs)
@@ -234,6 +235,9 @@ def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
     return {"kl": (kl / n_safe).tolist(), "agreement": (agree / n_safe).tolist(), "positions": n}
 
 
+FEATURE_KEYS = ("steps", "params")  # a FeatureTrainer's own keys in its run state
+
+
 class FeatureTrainer:
     """A feature draft's optimisation against its target (the teacher) on ``batcher``'s rows,
     evaluated on ``held_out`` documents."""
@@ -338,19 +342,21 @@ class FeatureTrainer:
 
     # -- a run over several calls --------------------------------------------------------------
     def state(self) -> dict:
-        """Everything the next step depends on (on the CPU): the trained tensors as the optimizer
-        holds them (fc's through the token gain, so no rounding comes between the calls), the
-        optimizer's moments, the step and the schedule's length, the batcher's place, the
-        evaluations so far."""
-        return {"step": self.step, "steps": self.s.steps,
+        """Everything the next step depends on (on the CPU): the shared part of a run state
+        (``tools.distill.run_state``: the step, the optimizer's moments, the batcher's place, the
+        evaluations so far, the RNG states), the schedule's length and the trained tensors as
+        the optimizer holds them (fc's through the token gain, so no rounding comes between the
+        calls)."""
+        return {**capture_shared(self.step, self.opt, self.batcher, self.history),
+                "steps": self.s.steps,
                 "params": {n: p.detach().to("cpu", copy=True)
-                           for n, p in self.draft.named_parameters()},
-                "optimizer": self.opt.state_dict(), "batcher": self.batcher.state(),
-                "history": list(self.history), "rng_cpu": torch.get_rng_state()}
+                           for n, p in self.draft.named_parameters()}}
 
     def restore(self, state: dict) -> None:
         """Go on from :meth:`state` of a run of the same draft, settings and data: the draft's
-        tensors, the optimizer, the step, the schedule's length and the batcher's place."""
+        tensors, the optimizer, the step, the schedule's length and the batcher's place.
+        ValueError (a RunStateError where a key is missing) when it is not such a state."""
+        require_keys(state, (*SHARED_KEYS, *FEATURE_KEYS), "the saved run's state")
         self._gain(True)
         params = dict(self.draft.named_parameters())
         saved = state["params"]
@@ -360,11 +366,8 @@ class FeatureTrainer:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(saved[n])
-        self.opt.load_state_dict(state["optimizer"])
-        self.batcher.restore(state["batcher"])
-        self.step, self.s.steps = int(state["step"]), int(state["steps"])
-        self.history = list(state["history"])
-        torch.set_rng_state(state["rng_cpu"])
+        self.step, self.history = restore_shared(state, self.opt, self.batcher)
+        self.s.steps = int(state["steps"])
 
     def _evaluate(self, on_eval: Callable[[dict], None] | None) -> None:
         result = self.run_eval()

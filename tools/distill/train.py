@@ -9,8 +9,9 @@ own output: KL, greedy agreement (draft argmax == target argmax, the per-token g
 rate) and sampled acceptance (1 - TVD at temperature 1).
 
 A checkpoint holds everything the next step depends on (weights, optimizer, step, RNG states, the
-batcher's position), so ``--resume`` continues the same run. Frozen parameters (a draft's shared
-target embedding) are not in it: they are set from the target again before resuming.
+batcher's position; its shape: ``tools/distill/run_state.py``), so ``--resume`` continues the same
+run. Frozen parameters (a draft's shared target embedding) are not in it: they are set from the
+target again before resuming.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from tools.distill.data import SOURCES, Batcher, Docs
+from tools.distill.run_state import (SHARED_KEYS, capture_shared, read_state, restore_shared,
+                                     write_state)
 
 STATE_FILE = "last.pt"
+TRAINER_KEYS = ("tokens_seen", "model")  # a Trainer's own keys in its run state
 
 
 @dataclass
@@ -206,36 +210,26 @@ class Trainer:
         return os.path.join(self.state_dir, STATE_FILE)
 
     def save(self) -> None:
-        state = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "model": {k: v for k, v in self.draft.state_dict().items()
-                      if k not in self._frozen_names()},
-            "optimizer": self.opt.state_dict(),
-            "batcher": self.batcher.state(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "history": self.history,
-        }
-        os.makedirs(self.state_dir, exist_ok=True)
-        torch.save(state, self.state_path + ".tmp")
-        os.replace(self.state_path + ".tmp", self.state_path)
+        """Write the run's state to ``state_path`` (``tools.distill.run_state``): the shared
+        part, the tokens seen and the draft's state dict less its frozen parameters."""
+        frozen = self._frozen_names()
+        write_state({**capture_shared(self.step, self.opt, self.batcher, self.history),
+                     "tokens_seen": self.tokens_seen,
+                     "model": {k: v for k, v in self.draft.state_dict().items()
+                               if k not in frozen}},
+                    self.state_path)
 
     def load(self) -> None:
-        state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+        """Go on from :meth:`save`'s state in ``state_path``: RunStateError naming the file
+        when it is missing or unreadable, RuntimeError when it is another draft's."""
+        state = read_state(self.state_path, (*SHARED_KEYS, *TRAINER_KEYS))
         frozen = self._frozen_names()
         missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
         if unexpected or set(missing) - frozen:
             raise RuntimeError(f"{self.state_path}: does not match the draft (missing "
                                f"{sorted(set(missing) - frozen)}, unexpected {unexpected})")
-        self.opt.load_state_dict(state["optimizer"])
-        self.batcher.restore(state["batcher"])
-        self.step = int(state["step"])
+        self.step, self.history = restore_shared(state, self.opt, self.batcher)
         self.tokens_seen = int(state["tokens_seen"])
-        self.history = list(state["history"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
 
     def _frozen_names(self) -> set[str]:
         """State-dict names of parameters frozen from the start (all aliases: a tied head
