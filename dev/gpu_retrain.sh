@@ -7,6 +7,9 @@
 #                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill;
 #                EXTRA_DATA="a.safetensors.gz ..." (sets of earlier seeds, carried) are merged
 #                in (tools/distill_data.py merge: held-out documents stay unseen)
+#   PART=merge   no sampling: the sets carried so far (.stage/data*.safetensors.gz, any call
+#                may carry one: every call keeps them in /tmp/distill/sets) merged into
+#                /tmp/distill/data.safetensors, the training set of PART=train
 #   PART=train   the default draft continued with long rows (tools/distill_draft.py
 #                --long-seq-len, its window kept) and the feature draft continued
 #                (tools/distill_feature_draft.py), side by side on the GPU; FD_ONLY=1: the
@@ -34,14 +37,16 @@ LONG_FLAGS="$LONG_FLAGS --long-seq-len 4096 --long-batch 4 --long-every 4"
 FD_FLAGS="--init-from ssdlib/assets/smollm2-135m-eagle --ttt-steps 3 --batch 16 --seq-len 512"
 FD_FLAGS="$FD_FLAGS --lr ${FD_LR:-8e-4} --warmup 100 --long-seq-len 4096 --long-every 4 --token-gain auto"
 F="grep -v ^\[rank\|WARN"
-case "${PART:?PART=tests|data|train|resume|eval|lengths|chat}" in
+# data sets carried by this call stay on the machine for PART=merge
+mkdir -p /tmp/distill/sets && cp .stage/data*.safetensors.gz /tmp/distill/sets/ 2>/dev/null
+case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
   tests)
     bash dev/stage_gguf.sh
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
     timeout "${TEST_S:-420}" python3 -m pytest -q -p no:logging -k cuda \
       tests/engine/test_feature_draft_ssd.py tests/engine/test_feature_draft_sd.py \
       tests/distributed/test_stream_placement.py tests/engine/test_chained_sampling.py \
-      tests/engine/runner/test_step_graphs.py 2>&1 | $F | tail -15 ;;
+      tests/engine/runner/test_step_graphs.py --durations 12 2>&1 | $F | tail -30 ;;
   data)
     bash dev/stage_gguf.sh || exit 3
     STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} DATA_EXTRA="--seed $SEED" \
@@ -54,6 +59,15 @@ case "${PART:?PART=tests|data|train|resume|eval|lengths|chat}" in
       python3 tools/distill_data.py merge --out /tmp/distill/merged.safetensors "${sets[@]}" 2>&1 | tail -8 \
         && mv /tmp/distill/merged.safetensors /tmp/distill/data.safetensors
     fi ;;
+  merge)
+    bash dev/stage_gguf.sh || exit 3
+    sets=()
+    for f in /tmp/distill/sets/*.safetensors.gz; do
+      [ -e "$f" ] || continue
+      out=/tmp/distill/sets/$(basename "$f" .gz); [ -f "$out" ] || gunzip -c "$f" > "$out"; sets+=("$out")
+    done
+    [ ${#sets[@]} -gt 0 ] || { echo "merge: no data set carried (.stage/data*.safetensors.gz)"; exit 2; }
+    python3 tools/distill_data.py merge --out /tmp/distill/data.safetensors "${sets[@]}" 2>&1 | tail -8 ;;
   train)
     if [ "${FD_ONLY:-0}" = 1 ]; then
       OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
@@ -90,5 +104,5 @@ EOF2
     timeout 540 python3 tools/bench.py --device cuda --target smollm2-135m --prompts-file /tmp/chat24.jsonl \
       --chat --modes "${MODES:-ar,sd,sd:draft=$NEW,ssd:draft=$NEW,sd:draft=$FD,ssd:draft=$FD}" \
       --max-new-tokens 256 --k 3 --n-prompts 24 --json "$OUT/chat.json" 2>&1 | $F | tail -40 ;;
-  *) echo "PART must be tests, data, train, resume, eval, lengths or chat"; exit 2 ;;
+  *) echo "PART must be tests, data, merge, train, resume, eval, lengths or chat"; exit 2 ;;
 esac
