@@ -109,7 +109,7 @@ def answer(gen, args, params: SamplingParams, messages: list[dict], text: str,
     return turn + [{"role": "assistant", "content": "".join(pieces)}]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssdlib.chat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
@@ -117,7 +117,11 @@ def main(argv=None) -> int:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--metrics", action="store_true", help="print tok/s, acceptance, hit rate")
     p.add_argument("--debug", action="store_true")
-    return run_reporting(chat, p.parse_args(argv))
+    return p
+
+
+def main(argv=None) -> int:
+    return run_reporting(chat, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ssdlib.quick_exit import quick_exit
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssdlib.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
@@ -37,7 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-stream", action="store_true", help="print answers when complete")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def machine_info(args) -> dict:

@@ -49,7 +49,7 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
@@ -59,7 +59,11 @@ def main(argv=None) -> int:
     p.add_argument("--debug", action="store_true")
     add_engine_args(p)
     add_sampling_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return run_reporting(run, args, note="finished records are saved; rerun to resume")
 
 

@@ -555,7 +555,7 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
                   f"({100 * share:.0f}% of the build){tuned}")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
@@ -605,6 +605,11 @@ def parse_args(argv):
     p.add_argument("--json-token-ids", action="store_true",
                    help="keep each row's generated token ids in --json (to compare runs, e.g. "
                         "TP 2 with TP 1)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.passes != "auto" and args.passes < 1:
         p.error(f"--passes must be >= 1 or auto, got {args.passes}")

@@ -87,14 +87,18 @@ def convert(spec: str, out_dir: str, dtype: str = "float32", force: bool = False
         tokenizer.save_hf(out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .gguf file or a named checkpoint (e.g. smollm2-135m)")
     parser.add_argument("out_dir", help="output directory (created if missing)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="dtype of the written weights (default float32)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         convert(args.model, args.out_dir, args.dtype, args.force)
     except SSDError as e:

@@ -426,7 +426,7 @@ def inflate(src, out_dir: str, like: str | None = None, *, dtype: str = "bfloat1
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="named checkpoint (smollm2-135m), .gguf file or HF directory")
     parser.add_argument("out", help="output HF directory")
@@ -443,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mb", type=int, default=2048, help="max safetensors shard size")
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
     parser.add_argument("--dry-run", action="store_true", help="print the shape and counts only")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     sizes = dict(layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                  kv_heads=args.kv_heads, head_dim=args.head_dim)
     try:

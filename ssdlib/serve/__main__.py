@@ -36,7 +36,7 @@ progress = progress_logger()
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssdlib.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
@@ -61,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "wait while their steps are captured (seconds on a GPU)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class _StopRequested(BaseException):

@@ -258,7 +258,7 @@ def _pairs(items: list[str]) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("evaluate", help="tools/distill/evaluate.py's rows as JSON")
@@ -291,11 +291,23 @@ def main(argv: list[str] | None = None) -> None:
     k.add_argument("--same-as", default="smollm2-135m")
     k.add_argument("--target", default=None, help="where the tokenizer is read (default same-as)")
     k.add_argument("--with-tokenizer", action="store_true")
+    return p
+
+
+def _subcommand(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (its errors print that subcommand's usage)."""
+    sub = next(x for x in p._actions if isinstance(x, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     a = p.parse_args(argv)
 
     if a.cmd == "evaluate":
         from tools.distill import evaluate
 
+        e = _subcommand(p, "evaluate")
         rows = evaluate.run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens,
                             a.device, a.dtype, a.card,
                             lengths=evaluate.parse_lengths(e, a.lengths),

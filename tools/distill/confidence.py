@@ -116,7 +116,7 @@ def print_result(r: dict) -> None:
                       f"{ag} | {ac} |")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", action="append", required=True, help="a draft (repeat)")
@@ -124,7 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
     r = run(a.target, a.draft, a.humaneval, a.n_prompts, a.max_new_tokens)
     print_result(r)
     if a.json:

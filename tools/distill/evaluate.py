@@ -204,7 +204,7 @@ def parse_lengths_n(p: argparse.ArgumentParser, n: int | None) -> int | None:
     return n
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True)
     p.add_argument("--target", default="smollm2-135m")
@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="sd",
                    help="sd, ssd or sd,ssd: SSD's cached speculations were drafted while the "
                         "target verified (a feature draft's self-conditioned acceptance)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     a = p.parse_args(argv)
     lengths = parse_lengths(p, a.lengths)
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,

@@ -159,12 +159,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    from ssdlib.errors import CheckpointError
-    from ssdlib.loading import load_checkpoint
-    from ssdlib.loading.feature_draft import load_feature_draft
-    from tools.distill.data import load_splits
-    from tools.distill.models import STORAGE_DTYPES, load_teacher
+def build_parser() -> argparse.ArgumentParser:
+    from tools.distill.models import STORAGE_DTYPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="feature draft directory")
@@ -179,7 +175,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=tuple(STORAGE_DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from ssdlib.errors import CheckpointError
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from tools.distill.data import load_splits
+    from tools.distill.models import STORAGE_DTYPES, load_teacher
+
+    a = build_parser().parse_args(argv)
     device, dtype = torch.device(a.device), STORAGE_DTYPES[a.dtype]
     try:
         ck = load_checkpoint(a.target)
