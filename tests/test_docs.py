@@ -382,7 +382,27 @@ def check(cmd: Command, where: str, cache: dict, any_subcommand: bool = False) -
             return [f"{where}: names none of its subcommands ({', '.join(sorted(opts.sub))})"]
         for name in chosen:
             accepted |= opts.sub[name]
-    return [f"{where}: unknown flag {f}" for f in flags(cmd.args) if f not in accepted]
+    return ([f"{where}: unknown flag {f}" for f in flags(cmd.args) if f not in accepted]
+            + mode_failures(cmd, where))
+
+
+def mode_failures(cmd: Command, where: str) -> list[str]:
+    """The bench's ``--modes`` list, each mode through ``tools/bench.py``'s own parser (a
+    placeholder in capitals, such as MODES, is left alone)."""
+    if cmd.program != "tools/bench.py" or "--modes" not in cmd.args[:-1]:
+        return []
+    from tools.bench import parse_mode
+
+    value = cmd.args[cmd.args.index("--modes") + 1].strip("\"'")
+    failures = []
+    for spec in value.split(","):
+        if not spec or spec.isupper() or "..." in spec:
+            continue
+        try:
+            parse_mode(spec)
+        except ValueError as e:
+            failures.append(f"{where}: {e}")
+    return failures
 
 
 def command_failures(doc: Doc, cache: dict) -> list[str]:
@@ -479,3 +499,21 @@ def test_a_folder_readme_row_names_flags_of_its_program():
     failures = command_failures(doc(text, "tools/README.md"), {})
     assert failures == ["tools/README.md:1: tools/bench.py: unknown flag --pases",
                         "tools/README.md:2: tools/distill_data.py: unknown flag --sed"]
+
+
+def test_a_bad_bench_mode_is_reported():
+    text = ("```\npython3 tools/bench.py --device cuda --modes ar,sd:draft=EAGLE,ssd:kk=3 \\\n"
+            "    --k 3\npython3 tools/bench.py --modes MODES\n"
+            "python3 tools/bench.py --modes \"ar,ssd:fan_out_budget=many,xd\"\n```")
+    failures = command_failures(doc(text), {})
+    assert [f.split(": mode")[0] for f in failures] == [
+        "docs/X.md:2: tools/bench.py", "docs/X.md:5: tools/bench.py", "docs/X.md:5: tools/bench.py"]
+    assert "'kk=3'" in failures[0] and "fan_out_budget takes a int" in failures[1]
+    assert "the engine modes are" in failures[2]
+
+
+def test_the_docs_show_bench_modes_that_are_checked():
+    """The mode check reads real commands: the docs hold bench commands with --modes lists."""
+    specs = [c for name in doc_paths() for _, text in Doc.read(name).inline_code()
+             for c in commands(text) if c.program == "tools/bench.py" and "--modes" in c.args]
+    assert len(specs) >= 5
