@@ -6,7 +6,8 @@ a step's kernels). A step is what one role runs once a round: the target's verif
 (K + 1 queries a row; again with a feature draft's features kept, as the engine's target does
 beside one) and the acceptance after it, SD's proposal and verify round as the leader
 runs them (host inputs packed and copied, the captured steps replayed, the outcome read back;
-also with features kept), the draft's decode step, SD's draft chain
+also with features kept, and with ``feature_draft`` SD's proposal with that draft), the
+draft's decode step, SD's draft chain
 (greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
 continue a hit), the speculator's whole round as its rank runs it (``speculator_rounds.py``:
 OUTCOME in, answer, build, CACHE read on the leader's host; greedy and T = 0.7) and the sampled
@@ -58,6 +59,9 @@ def add_step_args(ap) -> None:
     use them."""
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default="smollm2-135m-draft")
+    ap.add_argument("--feature-draft", default=None, metavar="DIR",
+                    help="also time SD's proposal with this feature draft (e.g. "
+                         "smollm2-135m-eagle) and the verify keeping its features")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--fan-out-budget", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
@@ -72,6 +76,27 @@ def _runner(ck, device, dtype, n_slots: int, tree_len: int, features=False):
     return r
 
 
+def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype):
+    """SD's proposal with the feature draft in ``directory`` as the engine makes it
+    (``FeatureDrafter``, its captured steps on CUDA), reading the features ``ftr`` keeps: each
+    call feeds two unseen positions, as after a round with one token accepted."""
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.ops.graph_pool import make_graph_pool
+
+    draft = load_feature_draft(directory, tck, ftr.model, dev, dtype,
+                               max_positions=ftr.cache.max_len)
+    pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
+    drafter = FeatureDrafter(draft, ftr.cache.features, b + 1, ftr.cache.max_len,
+                             tck.config.vocab_size, draws=K, pool=pool, use_kernel=True)
+
+    def propose():
+        for r in rows:
+            drafter.valid[r.slot] = len(r.tokens) - 3
+        return drafter.propose(rows, K, want_q=False)[0]
+    return propose
+
+
 def _rows(b: int, params):
     from ssdlib.speculative.rng import RowStream
 
@@ -79,9 +104,12 @@ def _rows(b: int, params):
 
 
 def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
-                   device: str = "cpu", dtype: torch.dtype = torch.float32):
+                   device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   feature_draft: str | None = None):
     """({step name: Step} in the engine's order, meta). The steps hold their runners and
-    inputs; call them in order (the acceptance reads the verify forward's logits)."""
+    inputs; call them in order (the acceptance reads the verify forward's logits).
+    ``feature_draft``: the target's features are kept as that draft reads them, and SD's
+    proposal with it is a step too (else fused features, no such proposal)."""
     from ssdlib.engine.speculator.cache_builder import CacheBuilder
     from ssdlib.engine.sampled_chain import sampled_chain_body
     from ssdlib.engine.sampler import row_distributions, reserve_streams, sample_branches
@@ -114,10 +142,12 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
     steps["target verify forward"] = Step(verify_fwd, True)
     # the same forward where a feature draft reads the target: it also keeps the features of
     # the fed positions (fused: three layers' outputs; last_prenorm below 4 layers)
+    from ssdlib.loading.feature_draft import feature_spec_for
     from ssdlib.models.feature_spec import FeatureSpec
 
     n_layers = tck.config.num_hidden_layers
-    spec = FeatureSpec.fused(n_layers) if n_layers >= 4 else FeatureSpec()
+    spec = feature_spec_for(feature_draft, tck) if feature_draft else \
+        FeatureSpec.fused(n_layers) if n_layers >= 4 else FeatureSpec()
     ftr = _runner(tck, dev, dtype, b, 0, features=spec)
     steps[f"target verify forward, {spec.kind} features kept"] = Step(
         lambda: ftr.step_model(ids, ftr.cache, meta), True)
@@ -148,6 +178,9 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         proposed["tokens"], _ = drafter.propose(greedy_rows, K, want_q=False)
         return proposed["tokens"]
     steps[f"SD draft proposal, engine path ({K} tokens)"] = Step(propose, False)
+    if feature_draft:
+        f_propose = _feature_proposal(feature_draft, tck, ftr, greedy_rows, b, K, dev, dtype)
+        steps[f"SD feature draft proposal, engine path ({K} tokens)"] = Step(f_propose, False)
     steps["SD verify round, engine path (greedy, read back)"] = Step(
         lambda: read_round(proposed["tokens"], verify_round(tr, greedy_rows, proposed["tokens"],
                                                             None, dev)), False)

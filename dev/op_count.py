@@ -12,7 +12,7 @@ with the real models' shapes and counts the aten operations it dispatches, witho
 - ``.item()`` reads (``item`` / ``_local_scalar_dense``) are counted apart: host syncs.
 
     python dev/op_count.py [--target smollm2-135m] [--draft DIR] [--k 3] [--fan-out-budget 16]
-        [--batch 1] [--json PATH]
+        [--batch 1] [--feature-draft DIR] [--json PATH]
 
 Steps: the target's verify forward (K + 1 queries a row), the greedy and the sampled (T = 0.7)
 acceptance after it, the draft's decode step, SD's draft chain (K steps; greedy and sampled), the
@@ -69,12 +69,14 @@ def count(fn) -> OpCounter:
     return counter
 
 
-def measure(target: str, draft: str, b: int, K: int, budget: int) -> dict:
+def measure(target: str, draft: str, b: int, K: int, budget: int,
+            feature_draft: str | None = None) -> dict:
     """{step name: OpCounter} for each hot-path step (``hot_path_steps.py``), plus "_meta"."""
     from dev.hot_path_steps import hot_path_steps, torch_attention_backend
 
     with torch_attention_backend():
-        steps, meta = hot_path_steps(target, draft, b, K, budget)
+        steps, meta = hot_path_steps(target, draft, b, K, budget,
+                                     feature_draft=feature_draft)
         out: dict = {name: count(step.fn) for name, step in steps.items()}
     out["_meta"] = meta
     return out
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
     eager = attention._slot_kernel_eager
     attention._slot_kernel_eager = attention._slot_kernel
     try:
-        res = measure(args.target, args.draft, args.batch, args.k, args.fan_out_budget)
+        res = measure(args.target, args.draft, args.batch, args.k, args.fan_out_budget,
+                      args.feature_draft)
     finally:
         attention._slot_kernel_eager = eager
     meta = res.pop("_meta")

@@ -15,7 +15,7 @@ The steps are ``dev/hot_path_steps.py``'s, with the real models' shapes (those
   of ``--iters`` calls of each such step, by total GPU time.
 
     python dev/step_times.py [--target smollm2-135m] [--draft DIR] [--k 3] [--batch 1]
-        [--fan-out-budget 16] [--dtype bfloat16] [--iters 50] [--profile build,draw] [--json P]
+        [--fan-out-budget 16] [--feature-draft DIR] [--dtype bfloat16] [--iters 50] [--profile build,draw] [--json P]
 
 Needs CUDA (``--device cpu`` runs it for the tests: times there are not GPU times).
 """
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     backend = torch_attention_backend() if dev.type == "cpu" else contextlib.nullcontext()
     with backend, torch.inference_mode():
         steps, meta = hot_path_steps(args.target, args.draft, args.batch, args.k,
-                                     args.fan_out_budget, args.device, dtype)
+                                     args.fan_out_budget, args.device, dtype,
+                                     feature_draft=args.feature_draft)
         for name, step in steps.items():
             eager, host = time_eager(step.fn, args.iters, dev)
             graph = time_graph(step.fn, args.iters, dev) if step.capturable else None

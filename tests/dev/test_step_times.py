@@ -71,3 +71,20 @@ def test_speculator_rounds_drive_hits_and_misses(tiny_dirs, temperature):
     phases = r.phases_ms()  # the speculator's own round timer ran
     assert set(phases) == {"commit", "fallback", "send", "build", "push"}
     assert phases["build"] > 0
+
+
+def test_the_feature_drafts_proposal_reads_the_kept_features(tiny_dirs, tmp_path):
+    """With a feature draft the verify keeps its kind of features and SD's proposal with it is
+    a step: after the verify forward, the proposal drafts K tokens of the vocabulary."""
+    from tests.engine.test_feature_draft_sd import _feature_draft
+
+    fd = _feature_draft(tiny_dirs["smol_heads"], tmp_path / "fd")
+    with torch_attention_backend(), torch.inference_mode():
+        steps, meta = hot_path_steps(tiny_dirs["smol_heads"], tiny_dirs["smol_heads_draft"],
+                                     1, 3, 6, feature_draft=fd)
+        kept = [n for n in steps if n.startswith("target verify forward, ")]
+        assert kept == ["target verify forward, last_prenorm features kept"]
+        steps[kept[0]].fn()
+        steps["SD draft proposal, engine path (3 tokens)"].fn()  # sets the rows up
+        tokens = steps["SD feature draft proposal, engine path (3 tokens)"].fn()
+        assert tokens.shape == (1, 3) and int(tokens.max()) < meta["vocab"]
