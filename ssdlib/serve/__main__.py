@@ -12,7 +12,9 @@ http://HOST:PORT"); ``/health`` answers 503 until the warm-up has run every batc
 the engine (``ssdlib.serve.warmup``; ``--no-warmup`` skips it). SIGTERM or SIGINT stops the
 server gracefully: new requests get 503, those in flight get ``--shutdown-timeout`` seconds to
 finish, then the rest are cancelled (each stream ends with finish reason "abort"), every rank
-stops and the server exits 0; a second SIGINT stops at once. Exits non-zero if a rank fails.
+stops and the server exits 0; a second SIGINT stops at once. Exits non-zero if a rank fails,
+or if requests are in flight and the engine delivers nothing for ``--stall-timeout`` seconds (a
+rank alive but stuck).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ progress = progress_logger()
 
 # a served engine sits idle between requests: its ranks must not time out waiting
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+# no token for this long while serving: a stuck rank (a step, even a capture, takes seconds)
+DEFAULT_STALL_TIMEOUT_S = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the requests in flight get to finish after SIGTERM / SIGINT "
                         "before they are cancelled (default: 30)")
+    g.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                   help="with requests in flight and no token for this many seconds the engine "
+                        "counts as stuck: the requests fail, the server exits non-zero "
+                        f"(default: {DEFAULT_STALL_TIMEOUT_S:g}; 0: never)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="serve without warming up: the first requests of each batch size then "
                         "wait while their steps are captured (seconds on a GPU)")
@@ -121,6 +129,9 @@ def run(args) -> int:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.stall_timeout >= 0 or args.stall_timeout == float("inf"):
+        raise ConfigError(f"--stall-timeout must be a finite number of seconds >= 0 (0: never), "
+                          f"got {args.stall_timeout}")
     api_key = args.api_key or env.text("SSDLIB_API_KEY")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     failed: list[BaseException] = []
@@ -144,7 +155,8 @@ def run(args) -> int:
             warmup = (lambda stop: run_warmup(gen, stop=stop)) if args.warmup else None
             app = create_app(gen, name, args.max_queue, api_key, on_failure,
                              max_request_bytes=args.max_request_bytes, warmup=warmup,
-                             shutdown_timeout_s=args.shutdown_timeout, on_stopped=on_stopped)
+                             shutdown_timeout_s=args.shutdown_timeout, on_stopped=on_stopped,
+                             stall_timeout_s=args.stall_timeout or None)
             server = _server_class(uvicorn)(uvicorn.Config(
                 app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=5))

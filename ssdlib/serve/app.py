@@ -63,7 +63,8 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
                on_engine_failure=None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                warmup: Callable | None = None, shutdown_timeout_s: float = 30.0,
-               on_stopped: Callable[[], None] | None = None) -> FastAPI:
+               on_stopped: Callable[[], None] | None = None,
+               stall_timeout_s: float | None = None) -> FastAPI:
     """The app serving ``generator`` (started, leader rank) as ``model_name``; the engine
     starts and stops with the app's lifespan. With ``api_key``, every path but ``/health``
     needs ``Authorization: Bearer <api_key>``.
@@ -71,10 +72,12 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
     ``warmup(stop)`` (e.g. :func:`ssdlib.serve.warmup.run_warmup`) runs on a worker thread
     before the engine serves; until it ends ``/health`` and every request answer 503.
     ``app.state.lifecycle.request_stop()`` begins a graceful stop (:mod:`lifecycle`), which
-    calls ``on_stopped`` when the requests in flight are done."""
+    calls ``on_stopped`` when the requests in flight are done. ``stall_timeout_s``: requests in
+    flight and nothing delivered for that long fail the engine as a rank's crash does
+    (:meth:`AsyncEngine.check_progress`; None: never)."""
     metrics = ServerMetrics({"mode": generator.cfg.mode, "model": model_name,
                              "max_batch": str(generator.cfg.max_batch)})
-    engine = AsyncEngine(generator, max_queue, metrics)
+    engine = AsyncEngine(generator, max_queue, metrics, stall_timeout_s)
     metrics.bind(engine)
     lifecycle = ServerLifecycle(engine, warmup, shutdown_timeout_s, on_stopped)
     max_context = generator.max_context
@@ -91,6 +94,7 @@ def create_app(generator, model_name: str, max_queue: int = 64, api_key: str | N
     async def _watch():
         while engine.failure is None:
             await asyncio.sleep(0.2)
+            engine.check_progress()
         logger.error("the engine failed: %s", engine.failure)
         if on_engine_failure is not None:
             on_engine_failure(engine.failure)

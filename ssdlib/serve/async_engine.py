@@ -6,11 +6,17 @@ it runs.
 and the :class:`Output`). ``cancel(id)`` (or leaving the iteration early) takes the request out
 of the batch before the next round. At most ``max_batch + max_queue`` requests are in flight;
 beyond that ``submit`` raises :class:`QueueFull` instead of queueing without bound.
+
+A stuck engine (a rank alive but blocked, e.g. in a collective its peer never joins) sends
+nothing; :meth:`AsyncEngine.check_progress` turns ``stall_timeout_s`` without a token or an
+answer, while requests are in flight, into a failure (:class:`EngineStalled`), as a rank's
+crash is one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -20,12 +26,20 @@ from ssdlib.errors import SSDError
 from ssdlib.sampling import SamplingParams
 
 
+# how long closing waits for the engine's session to end: after a clean run, after a failure
+STOP_WAIT_S, FAILED_STOP_WAIT_S = 60.0, 1.0
+
+
 class QueueFull(SSDError):
     """More requests are in flight than the engine's batch and queue hold."""
 
 
 class EngineFailed(SSDError):
     """The engine stopped (a rank failed, or it was closed); no request can be served."""
+
+
+class EngineStalled(SSDError):
+    """Requests were in flight and the engine delivered nothing for its stall timeout."""
 
 
 @dataclass
@@ -84,9 +98,17 @@ class AsyncEngine:
     """Owns a started :class:`Generator` while serving; use :meth:`start` inside the event loop,
     :meth:`close` at the end. ``metrics`` (optional) is told about every request."""
 
-    def __init__(self, generator, max_queue: int = 64, metrics=None):
+    def __init__(self, generator, max_queue: int = 64, metrics=None,
+                 stall_timeout_s: float | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        if stall_timeout_s is not None and not (isinstance(stall_timeout_s, (int, float))
+                                                and stall_timeout_s > 0):
+            raise ValueError(f"stall_timeout_s must be a number > 0 (or None: never), got "
+                             f"{stall_timeout_s!r}")
+        # no token nor answer for this long with requests in flight: the engine is stuck
+        self.stall_timeout_s = stall_timeout_s
+        self._progress_at = time.monotonic()  # the last delivery, or the start of a busy spell
         self.generator = generator
         self.capacity = generator.cfg.max_batch + max_queue
         self.metrics = metrics
@@ -131,6 +153,8 @@ class AsyncEngine:
                 self.metrics.rejected()
             raise QueueFull(f"the server is at capacity ({self.capacity} requests in flight); "
                             f"retry later")
+        if not self._flights:  # a busy spell starts: the wait for progress counts from now
+            self._progress_at = time.monotonic()
         rid = next(self._ids)
         stream = RequestStream(self, rid)
         self._flights[rid] = _Flight(stream, len(prompt_ids))
@@ -153,9 +177,27 @@ class AsyncEngine:
         :class:`EngineFailed` and none is accepted."""
         self._on_failure(error)
 
+    def check_progress(self, now: float | None = None) -> bool:
+        """Fail the engine (:class:`EngineStalled`, every request ends with EngineFailed) when
+        requests are in flight and nothing was delivered for ``stall_timeout_s``; whether it
+        did. ``now``: a ``time.monotonic()`` reading (default: now)."""
+        if self.stall_timeout_s is None or not self._flights or self.failure is not None:
+            return False
+        idle = (time.monotonic() if now is None else now) - self._progress_at
+        if idle < self.stall_timeout_s:
+            return False
+        self._on_failure(EngineStalled(
+            f"no token for {idle:.0f} s with {len(self._flights)} request(s) in flight (stall "
+            f"timeout {self.stall_timeout_s:g} s): a rank is stuck"))
+        return True
+
     async def close(self) -> None:
         if self._session is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._session.stop)
+            # a failed engine (a stuck rank above all) is not waited for: the caller aborts
+            # its ranks
+            wait_s = FAILED_STOP_WAIT_S if self.failure is not None else STOP_WAIT_S
+            await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self._session.stop, timeout_s=wait_s))
         self._fail_all(EngineFailed("the engine was closed"))
 
     # -- callbacks, on the event loop --------------------------------------------------------
@@ -163,6 +205,7 @@ class AsyncEngine:
         f = self._flights.get(index)
         if f is None:
             return
+        self._progress_at = time.monotonic()
         if not f.started and self.metrics is not None:
             self.metrics.first_token(time.perf_counter() - f.t_submit)
         f.started = True
@@ -175,6 +218,7 @@ class AsyncEngine:
         f = self._flights.pop(out.index, None)
         if f is None:
             return
+        self._progress_at = time.monotonic()
         if self.metrics is not None:
             self.metrics.finished(out)
         # the end of the text may only be known now (a decoder flushing its last bytes)
