@@ -39,6 +39,17 @@ FD_FLAGS="$FD_FLAGS --lr ${FD_LR:-8e-4} --warmup 100 --long-seq-len 4096 --long-
 F="grep -v ^\[rank\|WARN"
 # data sets carried by this call stay on the machine for PART=merge
 mkdir -p /tmp/distill/sets && cp .stage/data*.safetensors.gz /tmp/distill/sets/ 2>/dev/null
+# merge_sets OUT SET...: the sets (a .gz unpacked once into /tmp/distill/sets) merged into OUT
+merge_sets() {
+  local out=$1 f u; shift; local sets=()
+  for f in "$@"; do
+    case "$f" in
+      *.gz) u=/tmp/distill/sets/$(basename "$f" .gz); [ -f "$u" ] || gunzip -c "$f" > "$u"; sets+=("$u") ;;
+      *) sets+=("$f") ;;
+    esac
+  done
+  python3 tools/distill_data.py merge --out "$out" "${sets[@]}" 2>&1 | tail -8
+}
 case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
   tests)
     bash dev/stage_gguf.sh
@@ -52,22 +63,15 @@ case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
     STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} DATA_EXTRA="--seed $SEED" \
       OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25
     if [ -n "${EXTRA_DATA:-}" ]; then
-      sets=(/tmp/distill/data.safetensors); i=0
-      for f in $EXTRA_DATA; do
-        i=$((i + 1)); gunzip -c "$f" > /tmp/distill/extra$i.safetensors; sets+=(/tmp/distill/extra$i.safetensors)
-      done
-      python3 tools/distill_data.py merge --out /tmp/distill/merged.safetensors "${sets[@]}" 2>&1 | tail -8 \
+      # shellcheck disable=SC2086
+      merge_sets /tmp/distill/merged.safetensors /tmp/distill/data.safetensors $EXTRA_DATA \
         && mv /tmp/distill/merged.safetensors /tmp/distill/data.safetensors
     fi ;;
   merge)
     bash dev/stage_gguf.sh || exit 3
-    sets=()
-    for f in /tmp/distill/sets/*.safetensors.gz; do
-      [ -e "$f" ] || continue
-      out=/tmp/distill/sets/$(basename "$f" .gz); [ -f "$out" ] || gunzip -c "$f" > "$out"; sets+=("$out")
-    done
-    [ ${#sets[@]} -gt 0 ] || { echo "merge: no data set carried (.stage/data*.safetensors.gz)"; exit 2; }
-    python3 tools/distill_data.py merge --out /tmp/distill/data.safetensors "${sets[@]}" 2>&1 | tail -8 ;;
+    carried=(/tmp/distill/sets/*.safetensors.gz)
+    [ -e "${carried[0]}" ] || { echo "merge: no data set carried (.stage/data*.safetensors.gz)"; exit 2; }
+    merge_sets /tmp/distill/data.safetensors "${carried[@]}" ;;
   train)
     if [ "${FD_ONLY:-0}" = 1 ]; then
       OUT=$OUT/fd TARGET=smollm2-135m DATA=/tmp/distill/data.safetensors HUMANEVAL=$HE FD=$FD \
