@@ -36,6 +36,8 @@ LONG_FLAGS="--init-from ssdlib/assets/smollm2-135m-draft --loss tvd --lr ${LONG_
 LONG_FLAGS="$LONG_FLAGS --long-seq-len 4096 --long-batch 4 --long-every 4"
 FD_FLAGS="--init-from ssdlib/assets/smollm2-135m-eagle --ttt-steps 3 --batch 16 --seq-len 512"
 FD_FLAGS="$FD_FLAGS --lr ${FD_LR:-8e-4} --warmup 100 --long-seq-len 4096 --long-every 4 --token-gain auto"
+# FD_EXTRA: more flags for the feature draft, after these (a later flag wins: "--warmup 500")
+FD_FLAGS="$FD_FLAGS ${FD_EXTRA:-}"
 F="grep -v ^\[rank\|WARN"
 # data sets carried by this call stay on the machine for PART=merge
 mkdir -p /tmp/distill/sets && cp .stage/data*.safetensors.gz /tmp/distill/sets/ 2>/dev/null

@@ -51,8 +51,8 @@ from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
 from tools.distill.feature_train import (FEATURE_KEYS, FeatureTrainer,  # noqa: E402
-                                         FeatureTrainSettings, init_feature_draft,
-                                         token_gain_for)
+                                         FeatureTrainSettings, grow_feature_draft,
+                                         init_feature_draft, token_gain_for)
 from tools.distill.run_state import (SHARED_KEYS, RunStateError, read_state,  # noqa: E402
                                      write_state)
 from tools.distill.train import LOSSES  # noqa: E402
@@ -103,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights; a fresh optimizer and schedule): a long training split over "
                         "several runs")
     p.add_argument("--init-layer-from-target", type=int, default=None, metavar="I",
-                   help="start every draft layer as target layer I (default: random)")
+                   help="start every draft layer as target layer I (default: random); with "
+                        "--grow-layers, the new layers")
+    p.add_argument("--grow-layers", type=int, default=None, metavar="N",
+                   help="with --init-from: N more decoder layers after DIR's, starting as a "
+                        "copy of its last layer (or --init-layer-from-target's) with zero "
+                        "output projections, so the deeper draft starts computing what DIR did")
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="unroll steps per training step (1: the target's features only)")
     p.add_argument("--feature-loss-weight", type=float, default=0.1,
@@ -263,15 +268,21 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.device(device):
                 draft = FeatureDraft.for_target(teacher, args.layers, max_positions, spec)
         elif args.init_from:
-            if args.init_layer_from_target is not None:
-                raise ValueError("--init-from and --init-layer-from-target exclude each other")
+            if args.init_layer_from_target is not None and args.grow_layers is None:
+                raise ValueError("--init-from and --init-layer-from-target exclude each other "
+                                 "(but with --grow-layers, for the new layers)")
             draft = load_feature_draft(args.init_from, ck, teacher, device, torch.float32,
                                        max_positions).requires_grad_(True)  # (loaded frozen)
             if spec is not None and spec != draft.feature:
                 raise ValueError(f"--init-from {args.init_from} reads {_described(draft.feature)}"
                                  f"; it keeps them (--features asks for {_described(spec)})")
+            if args.grow_layers is not None:
+                draft = grow_feature_draft(draft, teacher, args.grow_layers,
+                                           args.init_layer_from_target).requires_grad_(True)
             args.layers = len(draft.layers)
         else:
+            if args.grow_layers is not None:
+                raise ValueError("--grow-layers grows the draft of --init-from")
             with torch.device(device):
                 draft = FeatureDraft.for_target(teacher, args.layers, max_positions, spec)
         args.features = next(k for k, v in FEATURE_KINDS.items() if v == draft.feature.kind)

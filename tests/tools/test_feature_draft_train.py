@@ -23,8 +23,8 @@ from tests.feature_oracle import H, V, PreviousTokenTarget, oracle_draft
 from tests.tiny import make_tiny_llama
 from tools.distill.data import Batcher, Docs, load_splits, pack_rows, save_splits
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, compiled_kl,
-                                         init_feature_draft, token_gain_for, unroll,
-                                         unrolled_losses)
+                                         grow_feature_draft, init_feature_draft, token_gain_for,
+                                         unroll, unrolled_losses)
 from tools.distill.train import kl_from_log_probs, teacher_log_probs
 from tools.distill.models import load_teacher
 from tools.distill_feature_draft import main
@@ -343,3 +343,57 @@ def test_resume_refuses_other_data(setup, tmp_path):
     with pytest.raises(SystemExit, match="--stop-after-steps must be positive"):
         main(common + ["--data-from", data, "--out", str(tmp_path / "x"),
                        "--stop-after-steps", "0"])
+
+
+def test_a_grown_draft_starts_computing_what_it_grew_from(setup):
+    """grow_feature_draft: the new layers (zero output projections) add nothing, at every unroll
+    depth; they start as the draft's last layer, or as the named target layer; the old weights
+    are kept."""
+    _, teacher, _ = setup
+    draft = FeatureDraft.for_target(teacher, 1)
+    init_feature_draft(draft, teacher, seed=3)
+    with torch.no_grad():  # a trained-looking draft: its layer no longer the init
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    grown = grow_feature_draft(draft, teacher, 2)
+    assert len(grown.layers) == 3
+    ids = torch.randint(0, teacher.config.vocab_size, (2, SEQ),
+                        generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(6)
+    features = 4 * torch.randn(2, SEQ - 1, draft.feature_width, generator=g)
+    with torch.no_grad():
+        for (la, ha), (lb, hb) in zip(unroll(draft, features, ids[:, 1:], 3),
+                                      unroll(grown, features, ids[:, 1:], 3)):
+            torch.testing.assert_close(lb, la, rtol=0, atol=0)
+            torch.testing.assert_close(hb, ha, rtol=0, atol=0)
+    assert torch.equal(grown.layers[0].self_attn.qkv_proj.weight,
+                       draft.layers[0].self_attn.qkv_proj.weight)
+    assert torch.equal(grown.layers[2].mlp.gate_up_proj.weight, draft.layers[0].mlp.gate_up_proj.weight)
+    assert not grown.layers[1].self_attn.o_proj.weight.any()
+    assert not grown.layers[2].mlp.down_proj.weight.any()
+    from_target = grow_feature_draft(draft, teacher, 1, init_layer=0)
+    assert torch.equal(from_target.layers[1].self_attn.qkv_proj.weight,
+                       teacher.model.layers[0].self_attn.qkv_proj.weight)
+    with pytest.raises(ValueError, match="at least 1"):
+        grow_feature_draft(draft, teacher, 0)
+
+
+def test_cli_grows_a_draft_it_wrote(setup, tmp_path):
+    """--init-from DIR --grow-layers 1: the deeper draft's first evaluation is DIR's last (up to
+    the fp16 storage), it trains on from there and is written with one layer more."""
+    target, _, data = setup
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--target", target, "--data-from", data, "--device", "cpu", "--batch", "8",
+              "--seq-len", str(SEQ), "--ttt-steps", "2", "--lr", "3e-3", "--eval-every", "0"]
+    a = main(common + ["--out", str(first), "--steps", "20"])["history"]
+    b = main(common + ["--out", str(second), "--steps", "20", "--init-from", str(first),
+                       "--grow-layers", "1"])
+    assert b["args"]["layers"] == 2
+    assert b["history"][0]["kl"][0] == pytest.approx(a[-1]["kl"][0], rel=0.02)
+    assert b["history"][-1]["kl"][0] < b["history"][0]["kl"][0]
+    assert len(load_feature_draft(str(second), load_checkpoint(target)).layers) == 2
+    with pytest.raises(SystemExit, match="grows the draft of --init-from"):
+        main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--grow-layers", "1"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--init-from", str(first),
+                       "--grow-layers", "0"])

@@ -155,6 +155,40 @@ def init_feature_draft(draft: FeatureDraft, target, seed: int,
             layer.load_state_dict(target.model.layers[init_layer].state_dict())
 
 
+@torch.no_grad()
+def grow_feature_draft(draft: FeatureDraft, target, layers: int,
+                       init_layer: int | None = None) -> FeatureDraft:
+    """``draft`` with ``layers`` more decoder layers after its own, computing exactly what it
+    computed: each new layer starts as a copy of the draft's last layer (``init_layer``: of
+    that layer of ``target``, the teacher) with its two residual output projections (attention
+    ``o_proj``, MLP ``down_proj``) zero, so it adds nothing to the residual stream until
+    training moves them (they are the first to get gradients). fc, fuse, the old layers and the
+    norm are ``draft``'s. A deeper draft this way keeps what the shallower one learned, where a
+    fresh one would start over."""
+    if layers < 1:
+        raise ValueError(f"--grow-layers must be at least 1, got {layers}")
+    n = len(target.model.layers)
+    if init_layer is not None and not 0 <= init_layer < n:
+        raise ValueError(f"--init-layer-from-target {init_layer}: the target has layers "
+                         f"0..{n - 1}")
+    weight = draft.fc.weight
+    with torch.device(weight.device):
+        grown = FeatureDraft.for_target(target, len(draft.layers) + layers,
+                                        draft.rotary.cos.shape[0], draft.feature)
+    missing, unexpected = grown.load_state_dict(draft.state_dict(), strict=False)
+    old = len(draft.layers)
+    new_keys = [k for k in missing if not any(k.startswith(f"layers.{i}.")
+                                              for i in range(old, len(grown.layers)))]
+    if unexpected or new_keys:  # cannot happen for two drafts of one target: a guard
+        raise ValueError(f"growing the draft: unexpected {unexpected}, missing {new_keys}")
+    source = target.model.layers[init_layer] if init_layer is not None else draft.layers[-1]
+    for layer in grown.layers[old:]:
+        layer.load_state_dict(source.state_dict())
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return grown.requires_grad_(draft.fc.weight.requires_grad)
+
+
 def shifted(ids: torch.Tensor, logits: torch.Tensor, features: torch.Tensor):
     """The draft's view of a batch the target ran over (ids [b, s], its logits and features):
     (next_ids [b, s-1], features [b, s-1, W], target logits [b, s-1, V], target features
