@@ -97,6 +97,60 @@ def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype
     return propose
 
 
+def _feature_speculator_steps(directory: str, tck, ftr, b: int, K: int, fan: tuple, dev,
+                              dtype) -> dict:
+    """The steps of SSD's speculator with the feature draft in ``directory``: the commit of a
+    round's K + 1 kept positions with the target's features, the build's two parts on device
+    tensors (the teacher-forced chain of K steps over the speculation; the K tree depths over
+    the fan-out's rows) and the whole greedy build as the speculator runs it (its captured step
+    on CUDA). Rows have 40 committed tokens, their features fed."""
+    from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
+    from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
+    from ssdlib.engine.speculator.spec_cache import SpeculationCache
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.ops.graph_pool import make_graph_pool
+
+    V, B, L = tck.config.vocab_size, sum(fan), 40
+    max_len = ftr.cache.max_len
+    draft = load_feature_draft(directory, tck, ftr.model, dev, dtype, max_positions=max_len)
+    pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
+    drafter = FeatureSpecDraft(draft, b + 1, max_len, V, B * K, dev, dtype, draws=K,
+                               use_kernel=True, pool=pool)
+    builder = FeatureCacheBuilder(drafter, SpeculationCache(b + 1, B, K, V, dev), V, 1.0,
+                                  pool=pool)
+    sent = torch.randint(0, V, (b, K))
+    rows = [SimpleNamespace(tokens=list(range(1, L + 1)), slot=i, sent=sent[i].tolist(),
+                            fed=False, params=None) for i in range(b)]
+    for r in rows:
+        drafter.fed[r.slot] = L - 1
+    slots = torch.arange(b, device=dev)
+    first = torch.full((b,), L - 1, device=dev)
+    sent = sent.to(dev)
+    positions = (L - 1 - K + torch.arange(K + 1, device=dev)).expand(b, K + 1).contiguous()
+    ids = torch.randint(0, V, (b, K + 1), device=dev)
+    feats = torch.randn(b, K + 1, draft.feature_width, device=dev, dtype=dtype)
+    index = torch.full((b, 1), K, device=dev)
+    pos, rank = builder.branch_index(fan)
+    parts = {}
+
+    def chain():
+        parts["chain"] = builder.chain(slots, first, sent, max_len)
+        return parts["chain"][1]
+
+    def tree():
+        cand, H = parts["chain"]
+        builder.tree(slots, first, sent, cand, H, pos, rank, max_len)
+        return builder.cache.tokens
+    return {
+        f"speculator feature commit ({K + 1} positions)": Step(lambda: drafter._commit_body(
+            ids, positions, slots, index, feats, max_len, True), True),
+        f"speculator feature build: chain ({K} steps)": Step(chain, True),
+        f"speculator feature build: tree ({K} depths, {B} rows)": Step(tree, True),
+        "speculator feature build, greedy, engine path": Step(
+            lambda: builder.build(rows, list(fan), False), False),
+    }
+
+
 def _rows(b: int, params):
     from ssdlib.speculative.rng import RowStream
 
@@ -221,6 +275,8 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         steps[f"speculator build, {label}"] = Step(
             lambda reuse=reuse, rows=rows: build.run(cand, sent, lengths, live, *index, 48,
                                                      reuse, rows, fan, 1.0), False)
+    if feature_draft:
+        steps.update(_feature_speculator_steps(feature_draft, tck, ftr, b, K, fan, dev, dtype))
     # -- the speculator's whole round, OUTCOME to CACHE, driven in process -------------------
     from dev.speculator_rounds import SpeculatorRounds
 

@@ -124,16 +124,30 @@ class FeatureCacheBuilder:
         branch index pos, rank [B]; ``pick(depth, logits)`` draws a sampled build's tokens
         (None: the argmax); ``cache``: the speculation cache it stores into (default the
         speculator's)."""
+        cand, H = self.chain(slots, first, sent, kv_len)
+        self.tree(slots, first, sent, cand, H, pos, rank, kv_len, pick, cache)
+
+    def chain(self, slots, first, sent, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The build's first part: the speculation as a teacher-forced chain of K draft steps
+        (module doc) -> the top-C candidates [b, K+1, C] after x_{L-1} and after each s_j, and
+        H_0..H_K [b, K+1, h]."""
+        d = self.drafter
+        logits, hidden = d.last_logits[slots], d.last_hidden[slots]
+        ls, hs = [logits], [hidden]
+        for j in range(self.K):
+            logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
+            ls.append(logits)
+            hs.append(hidden)
+        # one top-C over the K + 1 positions (one selection over the vocabulary, not K + 1)
+        return top_indices(torch.stack(ls, dim=1), self.C), torch.stack(hs, dim=1)
+
+    def tree(self, slots, first, sent, cand, H, pos, rank, kv_len: int, pick=None,
+             cache: SpeculationCache | None = None) -> None:
+        """The build's second part: the fan-out's branches from the chain's ``cand`` and ``H``
+        (``chain``), K tree depths, their tokens stored in ``cache`` (default the
+        speculator's)."""
         d, K, B = self.drafter, self.K, self.B
         cache = self.cache if cache is None else cache
-        # the speculation as a teacher-forced chain: candidates and H_0..H_K
-        logits, hidden = d.last_logits[slots], d.last_hidden[slots]
-        tops, hs = [top_indices(logits, self.C)], [hidden]
-        for j in range(K):
-            logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
-            tops.append(top_indices(logits, self.C))
-            hs.append(hidden)
-        cand, H = torch.stack(tops, dim=1), torch.stack(hs, dim=1)  # [b, K+1, C], [b, K+1, h]
         fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
         feat = H.gather(1, fork.unsqueeze(-1).expand(-1, -1, H.shape[-1]))  # [b, B, h]
         b = slots.shape[0]
