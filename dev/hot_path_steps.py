@@ -9,7 +9,9 @@ runs them (host inputs packed and copied, the captured steps replayed, the outco
 also with features kept, and with ``feature_draft`` SD's proposal with that draft), the
 draft's decode step, SD's draft chain
 (greedy and sampled), the speculator's cache build (greedy / sampled; fresh rows and rows that
-continue a hit), the speculator's whole round as its rank runs it (``speculator_rounds.py``:
+continue a hit; with ``feature_draft`` also that draft's commit of a round's features, its
+build's teacher-forced chain and tree depths apart, and its whole build), the speculator's
+whole round as its rank runs it (``speculator_rounds.py``:
 OUTCOME in, answer, build, CACHE read on the leader's host; greedy and T = 0.7) and the sampled
 build's per-depth draw alone.
 
@@ -61,7 +63,8 @@ def add_step_args(ap) -> None:
     ap.add_argument("--draft", default="smollm2-135m-draft")
     ap.add_argument("--feature-draft", default=None, metavar="DIR",
                     help="also time SD's proposal with this feature draft (e.g. "
-                         "smollm2-135m-eagle) and the verify keeping its features")
+                         "smollm2-135m-eagle), the verify keeping its features and SSD's "
+                         "commit and build with it")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--fan-out-budget", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
