@@ -392,6 +392,14 @@ def test_cli_grows_a_draft_it_wrote(setup, tmp_path):
     assert b["history"][0]["kl"][0] == pytest.approx(a[-1]["kl"][0], rel=0.02)
     assert b["history"][-1]["kl"][0] < b["history"][0]["kl"][0]
     assert len(load_feature_draft(str(second), load_checkpoint(target)).layers) == 2
+    # a grown run stopped and resumed is the uninterrupted grown run (its shape from the record)
+    grow = common + ["--steps", "8", "--init-from", str(first), "--grow-layers", "1"]
+    whole = main(grow + ["--out", str(tmp_path / "whole")])
+    main(grow + ["--out", str(tmp_path / "split"), "--stop-after-steps", "3"])
+    resumed = main(["--resume", "--work-dir", str(tmp_path / "split.work"), "--out",
+                    str(tmp_path / "split"), "--device", "cpu"])
+    assert resumed["history"][-1] == whole["history"][-1]
+    assert resumed["args"]["layers"] == 2
     with pytest.raises(SystemExit, match="grows the draft of --init-from"):
         main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--grow-layers", "1"])
     with pytest.raises(SystemExit, match="at least 1"):
