@@ -79,6 +79,14 @@ def _runner(ck, device, dtype, n_slots: int, tree_len: int, features=False):
     return r
 
 
+def _feature_compile(dev) -> str | None:
+    """The feature draft's steps compiled as the engine's would be (``SSDLIB_FEATURE_COMPILE``
+    on a GPU): "inductor", else None."""
+    from ssdlib.engine.runner.compiled import wants_feature_compile
+
+    return "inductor" if wants_feature_compile(None, dev, True) else None
+
+
 def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype):
     """SD's proposal with the feature draft in ``directory`` as the engine makes it
     (``FeatureDrafter``, its captured steps on CUDA), reading the features ``ftr`` keeps: each
@@ -91,7 +99,8 @@ def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype
                                max_positions=ftr.cache.max_len)
     pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
     drafter = FeatureDrafter(draft, ftr.cache.features, b + 1, ftr.cache.max_len,
-                             tck.config.vocab_size, draws=K, pool=pool, use_kernel=True)
+                             tck.config.vocab_size, draws=K, pool=pool, use_kernel=True,
+                             compile_backend=_feature_compile(dev))
 
     def propose():
         for r in rows:
@@ -118,7 +127,7 @@ def _feature_speculator_steps(directory: str, tck, ftr, b: int, K: int, fan: tup
     draft = load_feature_draft(directory, tck, ftr.model, dev, dtype, max_positions=max_len)
     pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
     drafter = FeatureSpecDraft(draft, b + 1, max_len, V, B * K, dev, dtype, draws=K,
-                               use_kernel=True, pool=pool)
+                               use_kernel=True, pool=pool, compile_backend=_feature_compile(dev))
     builder = FeatureCacheBuilder(drafter, SpeculationCache(b + 1, B, K, V, dev), V, 1.0,
                                   pool=pool)
     sent = torch.randint(0, V, (b, K))

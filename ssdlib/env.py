@@ -110,6 +110,10 @@ SWITCHES: tuple[Switch, ...] = (
            "side) and a round's acceptance and records (~30) through torch.compile where the "
            "steps compile; 0: eager (ssdlib.engine.speculator.spec_cache.next_speculation, "
            "ssdlib.engine.leader.chained_rounds.maybe_compiled)"),
+    Switch("SSDLIB_FEATURE_COMPILE", "flag", False,
+           "a feature draft's decoder layers compiled in its captured steps (SD's proposals, "
+           "SSD's commits, jit drafts and builds) where a draft runner's would compile; off: "
+           "the plain layers (ssdlib.engine.runner.compiled.wants_feature_compile)"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "

@@ -3,6 +3,8 @@ stub as a drafter reads it, and a target runner that keeps features with its dra
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ssdlib import SamplingParams
@@ -38,3 +40,28 @@ def runner_and_draft(target_dir, feature_draft, slots, device="cpu", features=Tr
     runner = ModelRunner(ck, None, device, torch.float32, slots, 128, features=features)
     draft = load_feature_draft(feature_draft, ck, runner.model, device, torch.float32)
     return ck, model, runner, draft
+
+
+def counting_backend(runs: list):
+    """A torch.compile backend that runs the traced graph as it is and appends to ``runs`` at
+    each call: where a feature draft's compiled layers run (on CPU, without inductor). A test
+    using it resets dynamo after (``fresh_dynamo``)."""
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+        return run
+    return backend
+
+
+@contextlib.contextmanager
+def fresh_dynamo():
+    """torch._dynamo reset before and after: compiled code of a test's backend is not left on
+    the decoder layer's code object for the next test."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
+from ssdlib.engine.runner.compiled import checked_feature_step_draft
 from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.static_inputs import batch_bucket, batch_buckets
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
@@ -61,7 +62,8 @@ class FeatureDrafter:
     ``feature_width``."""
 
     def __init__(self, draft, features: torch.Tensor, n_slots: int, max_len: int,
-                 vocab_size: int, draws: int = 0, pool=None, use_kernel: bool = False):
+                 vocab_size: int, draws: int = 0, pool=None, use_kernel: bool = False,
+                 compile_backend: str | None = None):
         if features.shape[-1] != draft.feature_width:
             raise ValueError(f"the target keeps features of width {features.shape[-1]} but the "
                              f"draft reads {draft.feature.kind} features of width "
@@ -77,6 +79,12 @@ class FeatureDrafter:
         cfg = draft.config
         self.cache = KVCache(cfg.num_hidden_layers, n_slots, draft.kv_heads_local, max_len,
                              cfg.head_dim, features.dtype, self.device)
+        # the draft as the proposal's steps of fixed shape run it (the feed of a round's
+        # positions, the chain): its layers under torch.compile with ``compile_backend``
+        # (``compiled.checked_feature_step_draft``), else the plain draft, which an admission's
+        # feed of a whole prompt always runs
+        self.step_draft = draft if compile_backend is None else checked_feature_step_draft(
+            draft, self.cache, self.scratch_slot, use_kernel, compile_backend)
         self.max_len = max_len
         self.vocab_size = vocab_size
         self.draws = draws  # draws a sampled row's stream gives up each proposal (K_max)
@@ -157,7 +165,7 @@ class FeatureDrafter:
         feats = self.draft.condition(self.features[slots.view(-1, 1), positions])
         meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
                                  use_kernel=self.use_kernel)
-        logits, hidden = self.draft(ids, feats, self.cache, meta, index)
+        logits, hidden = self.step_draft(ids, feats, self.cache, meta, index)
         first = positions.gather(1, index)[:, 0] + 1
         return logits[:, 0], hidden[:, 0], first, slots
 
@@ -292,7 +300,7 @@ class FeatureDrafter:
         [b, H])."""
         p = pos.view(-1, 1)
         meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=use_kernel)
-        logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
+        logits, hidden = self.step_draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
         return logits[:, 0], hidden[:, 0]
 
     def _chain_body(self, tok, hidden, first, slots, steps: int, kv_len: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ draft stores: ``fc`` [H, 2H], with fused features ``fuse`` [H, 3H], its decoder 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -78,6 +79,15 @@ class FeatureDraft(nn.Module):
             feature.target_layers(target.config.num_hidden_layers)
         return cls(feature_draft_config(target.config, layers), target.model.embed_tokens,
                    target.lm_head, max_positions or target.model.rotary.cos.shape[0], feature)
+
+    def with_layers(self, layers) -> "FeatureDraft":
+        """A second view of this draft whose decoder layers are ``layers`` (e.g. the same layers
+        under torch.compile), sharing every other module and all weights: this draft keeps its
+        own layers (``LlamaForCausalLM.with_layers``)."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view._modules["layers"] = nn.ModuleList(layers)
+        return view
 
     @property
     def embed_tokens(self) -> nn.Module:

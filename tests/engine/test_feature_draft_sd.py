@@ -13,10 +13,12 @@ from ssdlib.engine.runner.model_runner import use_slot_kernel
 from ssdlib.errors import ConfigError
 from ssdlib.loading.feature_draft import save_feature_draft
 from ssdlib.models.feature_draft import FeatureDraft
+from ssdlib.models.llama import LlamaDecoderLayer
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from tests.engine.test_speculative_exact import (GREEDY, PROMPTS, check_equal, exact_joint,
                                                  sample_pairs)
-from tests.feature_helpers import Seq, frozen_target, runner_and_draft
+from tests.feature_helpers import (Seq, counting_backend, fresh_dynamo, frozen_target,
+                                   runner_and_draft)
 from tests.speculative.spec_stats import chi2_test
 from tools.distill.feature_train import init_feature_draft
 
@@ -196,6 +198,38 @@ def test_the_captured_greedy_chain_proposes_what_the_eager_chain_does(tiny_dirs,
         for i, s in enumerate(seqs):  # the round commits 2 drafts and a bonus token, and
             # after round 1 three rounds at K = 0 commit a token each (the draft falls behind)
             s.tokens = s.tokens + proposals[0][i][:2] + [7 + i] + ([5, 6, 7] if round_ else [])
+
+
+def test_a_compiled_drafter_proposes_what_the_plain_one_does(tiny_dirs, feature_draft):
+    """Proposals with the draft's layers under torch.compile (``compile_backend``; here a
+    backend that runs the traced graph and counts, through the captured steps' code path)
+    equal the plain eager drafter's over three rounds, and the captured steps ran the compiled
+    layers (the admission's feed of a whole prompt runs the plain draft)."""
+    with fresh_dynamo():
+        ck, _, runner, draft = runner_and_draft(tiny_dirs["smol_heads"], feature_draft, 4)
+        runs: list = []
+        # (no warm-up run under the capture rules' dispatch mode: dynamo runs a frame eagerly
+        # from then on)
+        drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
+                                   ck.config.vocab_size, draws=4, pool=pool, compile_backend=backend)
+                    for pool, backend in ((None, None), (EagerPool(), counting_backend(runs)))]
+        assert drafters[0].step_draft is draft and drafters[1].step_draft is not draft
+        # the compiled view shares the draft's weights; the draft keeps its plain layers
+        assert all(type(m) is LlamaDecoderLayer for m in draft.layers)
+        assert drafters[1].step_draft.fc is draft.fc
+        assert not any(type(m) is LlamaDecoderLayer for m in drafters[1].step_draft.layers)
+        seqs = [Seq(i, PROMPTS[i] + [1 + i, 2, 3 + i]) for i in range(3)]
+        for d in drafters:
+            for s in seqs:
+                d.reset(s.slot)
+        trial = len(runs)
+        for round_ in range(3):
+            prefill(runner, seqs)
+            proposals = [d.propose(seqs, 4, want_q=False)[0].tolist() for d in drafters]
+            assert proposals[0] == proposals[1], round_
+            for i, s in enumerate(seqs):
+                s.tokens = s.tokens + proposals[0][i][:2] + [7 + i]
+        assert len(runs) > trial + 3 * 3  # each round's chain steps at least
 
 
 def _drafter_pair(ck, runner, draft, pool, dev="cpu"):

@@ -25,6 +25,7 @@ from tests.engine.test_chained_sampling import N_SEQS, NEW, TEMPERATURE, TOP_P
 from tests.engine.test_chained_sampling import PROMPT as SAMPLED_PROMPT
 from tests.engine.test_chained_sampling import pit_values, uniform_p_value
 from tests.engine.test_speculative_exact import GREEDY, PROMPTS, check_equal
+from tests.feature_helpers import counting_backend, fresh_dynamo
 from tests.feature_oracle import FUSED_LAYERS, V, PreviousTokenTarget, oracle_draft
 
 K = 3
@@ -53,15 +54,29 @@ def _commit(drafter, target, row, start, fused):
     drafter.commit_features([row], [start], [feats.shape[0]], feats.unsqueeze(0))
 
 
-@pytest.mark.parametrize("fused,captured", [(False, False), (True, False), (False, True)])
-def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, captured):
+@pytest.mark.parametrize("fused,captured,compiled", [(False, False, False), (True, False, False),
+                                                     (False, True, False), (False, True, True)])
+def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, captured,
+                                                                        compiled):
     """``captured``: the captured steps' code path (commits padded to K + 1 positions, batch
-    buckets, ghost rows), run eagerly."""
+    buckets, ghost rows), run eagerly; ``compiled``: the steps of fixed shape through the
+    draft's layers under torch.compile (a backend that runs the traced graph and counts)."""
     target = PreviousTokenTarget()
     draft = oracle_draft(target, fused=fused)
+    # (compiled: no warm-up run under the capture rules' dispatch mode, inside which dynamo
+    # runs a frame eagerly from then on)
+    pool = EagerPool(warmup=0 if compiled else 1) if captured else None
+    runs: list = []
+    with fresh_dynamo():
+        _oracle_rounds(target, draft, fused, pool, runs, compiled)
+
+
+def _oracle_rounds(target, draft, fused, pool, runs, compiled):
     B = sum(FAN)
-    pool = EagerPool(warmup=1) if captured else None
-    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool)
+    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool,
+                               compile_backend=counting_backend(runs) if compiled else None)
+    assert (drafter.step_draft is not draft) == compiled
+    assert len(runs) == compiled  # the compile's trial step
     cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
     builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0, pool=pool)
     prompt = [5, 17, 3, 42, 8, 11]
@@ -89,6 +104,8 @@ def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, 
                                       int(cache.bonus[1, j]) == bonus for j in range(B))
         row.commit(1, bonus)
         _commit(drafter, target, row, n - 1, fused)  # positions n - 1 and n: k + 1 of them
+    # each round's jit draft, chain, tree depths and commit ran the compiled layers
+    assert len(runs) > (3 * (K - 1 + K + K + 1) if compiled else -1)
 
 
 def test_an_admission_commits_through_sdpa_and_a_round_through_the_kernel():
@@ -222,6 +239,21 @@ def test_cuda_ssd_with_a_feature_draft_equals_ar(tiny_dirs, ar_reference, featur
     """fp32 on a GPU, the build captured in CUDA graphs: AR's tokens."""
     with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode="ssd", k=K,
                    max_batch=batch, max_len=128, device="cuda", dtype="float32") as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_cuda_compiled_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_draft, mode,
+                                              monkeypatch):
+    """fp32 on a GPU with the feature draft's layers compiled by inductor in its captured
+    steps (``SSDLIB_FEATURE_COMPILE=1``, compile on): AR's tokens, SD and SSD."""
+    monkeypatch.setenv("SSDLIB_FEATURE_COMPILE", "1")
+    with Generator(target=tiny_dirs["smol_heads"], draft=feature_draft, mode=mode, k=K,
+                   max_batch=4, max_len=128, device="cuda", dtype="float32",
+                   compile=True) as g:
         outs = g.generate(PROMPTS, GREEDY)
     check_equal(tiny_dirs, ar_reference, outs)
 

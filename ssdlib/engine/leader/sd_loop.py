@@ -18,6 +18,7 @@ from ssdlib.engine.leader.ar_loop import admit_with_first_token, next_token_logi
 from ssdlib.engine.leader.metrics import record_acceptance
 from ssdlib.engine.leader.verifier import build_link_verifier
 from ssdlib.engine.leader.verify import RoundResult, commit_round, read_round, verify_round
+from ssdlib.engine.runner.compiled import feature_compile_backend
 from ssdlib.engine.runner.model_runner import (ModelRunner, captures_steps, eager_step_graphs,
                                                use_slot_kernel)
 from ssdlib.engine.sampler import sample_rows
@@ -157,7 +158,8 @@ def build_sd_loop(cfg, world, target, target_ck):
             pool = EagerPool(warmup=1)
         drafter = FeatureDrafter(draft, target.runner.cache.features, cfg.max_batch + 1,
                                  target.runner.cache.max_len, target_ck.config.vocab_size,
-                                 draws=cfg.k, pool=pool, use_kernel=use_slot_kernel(world.device))
+                                 draws=cfg.k, pool=pool, use_kernel=use_slot_kernel(world.device),
+                                 compile_backend=feature_compile_backend(cfg, world.device))
         loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
                       sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
         return loop, (pool.clear if pool is not None else lambda: None)

@@ -36,6 +36,13 @@ def compile_step_model(model, backend: str = "inductor"):
     9 steps instead of 23 and its cold start was ready in 59.6 s (87.8 s static, at 3041202);
     AR at b = 8 decoded at 4508 tok/s against 4392 static (1.03x, one bench invocation).
     ``SSDLIB_COMPILE_DYNAMIC=0`` compiles every bucket static, its own specialisation."""
+    return compile_layers(model, model.model.layers, backend)
+
+
+def compile_layers(model, layers, backend: str = "inductor"):
+    """``model.with_layers`` of ``layers`` (its decoder layers), each under torch.compile as
+    :func:`compile_step_model` says: a Llama's, or a feature draft's
+    (``FeatureDraft.with_layers``)."""
     import torch._dynamo  # ~2-3 s of imports: only where something compiles
 
     cfg = torch._dynamo.config
@@ -45,9 +52,9 @@ def compile_step_model(model, backend: str = "inductor"):
     if env.flag("SSDLIB_COMPILE_DYNAMIC"):
         return model.with_layers(_BatchDynamic(torch.compile(layer, backend=backend,
                                                              dynamic=None))
-                                 for layer in model.model.layers)
+                                 for layer in layers)
     return model.with_layers(torch.compile(layer, backend=backend, dynamic=False)
-                             for layer in model.model.layers)
+                             for layer in layers)
 
 
 class _BatchDynamic(torch.nn.Module):
@@ -149,12 +156,35 @@ def checked_step_model(model, cache, scratch_slot: int, use_kernel: bool,
     run the plain model."""
     step = compile_step_model(model, backend)
     dev = cache.k.device
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=dev)
+    return _tried(step, model, lambda meta: step(ids, cache, meta), cache, scratch_slot,
+                  use_kernel)
+
+
+def checked_feature_step_draft(draft, cache, scratch_slot: int, use_kernel: bool,
+                               backend: str = "inductor"):
+    """A feature draft (``ssdlib.models.feature_draft``) with its decoder layers compiled
+    (:func:`compile_layers`; the draft's fc, fuse, norm and the target's head stay eager),
+    tried once on a one-pair step into the scratch slot of its KV ``cache``; the plain draft,
+    with a warning, where compiling fails."""
+    step = compile_layers(draft, draft.layers, backend)
+    dev = cache.k.device
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=dev)
+    feats = torch.zeros(1, 1, draft.config.hidden_size, dtype=cache.k.dtype, device=dev)
+    return _tried(step, draft, lambda meta: step(ids, feats, cache, meta), cache,
+                  scratch_slot, use_kernel)
+
+
+def _tried(step, plain, run, cache, scratch_slot: int, use_kernel: bool):
+    """``step`` if ``run(meta)`` (its first call: a one-token step at position 0 of the scratch
+    slot) compiles and runs, else ``plain`` and a warning naming the compiler's error."""
+    dev = cache.k.device
     pos = torch.zeros(1, 1, dtype=torch.int64, device=dev)
     meta = AttentionMetadata(pos, torch.tensor([scratch_slot], device=dev), cache.max_len,
                              kv_limit=pos + 1, use_kernel=use_kernel)
     try:
         with torch.inference_mode():
-            step(torch.zeros(1, 1, dtype=torch.int64, device=dev), cache, meta)
+            run(meta)
     except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
         root = e  # dynamo wraps the compiler's own error
         while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
@@ -163,5 +193,20 @@ def checked_step_model(model, cache, scratch_slot: int, use_kernel: bool,
         log.warning("torch.compile of the decoder layers failed (%s: %s); the captured steps "
                     "run the plain model (--no-compile silences this)", type(root).__name__,
                     first)
-        return model
+        return plain
     return step
+
+
+def wants_feature_compile(compile: bool | None, device: torch.device,
+                          cuda_graphs: bool) -> bool:
+    """Whether a feature draft's captured steps run its compiled layers: where a draft runner's
+    would (:func:`wants_compile`, unsharded) and ``SSDLIB_FEATURE_COMPILE`` is on."""
+    return env.flag("SSDLIB_FEATURE_COMPILE") and wants_compile(
+        compile, torch.device(device), cuda_graphs, 1)
+
+
+def feature_compile_backend(cfg, device) -> str | None:
+    """The torch.compile backend of a feature draft's steps for an engine config (its
+    ``compile`` and ``cuda_graphs``): "inductor" where :func:`wants_feature_compile`, else
+    None (the plain draft)."""
+    return "inductor" if wants_feature_compile(cfg.compile, device, cfg.cuda_graphs) else None

@@ -159,7 +159,7 @@ class FeatureCacheBuilder:
                                      tree_mask=full[:, depth * B:(depth + 1) * B,
                                                     :B * (depth + 1)],
                                      tree_len=B * (depth + 1), use_kernel=d.use_kernel)
-            logits, feat = d.draft(tok, feat, d.cache, meta)
+            logits, feat = d.step_draft(tok, feat, d.cache, meta)
             logits = fit_vocab(logits, self.V)  # [b, B, V]
             tok = row_argmax(logits) if pick is None else pick(depth, logits)
             tokens.append(tok)

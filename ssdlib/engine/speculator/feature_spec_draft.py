@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ssdlib.engine.batching import pack_rows, slots_tensor, to_device
+from ssdlib.engine.runner.compiled import checked_feature_step_draft
 from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
@@ -25,18 +26,24 @@ class FeatureSpecDraft:
 
     def __init__(self, draft, n_slots: int, max_len: int, vocab_size: int, tree_len: int,
                  device, dtype: torch.dtype, draws: int = 0, use_kernel: bool = False,
-                 pool=None):
+                 pool=None, compile_backend: str | None = None):
         self.draft = draft
         self.device = torch.device(device)
         cfg = draft.config
         self.cache = KVCache(cfg.num_hidden_layers, n_slots, draft.kv_heads_local, max_len,
                              cfg.head_dim, dtype, self.device, tree_len=tree_len)
+        self.scratch_slot = n_slots - 1  # ghost rows of a captured step write here
+        # the draft as the steps of fixed shape run it (a round's commit, chain steps, jit
+        # drafts, tree depths): its layers under torch.compile with ``compile_backend``
+        # (``compiled.checked_feature_step_draft``), else the plain draft, which an admission's
+        # commit of a whole prompt always runs
+        self.step_draft = draft if compile_backend is None else checked_feature_step_draft(
+            draft, self.cache, self.scratch_slot, use_kernel, compile_backend)
         self.max_len = max_len
         self.vocab_size = vocab_size
         self.draws = draws  # draws a sampled row's stream gives up each jit draft (K)
         self.use_kernel = use_kernel
         self.pool = pool  # captured commits and greedy jit drafts (module doc); None: eager
-        self.scratch_slot = n_slots - 1  # ghost rows of a captured step write here
         self._static: dict[tuple, dict[str, torch.Tensor]] = {}
         self.last_logits = torch.zeros(n_slots, vocab_size, dtype=torch.float32,
                                        device=self.device)
@@ -82,13 +89,15 @@ class FeatureSpecDraft:
             self.fed[r.slot] = st + c
 
     def _commit_body(self, ids, positions, slots, index, feats, kv_len: int,
-                     use_kernel: bool) -> None:
+                     use_kernel: bool, model=None) -> None:
         """The commit on device tensors: ids / positions [b, s], slots [b], index [b, 1] (each
-        row's last real place), the target's features [b, s, W]."""
+        row's last real place), the target's features [b, s, W]; ``model``: the draft it runs
+        (default ``step_draft``)."""
+        model = self.step_draft if model is None else model
         meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
                                  use_kernel=use_kernel)
-        logits, hidden = self.draft(ids, self.draft.condition(feats).to(self.cache.k.dtype),
-                                    self.cache, meta, index)
+        logits, hidden = model(ids, self.draft.condition(feats).to(self.cache.k.dtype),
+                               self.cache, meta, index)
         self.last_logits[slots] = fit_vocab(logits[:, 0], self.vocab_size).float()
         self.last_hidden[slots] = hidden[:, 0].to(self.last_hidden.dtype)
 
@@ -107,7 +116,7 @@ class FeatureSpecDraft:
         self._commit_body(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
                           slots_tensor(rows).to(dev, non_blocking=True),
                           to_device([[c - 1] for c in counts], dev), feats,
-                          int(positions.max()) + 1, False)
+                          int(positions.max()) + 1, False, self.draft)
 
     def _commit_captured(self, rows, ids, positions, counts, values, width: int) -> None:
         """The commit as one replay of its batch bucket's step (rows padded to ``width``
@@ -152,7 +161,7 @@ class FeatureSpecDraft:
         float32, hidden [b, H])."""
         p = pos.view(-1, 1)
         meta = AttentionMetadata(p, slots, kv_len, kv_limit=p + 1, use_kernel=self.use_kernel)
-        logits, hidden = self.draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
+        logits, hidden = self.step_draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
         return fit_vocab(logits[:, 0], self.vocab_size).float(), hidden[:, 0]
 
     def _start(self, rows) -> tuple[torch.Tensor, torch.Tensor, int]:

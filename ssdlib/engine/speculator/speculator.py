@@ -25,6 +25,7 @@ from ssdlib.distributed.protocol import (SPEC_HOST_SEGMENTS, SPEC_PHASES, Admit,
 from ssdlib.distributed.spec_link import SpecLink
 from ssdlib.engine.batching import to_device
 from ssdlib.engine.drafter import Drafter
+from ssdlib.engine.runner.compiled import feature_compile_backend
 from ssdlib.engine.runner.model_runner import ModelRunner, eager_step_graphs, use_slot_kernel
 from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
@@ -554,7 +555,8 @@ def build_speculator(cfg, device, target_ck, link, target_model=None,
             pool = EagerPool(warmup=1)
         drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
                                    tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
-                                   use_kernel=use_slot_kernel(device), pool=pool)
+                                   use_kernel=use_slot_kernel(device), pool=pool,
+                                   compile_backend=feature_compile_backend(cfg, device))
         return Speculator(cfg, None, link, vocab, drafter,
                           FeatureCacheRole(cfg, drafter, vocab, pool, target_features))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility

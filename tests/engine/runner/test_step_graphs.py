@@ -820,6 +820,55 @@ def test_a_failing_compile_falls_back_to_the_plain_model_with_a_warning(tiny_dir
     torch._dynamo.reset()
 
 
+def test_a_feature_draft_compiles_its_layers_or_runs_plain(tiny_dirs, tmp_path, caplog,
+                                                             monkeypatch):
+    """``checked_feature_step_draft``: a feature draft whose layers compile is a view sharing
+    every other module (the draft keeps its plain layers); where compiling fails, the plain
+    draft and a warning naming the error. ``wants_feature_compile``: only with
+    ``SSDLIB_FEATURE_COMPILE`` on, where a draft runner's steps would compile."""
+    import logging
+
+    import torch._dynamo
+
+    from ssdlib.engine.runner.compiled import checked_feature_step_draft, wants_feature_compile
+    from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
+    from ssdlib.loading.feature_draft import load_feature_draft
+    from ssdlib.models.llama import LlamaDecoderLayer
+    from tests.engine.test_feature_draft_sd import _feature_draft
+    from tests.feature_helpers import frozen_target
+
+    ck, target = frozen_target(tiny_dirs["smol_heads"])
+    draft = load_feature_draft(_feature_draft(tiny_dirs["smol_heads"], tmp_path / "fd"), ck,
+                               target, "cpu", torch.float32)
+    plain = FeatureSpecDraft(draft, 3, 64, ck.config.vocab_size, 8, "cpu", torch.float32)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level(logging.WARNING):
+            got = checked_feature_step_draft(draft, plain.cache, plain.scratch_slot, False,
+                                             backend=broken)
+        assert got is draft
+        assert "torch.compile of the decoder layers failed" in caplog.text
+        assert "no compiler here" in caplog.text
+        torch._dynamo.reset()
+        ok = checked_feature_step_draft(draft, plain.cache, plain.scratch_slot, False,
+                                        backend="eager")
+        assert ok is not draft and ok.fc is draft.fc and ok.norm is draft.norm
+        assert all(type(m) is LlamaDecoderLayer for m in draft.layers)
+        assert not any(type(m) is LlamaDecoderLayer for m in ok.layers)
+    finally:
+        torch._dynamo.reset()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("SSDLIB_FEATURE_COMPILE", raising=False)
+    assert not wants_feature_compile(True, cuda, True)  # off unless asked
+    monkeypatch.setenv("SSDLIB_FEATURE_COMPILE", "1")
+    assert wants_feature_compile(True, cuda, True)
+    assert not wants_feature_compile(False, cuda, True)  # --no-compile
+    assert not wants_feature_compile(True, cpu, True)
+
+
 def test_step_queries_pads_only_consecutive_positions(tiny_dirs):
     ck, _, stepped = runners(tiny_dirs["smol_heads"], "cpu", "all")
     ids = torch.arange(22).view(2, 11)
