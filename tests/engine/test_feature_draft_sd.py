@@ -211,7 +211,8 @@ def test_a_compiled_drafter_proposes_what_the_plain_one_does(tiny_dirs, feature_
         # (no warm-up run under the capture rules' dispatch mode: dynamo runs a frame eagerly
         # from then on)
         drafters = [FeatureDrafter(draft, runner.cache.features, 5, runner.cache.max_len,
-                                   ck.config.vocab_size, draws=4, pool=pool, compile_backend=backend)
+                                   ck.config.vocab_size, draws=4, pool=pool,
+                                   compile_backend=backend)
                     for pool, backend in ((None, None), (EagerPool(), counting_backend(runs)))]
         assert drafters[0].step_draft is draft and drafters[1].step_draft is not draft
         # the compiled view shares the draft's weights; the draft keeps its plain layers

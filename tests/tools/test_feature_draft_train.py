@@ -368,7 +368,8 @@ def test_a_grown_draft_starts_computing_what_it_grew_from(setup):
             torch.testing.assert_close(hb, ha, rtol=0, atol=0)
     assert torch.equal(grown.layers[0].self_attn.qkv_proj.weight,
                        draft.layers[0].self_attn.qkv_proj.weight)
-    assert torch.equal(grown.layers[2].mlp.gate_up_proj.weight, draft.layers[0].mlp.gate_up_proj.weight)
+    assert torch.equal(grown.layers[2].mlp.gate_up_proj.weight,
+                       draft.layers[0].mlp.gate_up_proj.weight)
     assert not grown.layers[1].self_attn.o_proj.weight.any()
     assert not grown.layers[2].mlp.down_proj.weight.any()
     from_target = grow_feature_draft(draft, teacher, 1, init_layer=0)
