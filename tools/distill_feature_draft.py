@@ -50,9 +50,10 @@ from ssdlib.models.feature_spec import FUSED, LAST_PRENORM, FeatureSpec  # noqa:
 from tools.distill import models  # noqa: E402
 from tools.distill.budget import StepBudget  # noqa: E402
 from tools.distill.data import Batcher, load_splits, mixed_batcher, pack_rows  # noqa: E402
-from tools.distill.feature_train import (FEATURE_KEYS, FeatureTrainer,  # noqa: E402
-                                         FeatureTrainSettings, grow_feature_draft,
-                                         init_feature_draft, token_gain_for)
+from tools.distill.feature_train import (FEATURE_KEYS, TTT_KEYS,  # noqa: E402
+                                         FeatureTrainer, FeatureTrainSettings,
+                                         grow_feature_draft, init_feature_draft,
+                                         token_gain_for)
 from tools.distill.run_state import (SHARED_KEYS, RunStateError, read_state,  # noqa: E402
                                      write_state)
 from tools.distill.train import LOSSES  # noqa: E402
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "output projections, so the deeper draft starts computing what DIR did")
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="unroll steps per training step (1: the target's features only)")
+    p.add_argument("--ttt-keys", choices=TTT_KEYS, default="inference",
+                   help="the keys an unroll step's queries attend to: inference (those the "
+                        "draft's KV cache holds at inference: the target's features up to where "
+                        "its own start, its own after) or uniform (every key at the step's "
+                        "depth: one causal forward a step, cheaper)")
     p.add_argument("--feature-loss-weight", type=float, default=0.1,
                    help="weight of the smooth-L1 regression of the next feature")
     p.add_argument("--token-gain", default="auto", metavar="C",
@@ -192,6 +198,7 @@ def _resumed_args(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, d
     with open(run_path) as f:
         record = json.load(f)
     merged = dict(record["args"])
+    merged.setdefault("ttt_keys", "uniform")  # a run recorded before --ttt-keys: its keys
     merged.update({k: getattr(args, k) for k in RESUME_OWN})
     if isinstance(merged.get("fused_layers"), list):  # saved as read from the draft
         merged["fused_layers"] = ",".join(str(i) for i in merged["fused_layers"])
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
             steps=args.steps, lr=args.lr,
             warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20),
             eval_every=args.eval_every, eval_batch=args.eval_batch, seq_len=args.seq_len,
-            loss=args.loss, ttt_steps=args.ttt_steps,
+            loss=args.loss, ttt_steps=args.ttt_steps, ttt_keys=args.ttt_keys,
             feature_loss_weight=args.feature_loss_weight, eval_depth=args.eval_depth,
             token_gain=gain,
             compile_loss=compiled in ("loss", "all"), compile_teacher=compiled == "all",

@@ -118,7 +118,7 @@ class FeatureDraft(nn.Module):
             return target_features
         return self.fuse(target_features.to(self.fuse.weight.dtype))
 
-    def _inputs(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def pair_inputs(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(next_ids), features]): [b, s] and [b, s, H] -> [b, s, H]."""
         x = torch.cat([self.embed_tokens(next_ids).to(features.dtype), features], dim=-1)
         return self.fc(x.to(self.fc.weight.dtype))
@@ -136,7 +136,7 @@ class FeatureDraft(nn.Module):
         f_{t+1})."""
         b, s = next_ids.shape
         positions = torch.arange(s, device=next_ids.device).expand(b, s)
-        hidden = run_layers(self.layers, self.rotary, self._inputs(next_ids, features), None,
+        hidden = run_layers(self.layers, self.rotary, self.pair_inputs(next_ids, features), None,
                             AttentionMetadata(positions, None, s), self.config.sliding_window)
         return self.logits(hidden), hidden
 
@@ -147,7 +147,7 @@ class FeatureDraft(nn.Module):
         [b, s, H] (conditioned, as in ``forward_full``) at ``meta.positions`` -> (logits
         [b, s, V], hidden [b, s, H]), or both at ``logits_index`` [b, n] only ([b, n, V],
         [b, n, H])."""
-        hidden = run_layers(self.layers, self.rotary, self._inputs(next_ids, features), kv_cache,
+        hidden = run_layers(self.layers, self.rotary, self.pair_inputs(next_ids, features), kv_cache,
                             meta, self.config.sliding_window)
         if logits_index is not None:
             hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))

@@ -23,8 +23,9 @@ from tests.feature_oracle import H, V, PreviousTokenTarget, oracle_draft
 from tests.tiny import make_tiny_llama
 from tools.distill.data import Batcher, Docs, load_splits, pack_rows, save_splits
 from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings, compiled_kl,
-                                         grow_feature_draft, init_feature_draft, token_gain_for,
-                                         unroll, unrolled_losses)
+                                         grow_feature_draft, inference_keys_mask,
+                                         init_feature_draft, token_gain_for, unroll,
+                                         unrolled_losses)
 from tools.distill.train import kl_from_log_probs, teacher_log_probs
 from tools.distill.models import load_teacher
 from tools.distill_feature_draft import main
@@ -90,6 +91,53 @@ def test_unroll_step_j_reads_step_j_minus_1_one_position_on(setup):
             assert torch.equal(logits, expected[0]) and torch.equal(hidden, expected[1])
             own = torch.cat([features[:, :1], hidden[:, :-1]], dim=1)
             expected = draft.forward_full(own, ids[:, 1:])
+
+
+def test_an_inference_keyed_unroll_step_is_the_draft_at_inference(setup):
+    """unroll(keys="inference"): step j at position t is the draft as it runs at inference with
+    the target's features up to position e = max(t - j, 0) and its own h after, one position
+    at a time (a cache-free rollout), for a draft of two layers; step 0 is the plain forward;
+    the uniform keys differ from it past step 0."""
+    _, teacher, _ = setup
+    draft = FeatureDraft.for_target(teacher, layers=2)
+    init_feature_draft(draft, teacher, seed=2)
+    s = 9
+    ids = torch.randint(0, teacher.config.vocab_size, (2, s + 1),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        features = teacher.forward_full_features(ids)[1][:, :-1]
+        next_ids = ids[:, 1:]
+        steps = list(unroll(draft, features, next_ids, 4, keys="inference"))
+        uniform = list(unroll(draft, features, next_ids, 4, keys="uniform"))
+        f = draft.condition(features)
+        torch.testing.assert_close(steps[0][0], draft.forward_full(f, next_ids)[0])
+        for j, (logits, hidden) in enumerate(steps):
+            for t in range(s):
+                e = max(t - j, 0)
+                feats = f[:, :e + 1]
+                for p in range(e + 1, t + 1):  # the draft's own h stands in for f_p
+                    h = draft.forward_full(feats, next_ids[:, :p])[1][:, -1:]
+                    feats = torch.cat([feats, h], dim=1)
+                want_logits, want_hidden = draft.forward_full(feats, next_ids[:, :t + 1])
+                torch.testing.assert_close(logits[:, t], want_logits[:, -1], atol=2e-5,
+                                           rtol=1e-5)
+                torch.testing.assert_close(hidden[:, t], want_hidden[:, -1], atol=2e-5,
+                                           rtol=1e-5)
+        assert not torch.allclose(uniform[2][0], steps[2][0], atol=1e-3)
+    with pytest.raises(ValueError, match="unroll keys"):
+        next(unroll(draft, features, next_ids, 2, keys="other"))
+
+
+def test_the_inference_keys_mask_of_two_steps():
+    """Step 1's query at t sees step 0's keys up to t - 1 and its own at t; at t = 0 it is
+    position 0's (the target's feature: step 0's key)."""
+    m = inference_keys_mask(3, 2, torch.device("cpu")).int()
+    assert m.tolist() == [[1, 0, 0, 0, 0, 0],   # step 0: causal over step 0
+                          [1, 1, 0, 0, 0, 0],
+                          [1, 1, 1, 0, 0, 0],
+                          [1, 0, 0, 0, 0, 0],   # step 1, t = 0: position 0 from step 0
+                          [1, 0, 0, 0, 1, 0],   # t = 1: step 0 up to 0, then its own
+                          [1, 1, 0, 0, 0, 1]]   # t = 2: step 0 up to 1, then its own
 
 
 def test_the_kl_from_log_probs_and_its_compiled_form_match_the_plain_reference(setup):
@@ -406,3 +454,20 @@ def test_cli_grows_a_draft_it_wrote(setup, tmp_path):
     with pytest.raises(SystemExit, match="at least 1"):
         main(common + ["--out", str(tmp_path / "x"), "--steps", "2", "--init-from", str(first),
                        "--grow-layers", "0"])
+
+
+def test_a_run_recorded_before_ttt_keys_resumes_with_uniform_keys(setup, tmp_path):
+    """--ttt-keys is recorded with the run; a stopped run whose record predates it (no such
+    key) resumes with the uniform keys it was trained with."""
+    target, _, data = setup
+    common = ["--target", target, "--data-from", data, "--device", "cpu", "--batch", "4",
+              "--seq-len", str(SEQ), "--ttt-steps", "2", "--eval-every", "0", "--steps", "4"]
+    first = main(common + ["--out", str(tmp_path / "d"), "--stop-after-steps", "2"])
+    assert first["args"]["ttt_keys"] == "inference"
+    run_path = tmp_path / "d.work" / "run.json"
+    run = json.loads(run_path.read_text())
+    del run["args"]["ttt_keys"]
+    run_path.write_text(json.dumps(run))
+    resumed = main(["--resume", "--work-dir", str(tmp_path / "d.work"), "--out",
+                    str(tmp_path / "d"), "--device", "cpu"])
+    assert resumed["args"]["ttt_keys"] == "uniform"

@@ -20,9 +20,17 @@ being verified). The token loss (``LOSSES``: forward KL or TVD per position) and
 regression term (smooth L1 between h_t and f_{t+1}, weighted) are taken at every step and
 averaged over steps; gradients flow through the unrolling.
 
-One approximation: at step j all positions read depth-j features, also those a query attends to
-as keys and values; at inference the earlier positions of that context have shallower (or the
-target's) features.
+The keys a step's queries attend to (``FeatureTrainSettings.ttt_keys``): with "uniform" step j
+is one causal forward in which every position reads depth-j features, also the positions a
+query attends to as keys and values, where at inference the earlier positions of that context
+have shallower (or the target's) features. With "inference" (the default) step j is exactly
+the draft at inference: one forward over the inputs of steps 0..j side by side whose mask
+(``inference_keys_mask``) lets a query of step j at position t see, for e = max(t - j, 0), the
+keys of positions <= e from step 0 and the key of each later position p <= t from step p - e,
+as the draft's KV cache holds them when it has the target's features up to e and its own after
+(tested against a position-by-position rollout). It costs more: step j attends over (j + 1)
+blocks through a masked kernel instead of a causal one, and computes steps 0..j-1's blocks
+again.
 
 Token gain (``FeatureTrainSettings.token_gain``, c): the features are pre-norm and much larger
 than the token embeddings (SmolLM2-135M: RMS ~32 against ~0.12, c ~ 265), so with fc's columns
@@ -50,7 +58,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.models.feature_draft import FeatureDraft
+from ssdlib.models.llama import run_layers
 from tools.distill.data import Batcher, Docs
 from tools.distill.run_state import SHARED_KEYS, capture_shared, require_keys, restore_shared
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
@@ -61,6 +71,9 @@ from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
 @dataclass
 class FeatureTrainSettings(TrainSettings):
     ttt_steps: int = 3  # unroll steps per training step (1: the target's features only)
+    # the keys an unroll step's queries attend to: "inference" (as the draft's KV cache holds
+    # them at inference: ``inference_keys_mask``) or "uniform" (all at the step's depth)
+    ttt_keys: str = "inference"
     feature_loss_weight: float = 0.1  # weight of the smooth-L1 feature regression term
     # unroll steps measured on held-out data, the same whatever ttt_steps, so runs compare
     eval_depth: int = 4
@@ -76,6 +89,8 @@ class FeatureTrainSettings(TrainSettings):
         if self.ttt_steps < 1 or self.eval_depth < 1:
             raise ValueError(f"ttt_steps and eval_depth must be at least 1, got "
                              f"{self.ttt_steps} and {self.eval_depth}")
+        if self.ttt_keys not in TTT_KEYS:
+            raise ValueError(f"ttt_keys must be one of {TTT_KEYS}, got {self.ttt_keys!r}")
         if not self.token_gain > 0:
             raise ValueError(f"the token gain must be positive, got {self.token_gain}")
         if self.feature_loss_weight < 0:
@@ -196,17 +211,64 @@ def shifted(ids: torch.Tensor, logits: torch.Tensor, features: torch.Tensor):
     return ids[:, 1:], features[:, :-1], logits[:, 1:], features[:, 1:]
 
 
+TTT_KEYS = ("inference", "uniform")  # what a query of unroll step j attends to (module doc)
+
+
 def unroll(draft: FeatureDraft, features: torch.Tensor, next_ids: torch.Tensor,
-           steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+           steps: int, keys: str = "uniform") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, hidden) of each unroll step: step 0 on the target's ``features`` [b, s, W]
     (conditioned here: ``FeatureDraft.condition``), step j on the hidden output of step j-1
-    shifted one position on (position 0 keeps its feature)."""
+    shifted one position on (position 0 keeps its feature). ``keys``: "uniform", every key of
+    step j at step j's depth (one causal forward a step); "inference", the keys a draft meets
+    at inference (:func:`inference_keys_mask`: one forward over steps 0..j a step)."""
+    if keys not in TTT_KEYS:
+        raise ValueError(f"unroll keys must be one of {TTT_KEYS}, got {keys!r}")
     first = draft.condition(features)
-    feats = first
-    for _ in range(steps):
-        logits, hidden = draft.forward_full(feats, next_ids)
+    feats, blocks = first, []
+    for j in range(steps):
+        if keys == "uniform":
+            logits, hidden = draft.forward_full(feats, next_ids)
+        else:
+            blocks.append(feats)
+            logits, hidden = _inference_keyed_step(draft, blocks, next_ids)
         yield logits, hidden
         feats = torch.cat([first[:, :1], hidden[:, :-1].to(first.dtype)], dim=1)
+
+
+def _inference_keyed_step(draft: FeatureDraft, blocks: list[torch.Tensor],
+                          next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unroll step j = len(blocks) - 1 with the keys of inference: one cache-free forward over
+    the inputs of steps 0..j side by side (block d: ``blocks[d]`` [b, s, H] with ``next_ids``,
+    at positions 0..s-1) under :func:`inference_keys_mask` -> step j's (logits, hidden)
+    [b, s, ...]. Blocks 0..j-1 are computed again, as they were (their queries see the same
+    keys as in their own step)."""
+    if draft.config.sliding_window is not None:
+        raise ValueError("inference-keyed unrolling covers drafts without a sliding window")
+    b, s = next_ids.shape
+    n = len(blocks)
+    ids = next_ids.repeat(1, n)
+    x = draft.pair_inputs(ids, torch.cat(blocks, dim=1))
+    positions = torch.arange(s, device=ids.device).repeat(n).expand(b, n * s)
+    meta = AttentionMetadata(positions, None, s, mask=inference_keys_mask(s, n, ids.device))
+    hidden = run_layers(draft.layers, draft.rotary, x, None, meta)[:, (n - 1) * s:]
+    return draft.logits(hidden), hidden
+
+
+@functools.lru_cache(maxsize=4)
+def inference_keys_mask(s: int, steps: int, device: torch.device) -> torch.Tensor:
+    """The attention mask [steps * s, steps * s] (bool: True attends) of unroll steps 0..steps-1
+    side by side, each a block of positions 0..s-1. A query of step d at position t stands for
+    the draft at inference having the target's features up to position e = max(t - d, 0) and
+    its own after: it sees the keys of positions <= e from step 0 (the target's features) and
+    the key of each later position p <= t from step p - e (its own features, p - e levels
+    deep), as the draft's KV cache holds them then."""
+    t = torch.arange(s, device=device)
+    d = torch.arange(steps, device=device)
+    e = (t.view(1, -1) - d.view(-1, 1)).clamp(min=0).view(steps, s, 1, 1)  # [dq, tq, 1, 1]
+    dk, p = d.view(1, 1, -1, 1), t.view(1, 1, 1, -1)                      # [1, 1, dk, p]
+    seen = p <= t.view(1, -1, 1, 1)
+    mask = seen & (((dk == 0) & (p <= e)) | ((dk >= 1) & (p == e + dk)))
+    return mask.reshape(steps * s, steps * s)
 
 
 def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tensor,
@@ -218,7 +280,7 @@ def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tens
         target_feats = draft.condition(target_feats).detach()
     token_loss = _token_loss(target_logits, s)
     losses = []
-    for logits, hidden in unroll(draft, feats, next_ids, s.ttt_steps):
+    for logits, hidden in unroll(draft, feats, next_ids, s.ttt_steps, s.ttt_keys):
         loss = token_loss(logits).mean()
         if s.feature_loss_weight:
             regression = F.smooth_l1_loss(hidden.float(), target_feats.float())
@@ -261,7 +323,8 @@ def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
         next_ids, feats, t_logits, _ = shifted(ids, *teacher_outputs(teacher, draft, ids))
         scored = mask[:, 1:]  # draft position t is scored where the target's t + 1 is
         with _autocast(device, s.amp_dtype):
-            for depth, (logits, _) in enumerate(unroll(draft, feats, next_ids, s.eval_depth)):
+            steps = unroll(draft, feats, next_ids, s.eval_depth, s.ttt_keys)
+            for depth, (logits, _) in enumerate(steps):
                 kl[depth] += float(kl_per_position(logits, t_logits)[scored].sum())
                 agree[depth] += float((logits.argmax(-1) == t_logits.argmax(-1))[scored].sum())
         n += int(scored.sum())
