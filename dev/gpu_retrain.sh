@@ -2,6 +2,7 @@
 # Both SmolLM2 drafts continued on fresh data on one GPU, measured against the shipped ones, in
 # back-to-back calls on one machine (each <= 10 minutes; /tmp persists between them):
 #   PART=tests   carry .stage/smol.part.00 .whl      GPU tests of the speculative engine
+#                (TEST_FILES="..." a subset of the files, TEST_K the -k expression, TEST_S seconds)
 #   (then)       bash dev/stage_gguf.sh, carry .stage/smol.part.01
 #   PART=data    carry .stage/smol.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
 #                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill;
@@ -56,10 +57,12 @@ case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
   tests)
     bash dev/stage_gguf.sh
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
-    timeout "${TEST_S:-420}" python3 -m pytest -q -p no:logging -k cuda \
-      tests/engine/test_feature_draft_ssd.py tests/engine/test_feature_draft_sd.py \
+    # TEST_FILES: a subset (the whole list outlasts one call's limit)
+    # shellcheck disable=SC2086
+    timeout "${TEST_S:-420}" python3 -m pytest -q -p no:logging -k "${TEST_K:-cuda}" \
+      ${TEST_FILES:-tests/engine/test_feature_draft_ssd.py tests/engine/test_feature_draft_sd.py \
       tests/distributed/test_stream_placement.py tests/engine/test_chained_sampling.py \
-      tests/engine/runner/test_step_graphs.py --durations 12 2>&1 | $F | tail -30 ;;
+      tests/engine/runner/test_step_graphs.py} --durations 12 2>&1 | $F | tail -30 ;;
   data)
     bash dev/stage_gguf.sh || exit 3
     STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} DATA_EXTRA="--seed $SEED" \
