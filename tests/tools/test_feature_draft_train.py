@@ -128,16 +128,15 @@ def test_an_inference_keyed_unroll_step_is_the_draft_at_inference(setup):
         next(unroll(draft, features, next_ids, 2, keys="other"))
 
 
-def test_the_inference_keys_mask_of_two_steps():
-    """Step 1's query at t sees step 0's keys up to t - 1 and its own at t; at t = 0 it is
-    position 0's (the target's feature: step 0's key)."""
-    m = inference_keys_mask(3, 2, torch.device("cpu")).int()
-    assert m.tolist() == [[1, 0, 0, 0, 0, 0],   # step 0: causal over step 0
-                          [1, 1, 0, 0, 0, 0],
-                          [1, 1, 1, 0, 0, 0],
-                          [1, 0, 0, 0, 0, 0],   # step 1, t = 0: position 0 from step 0
-                          [1, 0, 0, 0, 1, 0],   # t = 1: step 0 up to 0, then its own
-                          [1, 1, 0, 0, 0, 1]]   # t = 2: step 0 up to 1, then its own
+def test_the_inference_keys_masks_of_steps_0_and_1():
+    """Step 0 is causal; step 1's query at t sees step 0's keys up to t - 1 and its own at t; at
+    t = 0 it is position 0's (the target's feature: step 0's key)."""
+    cpu = torch.device("cpu")
+    assert inference_keys_mask(3, 0, cpu).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert inference_keys_mask(3, 1, cpu).int().tolist() == [
+        [1, 0, 0, 0, 0, 0],   # t = 0: position 0 from step 0
+        [1, 0, 0, 0, 1, 0],   # t = 1: step 0 up to 0, then its own
+        [1, 1, 0, 0, 0, 1]]   # t = 2: step 0 up to 1, then its own
 
 
 def test_the_kl_from_log_probs_and_its_compiled_form_match_the_plain_reference(setup):

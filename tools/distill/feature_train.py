@@ -24,13 +24,12 @@ The keys a step's queries attend to (``FeatureTrainSettings.ttt_keys``): with "u
 is one causal forward in which every position reads depth-j features, also the positions a
 query attends to as keys and values, where at inference the earlier positions of that context
 have shallower (or the target's) features. With "inference" (the default) step j is exactly
-the draft at inference: one forward over the inputs of steps 0..j side by side whose mask
+the draft at inference: every layer keeps the keys and values of steps 0..j-1, and its mask
 (``inference_keys_mask``) lets a query of step j at position t see, for e = max(t - j, 0), the
 keys of positions <= e from step 0 and the key of each later position p <= t from step p - e,
 as the draft's KV cache holds them when it has the target's features up to e and its own after
 (tested against a position-by-position rollout). It costs more: step j attends over (j + 1)
-blocks through a masked kernel instead of a causal one, and computes steps 0..j-1's blocks
-again.
+blocks of keys through a masked kernel instead of a causal one.
 
 Token gain (``FeatureTrainSettings.token_gain``, c): the features are pre-norm and much larger
 than the token embeddings (SmolLM2-135M: RMS ~32 against ~0.12, c ~ 265), so with fc's columns
@@ -60,7 +59,7 @@ from torch.nn.utils import parametrize
 
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.models.feature_draft import FeatureDraft
-from ssdlib.models.llama import run_layers
+from ssdlib.layers.rotary import apply_rotary
 from tools.distill.data import Batcher, Docs
 from tools.distill.run_state import SHARED_KEYS, capture_shared, require_keys, restore_shared
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
@@ -220,55 +219,68 @@ def unroll(draft: FeatureDraft, features: torch.Tensor, next_ids: torch.Tensor,
     (conditioned here: ``FeatureDraft.condition``), step j on the hidden output of step j-1
     shifted one position on (position 0 keeps its feature). ``keys``: "uniform", every key of
     step j at step j's depth (one causal forward a step); "inference", the keys a draft meets
-    at inference (:func:`inference_keys_mask`: one forward over steps 0..j a step)."""
+    at inference (:func:`inference_keys_mask`; each layer keeps every step's keys and values
+    for the steps after it)."""
     if keys not in TTT_KEYS:
         raise ValueError(f"unroll keys must be one of {TTT_KEYS}, got {keys!r}")
+    if keys == "inference" and draft.config.sliding_window is not None:
+        raise ValueError("inference-keyed unrolling covers drafts without a sliding window")
     first = draft.condition(features)
-    feats, blocks = first, []
+    feats = first
+    past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in draft.layers]
     for j in range(steps):
         if keys == "uniform":
             logits, hidden = draft.forward_full(feats, next_ids)
         else:
-            blocks.append(feats)
-            logits, hidden = _inference_keyed_step(draft, blocks, next_ids)
+            hidden = _inference_keyed_step(draft, feats, next_ids, past, j)
+            logits = draft.logits(hidden)
         yield logits, hidden
         feats = torch.cat([first[:, :1], hidden[:, :-1].to(first.dtype)], dim=1)
 
 
-def _inference_keyed_step(draft: FeatureDraft, blocks: list[torch.Tensor],
-                          next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unroll step j = len(blocks) - 1 with the keys of inference: one cache-free forward over
-    the inputs of steps 0..j side by side (block d: ``blocks[d]`` [b, s, H] with ``next_ids``,
-    at positions 0..s-1) under :func:`inference_keys_mask` -> step j's (logits, hidden)
-    [b, s, ...]. Blocks 0..j-1 are computed again, as they were (their queries see the same
-    keys as in their own step)."""
-    if draft.config.sliding_window is not None:
-        raise ValueError("inference-keyed unrolling covers drafts without a sliding window")
+def _inference_keyed_step(draft: FeatureDraft, feats: torch.Tensor, next_ids: torch.Tensor,
+                          past: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                          j: int) -> torch.Tensor:
+    """Unroll step j with the keys of inference -> its hidden output [b, s, H]: each decoder
+    layer's queries attend to the keys and values of steps 0..j at that layer (``past[i]``:
+    layer i's (k, v) [b, s, hkv, hd] of steps 0..j-1; this step's are appended) under
+    :func:`inference_keys_mask`. The layer's own code, but for its attention's keys: as
+    ``LlamaDecoderLayer.forward`` with ``LlamaAttention.forward``'s projections and rotary."""
     b, s = next_ids.shape
-    n = len(blocks)
-    ids = next_ids.repeat(1, n)
-    x = draft.pair_inputs(ids, torch.cat(blocks, dim=1))
-    positions = torch.arange(s, device=ids.device).repeat(n).expand(b, n * s)
-    meta = AttentionMetadata(positions, None, s, mask=inference_keys_mask(s, n, ids.device))
-    hidden = run_layers(draft.layers, draft.rotary, x, None, meta)[:, (n - 1) * s:]
-    return draft.logits(hidden), hidden
+    x = draft.pair_inputs(next_ids, feats)
+    positions = torch.arange(s, device=x.device).expand(b, s)
+    cos, sin = draft.rotary.cos_sin(positions)
+    meta = AttentionMetadata(positions, None, s, mask=inference_keys_mask(s, j, x.device))
+    for layer, kept in zip(draft.layers, past):
+        attn = layer.self_attn
+        q, k, v = attn.qkv_proj(layer.input_layernorm(x))
+        q = q.view(b, s, attn.q_local, attn.head_dim)
+        k = k.view(b, s, attn.kv_local, attn.head_dim)
+        v = v.view(b, s, attn.kv_local, attn.head_dim)
+        q, k = apply_rotary(q, k, cos.to(x.dtype), sin.to(x.dtype))
+        kept.append((k, v))
+        keys = torch.cat([kk for kk, _ in kept], dim=1)  # [b, (j + 1) s, hkv, hd]
+        values = torch.cat([vv for _, vv in kept], dim=1)
+        x = x + attn.o_proj(attn.attn(q, keys, values, None, None, meta))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
 
 
-@functools.lru_cache(maxsize=4)
-def inference_keys_mask(s: int, steps: int, device: torch.device) -> torch.Tensor:
-    """The attention mask [steps * s, steps * s] (bool: True attends) of unroll steps 0..steps-1
-    side by side, each a block of positions 0..s-1. A query of step d at position t stands for
-    the draft at inference having the target's features up to position e = max(t - d, 0) and
-    its own after: it sees the keys of positions <= e from step 0 (the target's features) and
-    the key of each later position p <= t from step p - e (its own features, p - e levels
-    deep), as the draft's KV cache holds them then."""
+@functools.lru_cache(maxsize=16)
+def inference_keys_mask(s: int, step: int, device: torch.device) -> torch.Tensor:
+    """The attention mask [s, (step + 1) * s] (bool: True attends) of unroll step ``step``'s
+    queries over the keys of steps 0..step side by side, each a block of positions 0..s-1. A
+    query at position t stands for the draft at inference having the target's features up to
+    position e = max(t - step, 0) and its own after: it sees the keys of positions <= e from
+    step 0 (the target's features) and the key of each later position p <= t from step p - e
+    (its own features, p - e levels deep), as the draft's KV cache holds them then."""
     t = torch.arange(s, device=device)
-    d = torch.arange(steps, device=device)
-    e = (t.view(1, -1) - d.view(-1, 1)).clamp(min=0).view(steps, s, 1, 1)  # [dq, tq, 1, 1]
-    dk, p = d.view(1, 1, -1, 1), t.view(1, 1, 1, -1)                      # [1, 1, dk, p]
-    seen = p <= t.view(1, -1, 1, 1)
+    e = (t - step).clamp(min=0).view(s, 1, 1)                            # [tq, 1, 1]
+    dk = torch.arange(step + 1, device=device).view(1, -1, 1)            # [1, dk, 1]
+    p = t.view(1, 1, -1)                                                 # [1, 1, p]
+    seen = p <= t.view(s, 1, 1)
     mask = seen & (((dk == 0) & (p <= e)) | ((dk >= 1) & (p == e + dk)))
-    return mask.reshape(steps * s, steps * s)
+    return mask.reshape(s, (step + 1) * s)
 
 
 def unrolled_losses(draft: FeatureDraft, ids: torch.Tensor, t_logits: torch.Tensor,
