@@ -57,7 +57,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.layers.rotary import apply_rotary
 from tools.distill.data import Batcher, Docs
@@ -244,26 +243,41 @@ def _inference_keyed_step(draft: FeatureDraft, feats: torch.Tensor, next_ids: to
     """Unroll step j with the keys of inference -> its hidden output [b, s, H]: each decoder
     layer's queries attend to the keys and values of steps 0..j at that layer (``past[i]``:
     layer i's (k, v) [b, s, hkv, hd] of steps 0..j-1; this step's are appended) under
-    :func:`inference_keys_mask`. The layer's own code, but for its attention's keys: as
-    ``LlamaDecoderLayer.forward`` with ``LlamaAttention.forward``'s projections and rotary."""
+    :func:`inference_keys_mask`. ``LlamaDecoderLayer.forward``'s computation with the layer's
+    own modules (norms, projections, rotary, MLP), the attention through SDPA over those keys
+    (tested against a position-by-position rollout of the draft itself)."""
     b, s = next_ids.shape
     x = draft.pair_inputs(next_ids, feats)
-    positions = torch.arange(s, device=x.device).expand(b, s)
-    cos, sin = draft.rotary.cos_sin(positions)
-    meta = AttentionMetadata(positions, None, s, mask=inference_keys_mask(s, j, x.device))
+    cos, sin = draft.rotary.cos_sin(torch.arange(s, device=x.device).expand(b, s))
     for layer, kept in zip(draft.layers, past):
         attn = layer.self_attn
         q, k, v = attn.qkv_proj(layer.input_layernorm(x))
         q = q.view(b, s, attn.q_local, attn.head_dim)
         k = k.view(b, s, attn.kv_local, attn.head_dim)
         v = v.view(b, s, attn.kv_local, attn.head_dim)
-        q, k = apply_rotary(q, k, cos.to(x.dtype), sin.to(x.dtype))
+        q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype))
         kept.append((k, v))
-        keys = torch.cat([kk for kk, _ in kept], dim=1)  # [b, (j + 1) s, hkv, hd]
-        values = torch.cat([vv for _, vv in kept], dim=1)
-        x = x + attn.o_proj(attn.attn(q, keys, values, None, None, meta))
+        # [b, hq, (j + 1) s, hd]: every query head's copy of its key / value head, so that a
+        # GPU's memory-efficient kernel (no enable_gqa) takes the masked attention
+        group = attn.q_local // attn.kv_local
+        keys, values = (torch.cat([t[i] for t in kept], dim=1).transpose(1, 2)
+                        .repeat_interleave(group, dim=1) for i in (0, 1))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, scale=attn.attn.scale,
+            attn_mask=_additive(inference_keys_mask(s, j, x.device), q.dtype))
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x
+
+
+@functools.lru_cache(maxsize=16)
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask [s, n] as SDPA's additive one in ``dtype`` (0 or -inf), a view
+    of rows padded to a multiple of 16 elements (the memory-efficient kernel's alignment)."""
+    s, n = mask.shape
+    padded = torch.full((s, -(-n // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+    padded[:, :n].masked_fill_(mask, 0.0)
+    return padded[:, :n]
 
 
 @functools.lru_cache(maxsize=16)
