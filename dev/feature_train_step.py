@@ -2,7 +2,7 @@
 shape with random weights, and where the step's GPU kernel time goes: the short rows and the long
 rows, eager and with the KL loss and the teacher's forward compiled.
 
-    python dev/feature_train_step.py --device cuda [--steps 20] [--profile]
+    python dev/feature_train_step.py --device cuda [--steps 20] [--ttt-keys uniform] [--profile]
 
 Random weights change nothing in a step's cost; no checkpoint or data is needed.
 """
@@ -22,8 +22,8 @@ from ssdlib.config import ModelConfig  # noqa: E402
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
 from ssdlib.models.feature_spec import FeatureSpec  # noqa: E402
 from ssdlib.models.llama import LlamaForCausalLM  # noqa: E402
-from tools.distill.feature_train import (FeatureTrainer, FeatureTrainSettings,  # noqa: E402
-                                         init_feature_draft)
+from tools.distill.feature_train import (TTT_KEYS, FeatureTrainer,  # noqa: E402
+                                         FeatureTrainSettings, init_feature_draft)
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--ttt-keys", choices=TTT_KEYS, default="inference",
+                   help="the unroll's keys (tools/distill_feature_draft.py --ttt-keys)")
     p.add_argument("--small", action="store_true", help="a tiny shape (to check the script)")
     p.add_argument("--profile", action="store_true", help="list the top kernels of a step")
     args = p.parse_args(argv)
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "KL and teacher compiled": dict(compile_loss=True, compile_teacher=True)}
     for variant, flags in variants.items():
         s = FeatureTrainSettings(steps=10 ** 6, lr=1e-4, warmup=1, seq_len=args.seq_len,
-                                 ttt_steps=args.ttt_steps, token_gain=290.0,
+                                 ttt_steps=args.ttt_steps, ttt_keys=args.ttt_keys,
+                                 token_gain=290.0,
                                  amp_dtype=dtype if dtype != torch.float32 else None, **flags)
         trainer = FeatureTrainer(draft, teacher, None, None, s)
         trainer._gain(True)
