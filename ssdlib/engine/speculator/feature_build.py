@@ -133,13 +133,12 @@ class FeatureCacheBuilder:
         H_0..H_K [b, K+1, h]."""
         d = self.drafter
         logits, hidden = d.last_logits[slots], d.last_hidden[slots]
-        ls, hs = [logits], [hidden]
+        tops, hs = [top_indices(logits, self.C)], [hidden]
         for j in range(self.K):
             logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
-            ls.append(logits)
+            tops.append(top_indices(logits, self.C))
             hs.append(hidden)
-        # one top-C over the K + 1 positions (one selection over the vocabulary, not K + 1)
-        return top_indices(torch.stack(ls, dim=1), self.C), torch.stack(hs, dim=1)
+        return torch.stack(tops, dim=1), torch.stack(hs, dim=1)
 
     def tree(self, slots, first, sent, cand, H, pos, rank, kv_len: int, pick=None,
              cache: SpeculationCache | None = None) -> None:
