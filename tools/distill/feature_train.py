@@ -264,23 +264,25 @@ def _inference_keyed_step(draft: FeatureDraft, feats: torch.Tensor, next_ids: to
                         .repeat_interleave(group, dim=1) for i in (0, 1))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, scale=attn.attn.scale,
-            attn_mask=_additive(inference_keys_mask(s, j, x.device), q.dtype))
+            attn_mask=_additive_keys_mask(s, j, x.device, q.dtype))
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x
 
 
 @functools.lru_cache(maxsize=16)
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask [s, n] as SDPA's additive one in ``dtype`` (0 or -inf), a view
-    of rows padded to a multiple of 16 elements (the memory-efficient kernel's alignment)."""
-    s, n = mask.shape
-    padded = torch.full((s, -(-n // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+def _additive_keys_mask(s: int, step: int, device: torch.device,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """:func:`inference_keys_mask` as SDPA's additive mask in ``dtype`` (0 or -inf), a view of
+    rows padded to a multiple of 16 elements (the memory-efficient kernel's alignment); made
+    once per shape, device and dtype."""
+    mask = inference_keys_mask(s, step, device)
+    n = mask.shape[1]
+    padded = torch.full((s, -(-n // 16) * 16), float("-inf"), dtype=dtype, device=device)
     padded[:, :n].masked_fill_(mask, 0.0)
     return padded[:, :n]
 
 
-@functools.lru_cache(maxsize=16)
 def inference_keys_mask(s: int, step: int, device: torch.device) -> torch.Tensor:
     """The attention mask [s, (step + 1) * s] (bool: True attends) of unroll step ``step``'s
     queries over the keys of steps 0..step side by side, each a block of positions 0..s-1. A
