@@ -113,7 +113,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("SSDLIB_FEATURE_COMPILE", "flag", False,
            "a feature draft's decoder layers compiled in its captured steps (SD's proposals, "
            "SSD's commits, jit drafts and builds) where a draft runner's would compile; off: "
-           "the plain layers (ssdlib.engine.runner.compiled.wants_feature_compile)"),
+           "the plain layers (ssdlib.engine.runner.compiled.feature_compile_backend)"),
     Switch("SSDLIB_STREAM_PRIORITY", "choice", "verifier",
            "which side of the stream placement gets the GPU first when both have work queued: "
            "'verifier' (the verify's stream the highest priority, the build's the lowest), "

@@ -159,7 +159,8 @@ def build_sd_loop(cfg, world, target, target_ck):
         drafter = FeatureDrafter(draft, target.runner.cache.features, cfg.max_batch + 1,
                                  target.runner.cache.max_len, target_ck.config.vocab_size,
                                  draws=cfg.k, pool=pool, use_kernel=use_slot_kernel(world.device),
-                                 compile_backend=feature_compile_backend(cfg, world.device))
+                                 compile_backend=feature_compile_backend(
+                                     cfg.compile, world.device, cfg.cuda_graphs))
         loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
                       sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))
         return loop, (pool.clear if pool is not None else lambda: None)

@@ -197,16 +197,11 @@ def _tried(step, plain, run, cache, scratch_slot: int, use_kernel: bool):
     return step
 
 
-def wants_feature_compile(compile: bool | None, device: torch.device,
-                          cuda_graphs: bool) -> bool:
-    """Whether a feature draft's captured steps run its compiled layers: where a draft runner's
-    would (:func:`wants_compile`, unsharded) and ``SSDLIB_FEATURE_COMPILE`` is on."""
-    return env.flag("SSDLIB_FEATURE_COMPILE") and wants_compile(
+def feature_compile_backend(compile: bool | None, device: torch.device,
+                            cuda_graphs: bool) -> str | None:
+    """The torch.compile backend of a feature draft's captured steps: "inductor" where a draft
+    runner's steps would compile (:func:`wants_compile`, unsharded) and
+    ``SSDLIB_FEATURE_COMPILE`` is on; else None (the plain draft)."""
+    on = env.flag("SSDLIB_FEATURE_COMPILE") and wants_compile(
         compile, torch.device(device), cuda_graphs, 1)
-
-
-def feature_compile_backend(cfg, device) -> str | None:
-    """The torch.compile backend of a feature draft's steps for an engine config (its
-    ``compile`` and ``cuda_graphs``): "inductor" where :func:`wants_feature_compile`, else
-    None (the plain draft)."""
-    return "inductor" if wants_feature_compile(cfg.compile, device, cfg.cuda_graphs) else None
+    return "inductor" if on else None

@@ -556,7 +556,8 @@ def build_speculator(cfg, device, target_ck, link, target_model=None,
         drafter = FeatureSpecDraft(draft, cfg.max_batch + 1, cfg.max_len + cfg.k + 2, vocab,
                                    tree_len_of(cfg), device, cfg.torch_dtype, draws=cfg.k,
                                    use_kernel=use_slot_kernel(device), pool=pool,
-                                   compile_backend=feature_compile_backend(cfg, device))
+                                   compile_backend=feature_compile_backend(
+                                       cfg.compile, device, cfg.cuda_graphs))
         return Speculator(cfg, None, link, vocab, drafter,
                           FeatureCacheRole(cfg, drafter, vocab, pool, target_features))
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility

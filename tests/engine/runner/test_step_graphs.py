@@ -824,13 +824,14 @@ def test_a_feature_draft_compiles_its_layers_or_runs_plain(tiny_dirs, tmp_path, 
                                                              monkeypatch):
     """``checked_feature_step_draft``: a feature draft whose layers compile is a view sharing
     every other module (the draft keeps its plain layers); where compiling fails, the plain
-    draft and a warning naming the error. ``wants_feature_compile``: only with
+    draft and a warning naming the error. ``feature_compile_backend``: inductor only with
     ``SSDLIB_FEATURE_COMPILE`` on, where a draft runner's steps would compile."""
     import logging
 
     import torch._dynamo
 
-    from ssdlib.engine.runner.compiled import checked_feature_step_draft, wants_feature_compile
+    from ssdlib.engine.runner.compiled import (checked_feature_step_draft,
+                                               feature_compile_backend)
     from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
     from ssdlib.loading.feature_draft import load_feature_draft
     from ssdlib.models.llama import LlamaDecoderLayer
@@ -862,11 +863,11 @@ def test_a_feature_draft_compiles_its_layers_or_runs_plain(tiny_dirs, tmp_path, 
         torch._dynamo.reset()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv("SSDLIB_FEATURE_COMPILE", raising=False)
-    assert not wants_feature_compile(True, cuda, True)  # off unless asked
+    assert feature_compile_backend(True, cuda, True) is None  # off unless asked
     monkeypatch.setenv("SSDLIB_FEATURE_COMPILE", "1")
-    assert wants_feature_compile(True, cuda, True)
-    assert not wants_feature_compile(False, cuda, True)  # --no-compile
-    assert not wants_feature_compile(True, cpu, True)
+    assert feature_compile_backend(True, cuda, True) == "inductor"
+    assert feature_compile_backend(False, cuda, True) is None  # --no-compile
+    assert feature_compile_backend(True, cpu, True) is None
 
 
 def test_step_queries_pads_only_consecutive_positions(tiny_dirs):
