@@ -79,28 +79,30 @@ def _runner(ck, device, dtype, n_slots: int, tree_len: int, features=False):
     return r
 
 
-def _feature_compile(dev) -> str | None:
-    """The feature draft's steps compiled as the engine's would be (``SSDLIB_FEATURE_COMPILE``
-    on a GPU): "inductor", else None."""
-    from ssdlib.engine.runner.compiled import wants_feature_compile
-
-    return "inductor" if wants_feature_compile(None, dev, True) else None
-
-
-def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype):
-    """SD's proposal with the feature draft in ``directory`` as the engine makes it
-    (``FeatureDrafter``, its captured steps on CUDA), reading the features ``ftr`` keeps: each
-    call feeds two unseen positions, as after a round with one token accepted."""
-    from ssdlib.engine.feature_drafter import FeatureDrafter
+def _feature_draft(directory: str, tck, ftr, dev, dtype):
+    """The feature draft in ``directory`` beside the target runner ``ftr`` (its embedding and
+    head shared, RoPE as long as its cache) and the torch.compile backend of its steps as the
+    engine would choose it (``SSDLIB_FEATURE_COMPILE`` on a GPU)."""
+    from ssdlib.engine.runner.compiled import feature_compile_backend
     from ssdlib.loading.feature_draft import load_feature_draft
-    from ssdlib.ops.graph_pool import make_graph_pool
 
     draft = load_feature_draft(directory, tck, ftr.model, dev, dtype,
                                max_positions=ftr.cache.max_len)
+    return draft, feature_compile_backend(None, dev, True)
+
+
+def _feature_proposal(draft, backend, tck, ftr, rows, b: int, K: int, dev):
+    """SD's proposal with the feature ``draft`` (its steps compiled with ``backend``, None:
+    plain) as the engine makes it (``FeatureDrafter``, its captured steps on CUDA), reading the
+    features ``ftr`` keeps: each call feeds two unseen positions, as after a round with one
+    token accepted."""
+    from ssdlib.engine.feature_drafter import FeatureDrafter
+    from ssdlib.ops.graph_pool import make_graph_pool
+
     pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
     drafter = FeatureDrafter(draft, ftr.cache.features, b + 1, ftr.cache.max_len,
                              tck.config.vocab_size, draws=K, pool=pool, use_kernel=True,
-                             compile_backend=_feature_compile(dev))
+                             compile_backend=backend)
 
     def propose():
         for r in rows:
@@ -109,9 +111,10 @@ def _feature_proposal(directory: str, tck, ftr, rows, b: int, K: int, dev, dtype
     return propose
 
 
-def _feature_speculator_steps(directory: str, tck, ftr, b: int, K: int, fan: tuple, dev,
+def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tuple, dev,
                               dtype) -> dict:
-    """The steps of SSD's speculator with the feature draft in ``directory``: the commit of a
+    """The steps of SSD's speculator with the feature ``draft`` (as in
+    :func:`_feature_proposal`): the commit of a
     round's K + 1 kept positions with the target's features, the build's two parts on device
     tensors (the teacher-forced chain of K steps over the speculation; the K tree depths over
     the fan-out's rows) and the whole greedy build as the speculator runs it (its captured step
@@ -119,15 +122,13 @@ def _feature_speculator_steps(directory: str, tck, ftr, b: int, K: int, fan: tup
     from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
     from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
     from ssdlib.engine.speculator.spec_cache import SpeculationCache
-    from ssdlib.loading.feature_draft import load_feature_draft
     from ssdlib.ops.graph_pool import make_graph_pool
 
     V, B, L = tck.config.vocab_size, sum(fan), 40
     max_len = ftr.cache.max_len
-    draft = load_feature_draft(directory, tck, ftr.model, dev, dtype, max_positions=max_len)
     pool = make_graph_pool(dev, enabled=True) if dev.type == "cuda" else None
     drafter = FeatureSpecDraft(draft, b + 1, max_len, V, B * K, dev, dtype, draws=K,
-                               use_kernel=True, pool=pool, compile_backend=_feature_compile(dev))
+                               use_kernel=True, pool=pool, compile_backend=backend)
     builder = FeatureCacheBuilder(drafter, SpeculationCache(b + 1, B, K, V, dev), V, 1.0,
                                   pool=pool)
     sent = torch.randint(0, V, (b, K))
@@ -244,8 +245,9 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
         proposed["tokens"], _ = drafter.propose(greedy_rows, K, want_q=False)
         return proposed["tokens"]
     steps[f"SD draft proposal, engine path ({K} tokens)"] = Step(propose, False)
-    if feature_draft:
-        f_propose = _feature_proposal(feature_draft, tck, ftr, greedy_rows, b, K, dev, dtype)
+    if feature_draft:  # loaded once, for SD's proposal and SSD's speculator below
+        fdraft, fbackend = _feature_draft(feature_draft, tck, ftr, dev, dtype)
+        f_propose = _feature_proposal(fdraft, fbackend, tck, ftr, greedy_rows, b, K, dev)
         steps[f"SD feature draft proposal, engine path ({K} tokens)"] = Step(f_propose, False)
     steps["SD verify round, engine path (greedy, read back)"] = Step(
         lambda: read_round(proposed["tokens"], verify_round(tr, greedy_rows, proposed["tokens"],
@@ -288,7 +290,8 @@ def hot_path_steps(target: str, draft: str, b: int, K: int, budget: int,
             lambda reuse=reuse, rows=rows: build.run(cand, sent, lengths, live, *index, 48,
                                                      reuse, rows, fan, 1.0), False)
     if feature_draft:
-        steps.update(_feature_speculator_steps(feature_draft, tck, ftr, b, K, fan, dev, dtype))
+        steps.update(_feature_speculator_steps(fdraft, fbackend, tck, ftr, b, K, fan, dev,
+                                               dtype))
     # -- the speculator's whole round, OUTCOME to CACHE, driven in process -------------------
     from dev.speculator_rounds import SpeculatorRounds
 
