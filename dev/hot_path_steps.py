@@ -116,10 +116,10 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
     """The steps of SSD's speculator with the feature ``draft`` (as in
     :func:`_feature_proposal`): the commit of a
     round's K + 1 kept positions with the target's features, the build's two parts on device
-    tensors (the teacher-forced chain of K steps over the speculation; the K tree depths over
-    the fan-out's rows) and the whole greedy build as the speculator runs it (its captured step
+    tensors (the teacher-forced chain, one forward over the speculation's K positions; the K
+    tree depths over the fan-out's rows) and the whole greedy build as the speculator runs it (its captured step
     on CUDA). Rows have 40 committed tokens, their features fed."""
-    from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
+    from ssdlib.engine.speculator.feature_build import JIT, FeatureCacheBuilder
     from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
     from ssdlib.engine.speculator.spec_cache import SpeculationCache
     from ssdlib.ops.graph_pool import make_graph_pool
@@ -133,7 +133,8 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
                                   pool=pool)
     sent = torch.randint(0, V, (b, K))
     rows = [SimpleNamespace(tokens=list(range(1, L + 1)), slot=i, sent=sent[i].tolist(),
-                            fed=False, params=None) for i in range(b)]
+                            fed=False, params=None, reuse=None, is_jit=True)
+            for i in range(b)]  # jit drafts: the features their steps left
     for r in rows:
         drafter.fed[r.slot] = L - 1
     slots = torch.arange(b, device=dev)
@@ -144,10 +145,12 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
     feats = torch.randn(b, K + 1, draft.feature_width, device=dev, dtype=dtype)
     index = torch.full((b, 1), K, device=dev)
     pos, rank = builder.branch_index(fan)
+    src = torch.full((b,), JIT, device=dev)
     parts = {}
 
     def chain():
-        parts["chain"] = builder.chain(slots, first, sent, max_len)
+        feats = builder.sent_features(slots, src, builder.cache)
+        parts["chain"] = builder.chain(slots, first, sent, feats, max_len)
         return parts["chain"][1]
 
     def tree():
@@ -157,7 +160,7 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
     return {
         f"speculator feature commit ({K + 1} positions)": Step(lambda: drafter._commit_body(
             ids, positions, slots, index, feats, max_len, True), True),
-        f"speculator feature build: chain ({K} steps)": Step(chain, True),
+        f"speculator feature build: chain ({K} positions, one forward)": Step(chain, True),
         f"speculator feature build: tree ({K} depths, {B} rows)": Step(tree, True),
         "speculator feature build, greedy, engine path": Step(
             lambda: builder.build(rows, list(fan), False), False),

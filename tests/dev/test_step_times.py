@@ -90,7 +90,7 @@ def test_the_feature_drafts_proposal_reads_the_kept_features(tiny_dirs, tmp_path
         assert tokens.shape == (1, 3) and int(tokens.max()) < meta["vocab"]
         # the speculator's: a commit, the build's two parts, and the build they make up
         steps["speculator feature commit (4 positions)"].fn()
-        steps["speculator feature build: chain (3 steps)"].fn()
+        steps["speculator feature build: chain (3 positions, one forward)"].fn()
         cache_tokens = steps["speculator feature build: tree (3 depths, 6 rows)"].fn()
         parts = cache_tokens[:1].clone()
         cache_tokens.zero_()

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
-from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
+from ssdlib.engine.speculator.feature_build import JIT, NONE, FeatureCacheBuilder
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
+from ssdlib.engine.speculator.outcomes import Answer
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.errors import ConfigError
 from ssdlib.ops.graph_pool import EagerPool
+from ssdlib.speculative.acceptance import QKind
 # the tiny pair and AR's tokens on it, as the SD tests use them
 from tests.engine.test_feature_draft_sd import _feature_draft, ar_reference, feature_draft  # noqa: F401
 from tests.engine.test_chained_sampling import N_SEQS, NEW, TEMPERATURE, TOP_P
@@ -71,7 +73,42 @@ def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, 
         _oracle_rounds(target, draft, fused, pool, runs, compiled)
 
 
+def _exact_forks(cache, row, target, fan) -> dict[int, bool]:
+    """Per fork k: whether its branches assume the target's top F_k tokens after s_1..s_k
+    (other than s_{k+1}), as an oracle draft's candidates are, and each branch is the target's
+    greedy continuation of the outcome it assumes."""
+    exact = {}
+    for k, f in enumerate(fan):
+        before = row.tokens + row.sent[:k]
+        with torch.no_grad():
+            logits = target.forward_full_features(torch.tensor([before]))[0][0, -1]
+        top = [t for t in logits.argsort(descending=True).tolist()
+               if k == K or t != row.sent[k]][:f]
+        js = [j for j in range(cache.B) if int(cache.fork[1, j]) == k]
+        keys = [int(cache.bonus[1, j]) for j in js]
+        exact[k] = keys == top and all(
+            cache.tokens[1, j].tolist() == _greedy(target, before + [t], K)
+            for j, t in zip(js, keys))
+    return exact
+
+
+def _check_branches(cache, row, target):
+    """Every fork of the cache is exact (``_exact_forks``)."""
+    exact = _exact_forks(cache, row, target, FAN)
+    assert all(exact.values()), exact
+
+
+def _answer(row, tokens, hit: bool, branch: int = 0, kind=QKind.DENSE):
+    """The speculator's record of its answer to the row's outcome (``outcomes.Answer``)."""
+    Answer(torch.tensor([tokens]), torch.tensor([int(kind)]), torch.tensor([hit]),
+           torch.tensor([branch]), None).record([row])
+
+
 def _oracle_rounds(target, draft, fused, pool, runs, compiled):
+    """A jit draft's round, then rounds answered from the cache (the branch of an outcome
+    that accepts s_1 and rejects s_2 for another candidate): the chain reads the jit draft's,
+    then the hit branch's own features (an oracle's h is the target's next feature, so a
+    feature from the wrong depth or branch gives a wrong candidate or branch)."""
     B = sum(FAN)
     drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool,
                                compile_backend=counting_backend(runs) if compiled else None)
@@ -84,28 +121,89 @@ def _oracle_rounds(target, draft, fused, pool, runs, compiled):
                   torch.device("cpu"))
     drafter.prefill([row])
     _commit(drafter, target, row, 0, fused)  # after the admission: the prompt's features
+    tokens, _ = drafter.propose([row], K, want_q=False)  # a jit draft
+    assert tokens[0].tolist() == _greedy(target, row.tokens, K)
+    _answer(row, tokens[0].tolist(), hit=False)
+    assert builder.source(row) == JIT
     for round_ in range(3):
-        tokens, _ = drafter.propose([row], K, want_q=False)  # a jit draft
-        assert tokens[0].tolist() == _greedy(target, row.tokens, K), round_
-        # the speculation in flight: the greedy one with its second token wrong, so that
-        # outcomes fork before, at and after the mistake
-        sent = _greedy(target, row.tokens, K)
-        sent[1] = (sent[1] + 1) % V
-        row.sent = sent
         assert builder.build([row], FAN, sampling=False) == 0
-        for j in range(B):
-            k, t = int(cache.fork[1, j]), int(cache.bonus[1, j])
-            assume = row.tokens + sent[:k] + [t]
-            assert cache.tokens[1, j].tolist() == _greedy(target, assume, K), (round_, j, k, t)
-        # the verifier accepts s_1 and rejects s_2: bonus = the target's token there
+        _check_branches(cache, row, target)
+        # outcome (1, t): s_1 accepted, t another candidate than s_2 in the cache
+        j = next(j for j in range(B) if int(cache.fork[1, j]) == 1)
+        bonus, branch = int(cache.bonus[1, j]), cache.tokens[1, j].tolist()
+        assert bonus != row.sent[1], round_
         n = len(row.tokens)
-        bonus = _greedy(target, row.tokens + sent[:1], 1)[0]
-        assert cache.ready[1] and any(int(cache.fork[1, j]) == 1 and
-                                      int(cache.bonus[1, j]) == bonus for j in range(B))
         row.commit(1, bonus)
         _commit(drafter, target, row, n - 1, fused)  # positions n - 1 and n: k + 1 of them
-    # each round's jit draft, chain, tree depths and commit ran the compiled layers
-    assert len(runs) > (3 * (K - 1 + K + K + 1) if compiled else -1)
+        _answer(row, branch, hit=True, branch=j)
+        assert builder.source(row) == j, round_
+    # each round's chain, tree depths and commit (and the first jit draft) ran compiled layers
+    assert len(runs) > (K - 1 + 3 * (1 + K + 1) if compiled else -1)
+
+
+def test_a_foreign_speculation_is_built_on_the_slots_last_output():
+    """A speculation with no features of its own (an n-gram's): the chain pairs the slot's
+    last output with each of its tokens, so the outcomes that fork at s_0 or s_1 (whose
+    features are the target's or that output) are exact with an oracle, and a later fork
+    is not (its pair's feature is a stale one)."""
+    target = PreviousTokenTarget()
+    drafter = FeatureSpecDraft(oracle_draft(target), 3, 64, V, 8 * K, "cpu", torch.float32,
+                               draws=K)
+    fan = [2, 2, 2, 2]
+    cache = SpeculationCache(3, sum(fan), K, V, torch.device("cpu"))
+    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0)
+    prompt = [5, 17, 3, 42, 8, 11]
+    row = SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
+                  torch.device("cpu"))
+    drafter.prefill([row])
+    _commit(drafter, target, row, 0, False)
+    _answer(row, _greedy(target, row.tokens, K), hit=False, kind=QKind.ONEHOT)
+    assert builder.source(row) == NONE
+    builder.build([row], fan, sampling=False)
+    exact = _exact_forks(cache, row, target, fan)
+    assert exact[0] and exact[1] and not exact[2], exact
+
+
+def test_the_one_forward_chain_equals_the_step_by_step_chain_of_a_jit_draft():
+    """The build's chain (one forward over the speculation, the jit draft's own features
+    paired with its tokens) against its plain reference, the chain drafted a step at a time
+    (each step's hidden the next step's feature), on a draft whose layer mixes positions (the
+    oracle's with random output projections): the same candidates and hidden states."""
+    target = PreviousTokenTarget()
+    draft = oracle_draft(target)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in draft.layers:
+            layer.self_attn.o_proj.weight.copy_(
+                torch.randn(layer.self_attn.o_proj.weight.shape, generator=g) * 0.5)
+            layer.mlp.down_proj.weight.copy_(
+                torch.randn(layer.mlp.down_proj.weight.shape, generator=g) * 0.5)
+    prompt = [5, 17, 3, 42, 8, 11, 9]
+    drafters, rows = [], []
+    for _ in range(2):
+        d = FeatureSpecDraft(draft, 3, 64, V, 4 * K, "cpu", torch.float32, draws=K)
+        row = SpecRow(1, list(prompt), SamplingParams(), 0, torch.device("cpu"))
+        d.prefill([row])
+        _commit(d, target, row, 0, False)
+        drafters.append(d)
+        rows.append(row)
+    tokens = drafters[0].propose([rows[0]], K, want_q=False)[0]
+    _answer(rows[0], tokens[0].tolist(), hit=False)
+    builder = FeatureCacheBuilder(drafters[0], SpeculationCache(3, 4, K, V, torch.device("cpu")),
+                                  V, saguaro_c=1.0)
+    slots, first = torch.tensor([1]), torch.tensor([len(prompt) - 1])
+    feats = builder.sent_features(slots, torch.tensor([builder.source(rows[0])]), builder.cache)
+    cand, H = builder.chain(slots, first, tokens, feats, 64)
+    ref = drafters[1]  # the reference: K dependent steps
+    logits, hidden = ref.last_logits[slots], ref.last_hidden[slots]
+    tops, hs = [logits.topk(builder.C).indices], [hidden]
+    for j in range(K):
+        logits, hidden = ref.step(tokens[:, j], hidden, first + j, slots, 64)
+        tops.append(logits.topk(builder.C).indices)
+        hs.append(hidden)
+    assert torch.equal(cand, torch.stack(tops, dim=1))
+    torch.testing.assert_close(H, torch.stack(hs, dim=1), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(H[:, 1], H[:, 2])  # (the positions differ)
 
 
 def test_an_admission_commits_through_sdpa_and_a_round_through_the_kernel():
@@ -151,14 +249,19 @@ def test_an_admission_commits_through_sdpa_and_a_round_through_the_kernel():
     torch.testing.assert_close(drafter.last_logits[1], plain.last_logits[1])
 
 
-@pytest.mark.parametrize("k", [0, 1, K])
-def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
+@pytest.mark.parametrize("k,hit", [(0, False), (1, False), (K, False), (1, True), (K, True)])
+def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k, hit):
     """A chained round's build on the device (stream placement): from round r's outcome in the
     chain state (k accepted of the speculation verified from n committed tokens, the bonus), it
     commits positions [n - 1, n + k) with the target's features read from the target's buffer
     (which also holds the rejected tokens' features past them, as a verify leaves it) and the
-    tokens from the state's history, then builds the next speculation's outcomes: with the
-    oracle every branch is the target's greedy continuation of the outcome it assumes."""
+    tokens from the state's history, then builds the next speculation's outcomes. ``hit``:
+    round r's speculation was a jit draft whose cache (built on the host, into the cache of
+    parity 0) holds the outcome, and the next speculation is that branch, its features the
+    branch's: with the oracle every fork is exact; a miss (a speculation of zeros, no
+    features of its own) still gets forks 0 and 1 exact."""
+    from types import SimpleNamespace
+
     from ssdlib.distributed.protocol import ChainState
     from ssdlib.engine.speculator.spec_cache import next_speculation
 
@@ -178,6 +281,11 @@ def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
     spec = _greedy(target, tokens0, K)  # round r's speculation: the target's own, one wrong
     if k < K:
         spec[k] = (spec[k] + 1) % V
+    if hit:
+        assert drafter.propose([row], K, want_q=False)[0][0].tolist() == _greedy(
+            target, tokens0, K)
+        _answer(row, spec, hit=False)  # the jit draft, as sent (its token k changed)
+        builder.build([row], FAN, sampling=False)  # into the cache of parity 0
     bonus = _greedy(target, tokens0 + spec[:k], 1)[0]
     committed = tokens0 + spec[:k] + [bonus]
     buffer[slot, :n + K] = _features(target, tokens0 + spec, False)
@@ -191,13 +299,12 @@ def test_a_chained_build_commits_the_round_it_reads_and_follows_the_target(k):
     builder.run_chained(state, 1, p, caches, pos, rank)
     # the commit's output predicts the token after the bonus
     assert int(drafter.last_logits[slot].argmax()) == _greedy(target, committed, 1)[0]
-    sent = next_speculation(caches[before], torch.tensor([slot]), state, before, 1)[2][0]
-    cache = caches[p]
-    assert cache.ready[slot]
-    for j in range(B):
-        fork, t = int(cache.fork[slot, j]), int(cache.bonus[slot, j])
-        assume = committed + sent[:fork].tolist() + [t]
-        assert cache.tokens[slot, j].tolist() == _greedy(target, assume, K), (j, fork, t)
+    found, _, sent = next_speculation(caches[before], torch.tensor([slot]), state, before, 1)[:3]
+    assert bool(found[0]) == hit
+    assert caches[p].ready[slot]
+    exact = _exact_forks(caches[p], SimpleNamespace(tokens=committed, sent=sent[0].tolist()),
+                         target, FAN)
+    assert all(exact.values()) if hit else (exact[0] and exact[1]), exact
 
 
 def test_features_must_continue_the_rows_fed_positions():

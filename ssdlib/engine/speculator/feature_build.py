@@ -15,21 +15,29 @@ predict x_L (the speculation's first token) and whose h_{L-2} estimates f_{L-1}.
 While the verifier verifies a speculation s_1..s_K (the positions L-1 .. L+K-2 of its pairs,
 (·, s_j) at L-2+j), their features do not exist: the speculator conditions on its own. The build
 (:meth:`FeatureCacheBuilder.build`) first runs the speculation through the draft as a chain,
-teacher-forced on s_1..s_K: step j feeds (h_{L-3+j}, s_j) at L-2+j, its output h_{L-2+j}
-standing in for the feature the next step needs. That gives the draft's top-C candidates after
+teacher-forced on s_1..s_K, in ONE forward: the pair at L-2+j is (X_j, s_j), X_1 = h_{L-2} (the
+slot's last output, conditioned on the target's true feature f_{L-2}) and X_2..X_K the draft's
+own features that came with the speculation (:meth:`FeatureCacheBuilder.sent_features`): a hit's
+branch kept the hidden states of its tree depths 1..K-1 (``branch_hidden``), a jit draft those
+of its steps (``FeatureSpecDraft.jit_hidden``), and a speculation drafted elsewhere (n-gram,
+random: no feature of its own) repeats X_1. Drafting a speculation step by step computes exactly
+these features, so the one forward replaces K dependent steps (a jit draft's chain is the
+step-by-step chain recomputed; a hit's differs only in that its branch's features were computed
+before the target's feature f_{L-2} arrived). That gives the draft's top-C candidates after
 x_{L-1} and after each s_j (K + 1 positions, as a standalone draft's one forward over the
-speculation does) and the hidden states H_k = h_{L-2+k}, k = 0..K. The outcome (k, t) (s_1..s_k
-accepted, bonus t at position L+k) then starts a branch whose first pair (H_k, t) sits at draft
-position L-1+k: the standalone tree build's layout with n = L - 1 (``tree_build.branch_setup``:
-slot prefix n + k, the tree mask, the fan-out's outcomes), each later depth's pair (h of the
-branch's previous depth, its token). The tree's KV goes to the scratch region, never into the
-slot; the chain's KV (self-conditioned) sits past the committed positions until the next
-OUTCOME's features rewrite the accepted ones.
+speculation does) and the hidden states H_0 = h_{L-2} and H_k = h_{L-2+k}. The outcome (k, t)
+(s_1..s_k accepted, bonus t at position L+k) then starts a branch whose first pair (H_k, t) sits
+at draft position L-1+k: the standalone tree build's layout with n = L - 1
+(``tree_build.branch_setup``: slot prefix n + k, the tree mask, the fan-out's outcomes), each
+later depth's pair (h of the branch's previous depth, its token). The tree's KV goes to the
+scratch region, never into the slot; the chain's KV (self-conditioned) sits past the committed
+positions until the next OUTCOME's features rewrite the accepted ones. A round's build is K + 2
+draft forwards: the commit, the chain, K tree depths.
 
 A jit draft (a miss, a sequence's first speculation) starts from the slot's last output: d_1
-from its logits, then (h, d_j) pairs as in SD. A hit's branch is drafted again by the next
-build's chain rather than moved out of the tree scratch: its first pair then reads the target's
-true feature f_{L-2}, which the branch could not.
+from its logits, then (h, d_j) pairs as in SD. A hit's branch KV is not moved out of the tree
+scratch: the chain writes the speculation's KV again, its first pair on the target's true
+feature f_{L-2}, which the branch could not read.
 
 Sampling: jit drafts and branch tokens are drawn as the standalone speculator draws them (the
 row's target distribution of the draft's logits; Saguaro's sigma_{F,C} in the tree), with the
@@ -66,6 +74,10 @@ from ssdlib.sampling import SamplingFacts, SamplingTensors
 from ssdlib.speculative.rng import RowStreams
 
 
+# a row's feature source (FeatureCacheBuilder.source) other than a cache branch
+JIT, NONE = -1, -2
+
+
 class FeatureCacheBuilder:
     """The speculation cache's build for a feature draft (module doc), the interface of
     ``cache_builder.CacheBuilder``: ``build``, ``branch_index`` and ``budget_arms``."""
@@ -89,6 +101,9 @@ class FeatureCacheBuilder:
         # chained builds read it in place (None on a speculator rank, which runs no chains)
         self.target_features = target_features
         self._chain_table: torch.Tensor | None = None  # the chain's rows' sampling parameters
+        # per speculation cache (by identity): the branches' hidden states (``branch_hidden``)
+        self._branch_hidden: dict[int, tuple[SpeculationCache, torch.Tensor]] = {}
+        self.branch_hidden(cache)
 
     def budget_arms(self, budget: int) -> list[int]:
         """Its chained build always takes the cache's whole budget (its body is written for B
@@ -100,53 +115,96 @@ class FeatureCacheBuilder:
             self._index_cache[fan] = fan_index(fan, self.K, self.V, self.device)
         return self._index_cache[fan]
 
+    def branch_hidden(self, cache: SpeculationCache) -> torch.Tensor:
+        """The draft's own hidden states along each branch ``cache`` holds, kept for a hit's
+        next chain (module doc): [cache rows, B, K - 1, H], depths 1 .. K - 1 of the tree
+        (allocated on first use, never inside a capture: ``__init__`` and ``run_chained``
+        call it first)."""
+        key = id(cache)
+        if key not in self._branch_hidden:
+            d = self.drafter
+            self._branch_hidden[key] = (cache, torch.zeros(
+                cache.ready.shape[0], self.B, self.K - 1, d.last_hidden.shape[-1],
+                dtype=d.last_hidden.dtype, device=self.device))
+        return self._branch_hidden[key][1]
+
+    @staticmethod
+    def source(row) -> int:
+        """Where the features of a row's sent speculation come from (module doc): the cache
+        branch it was answered with (a hit), ``JIT`` (this draft's jit draft) or ``NONE``."""
+        if row.reuse is not None:
+            return row.reuse
+        return JIT if row.is_jit else NONE
+
     @torch.inference_mode()
     def build(self, rows, fan: list[int], sampling: bool) -> int:
         """Cache every likely outcome of the rows' sent speculations (module doc). Returns 0:
-        no row moves a hit's branch KV (its branch is drafted again, on true features)."""
+        no row moves a hit's branch KV (its chain runs again, on the target's feature)."""
         d = self.drafter
+        src = [self.source(r) for r in rows]
         for r in rows:
             r.fed = True
         pos, rank = self.branch_index(tuple(fan))
         if not sampling and self.pool is not None:
             d._check_fed(rows)
-            self._replay(rows, pos, rank)
+            self._replay(rows, src, pos, rank)
             return 0
         slots, first, kv_len = d._start(rows)
         sent = to_device([r.sent for r in rows], self.device)  # [b, K]
         pick = self._sampled_pick(rows, slots, fan) if sampling else None
-        self._body(slots, first, sent, pos, rank, min(kv_len + self.K, d.max_len), pick)
+        self._body(slots, first, sent, to_device(src, self.device), pos, rank,
+                   min(kv_len + self.K, d.max_len), pick)
         return 0
 
-    def _body(self, slots, first, sent, pos, rank, kv_len: int, pick=None,
-              cache: SpeculationCache | None = None) -> None:
-        """The build on device tensors: slots, first (L - 1) [b], sent [b, K], the fan-out's
-        branch index pos, rank [B]; ``pick(depth, logits)`` draws a sampled build's tokens
-        (None: the argmax); ``cache``: the speculation cache it stores into (default the
-        speculator's)."""
-        cand, H = self.chain(slots, first, sent, kv_len)
+    def _body(self, slots, first, sent, src, pos, rank, kv_len: int, pick=None,
+              cache: SpeculationCache | None = None,
+              answered: SpeculationCache | None = None) -> None:
+        """The build on device tensors: slots, first (L - 1) [b], sent [b, K], each row's
+        feature source src [b] (:meth:`source`), the fan-out's branch index pos, rank [B];
+        ``pick(depth, logits)`` draws a sampled build's tokens (None: the argmax); ``cache``:
+        the speculation cache it stores into (default the speculator's), ``answered``: the one
+        a hit's branch came from (default the same)."""
+        cache = self.cache if cache is None else cache
+        answered = cache if answered is None else answered
+        feats = self.sent_features(slots, src, answered)
+        cand, H = self.chain(slots, first, sent, feats, kv_len)
         self.tree(slots, first, sent, cand, H, pos, rank, kv_len, pick, cache)
 
-    def chain(self, slots, first, sent, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The build's first part: the speculation as a teacher-forced chain of K draft steps
-        (module doc) -> the top-C candidates [b, K+1, C] after x_{L-1} and after each s_j, and
-        H_0..H_K [b, K+1, h]."""
+    def sent_features(self, slots, src, answered: SpeculationCache) -> torch.Tensor:
+        """The features paired with s_1..s_K in the chain [b, K, H]: the slot's last output
+        for s_1, then per row (``src``, :meth:`source`) the hit branch's hidden states in
+        ``answered``, the jit draft's, or the slot's last output again."""
         d = self.drafter
-        logits, hidden = d.last_logits[slots], d.last_hidden[slots]
-        tops, hs = [top_indices(logits, self.C)], [hidden]
-        for j in range(self.K):
-            logits, hidden = d.step(sent[:, j], hidden, first + j, slots, kv_len)
-            tops.append(top_indices(logits, self.C))
-            hs.append(hidden)
-        return torch.stack(tops, dim=1), torch.stack(hs, dim=1)
+        h0 = d.last_hidden[slots].unsqueeze(1)                           # [b, 1, H]
+        rest = self.K - 1
+        branch = self.branch_hidden(answered)[slots, src.clamp(min=0)]   # [b, K - 1, H]
+        own = torch.where((src == JIT).view(-1, 1, 1), d.jit_hidden[slots, :rest],
+                          h0.expand(-1, rest, -1))
+        return torch.cat([h0, torch.where((src >= 0).view(-1, 1, 1), branch, own)], dim=1)
+
+    def chain(self, slots, first, sent, feats, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The build's first part: the speculation's pairs (feats[:, j], s_{j+1}) at
+        positions L - 1 .. L + K - 2 in one forward (module doc) -> the top-C candidates
+        [b, K+1, C] after x_{L-1} and after each s_j, and H_0..H_K [b, K+1, H]."""
+        d = self.drafter
+        positions = first.view(-1, 1) + torch.arange(self.K, device=first.device)
+        meta = AttentionMetadata(positions, slots, kv_len, kv_limit=positions + 1,
+                                 use_kernel=d.use_kernel)
+        logits, hidden = d.step_draft(sent, feats.to(d.cache.k.dtype), d.cache, meta)
+        logits = fit_vocab(logits, self.V).float()                      # [b, K, V]
+        tops = torch.cat([top_indices(d.last_logits[slots], self.C).unsqueeze(1),
+                          top_indices(logits, self.C)], dim=1)
+        return tops, torch.cat([feats[:, :1], hidden.to(feats.dtype)], dim=1)
 
     def tree(self, slots, first, sent, cand, H, pos, rank, kv_len: int, pick=None,
              cache: SpeculationCache | None = None) -> None:
         """The build's second part: the fan-out's branches from the chain's ``cand`` and ``H``
         (``chain``), K tree depths, their tokens stored in ``cache`` (default the
-        speculator's)."""
+        speculator's) and their hidden states past the first depth in its
+        :meth:`branch_hidden`."""
         d, K, B = self.drafter, self.K, self.B
         cache = self.cache if cache is None else cache
+        kept = self.branch_hidden(cache)
         fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
         feat = H.gather(1, fork.unsqueeze(-1).expand(-1, -1, H.shape[-1]))  # [b, B, h]
         b = slots.shape[0]
@@ -159,6 +217,8 @@ class FeatureCacheBuilder:
                                                     :B * (depth + 1)],
                                      tree_len=B * (depth + 1), use_kernel=d.use_kernel)
             logits, feat = d.step_draft(tok, feat, d.cache, meta)
+            if depth > 0:
+                kept[slots, :, depth - 1] = feat.to(kept.dtype)
             logits = fit_vocab(logits, self.V)  # [b, B, V]
             tok = row_argmax(logits) if pick is None else pick(depth, logits)
             tokens.append(tok)
@@ -199,6 +259,8 @@ class FeatureCacheBuilder:
         limit)."""
         self._index[0].copy_(pos)
         self._index[1].copy_(rank)
+        for cache in caches:
+            self.branch_hidden(cache)  # allocated now, not inside a capture
         sampling = None if facts is None else (facts, tuple(fan), saguaro_c)
         if self.pool is None:
             self.chained_body(state, rows, p, caches, sampling)
@@ -223,7 +285,8 @@ class FeatureCacheBuilder:
         ``state.draws``, which it advances, as the standalone chained build does."""
         d, K, B, before = self.drafter, self.K, self.B, 1 - p
         slots = self._chain_slots[:rows]
-        _, _, sent, length, _ = next_speculation(caches[before], slots, state, before, rows)
+        hit, branch, sent, length, _ = next_speculation(caches[before], slots, state, before,
+                                                        rows)
         n, k = state.n[before, :rows], state.k[before, :rows]
         j = torch.arange(K + 1, device=self.device)
         positions = ((n - 1).clamp(min=0).view(-1, 1) + j).clamp(max=d.max_len - 1)
@@ -240,30 +303,32 @@ class FeatureCacheBuilder:
             streams = RowStreams(state.keys[:rows, 1], draws, K * B)
             state.draws[p, :rows, 1] = draws + K * B
             pick = sampled_pick(slots, caches[p], params, streams, fan, saguaro_c)
-        self._body(slots, length - 1, sent, self._index[0], self._index[1], d.max_len, pick,
-                   cache=caches[p])
+        src = torch.where(hit, branch, torch.full_like(branch, NONE))  # a miss: no features
+        self._body(slots, length - 1, sent, src, self._index[0], self._index[1], d.max_len,
+                   pick, cache=caches[p], answered=caches[before])
 
-    def _replay(self, rows, pos, rank) -> None:
+    def _replay(self, rows, src: list[int], pos, rank) -> None:
         """A greedy build as one replay of its batch bucket's captured body (captured at the
         bucket's first use); one key length for every build (the slot kernel reads each row
-        up to its limit)."""
+        up to its limit). Static inputs a row: slot, first, source, sent."""
         d, K, scratch = self.drafter, self.K, self.scratch_slot
         b = len(rows)
         bucket = batch_bucket(b)
         if bucket not in self._static:
-            st = torch.zeros(bucket, 2 + K, dtype=torch.int64, device=self.device)
-            st[:, 0], st[:, 1] = scratch, 1
+            st = torch.zeros(bucket, 3 + K, dtype=torch.int64, device=self.device)
+            st[:, 0], st[:, 1], st[:, 2] = scratch, 1, NONE
             self._static[bucket] = st
 
             def body():
-                self._body(st[:, 0], st[:, 1], st[:, 2:], self._index[0], self._index[1],
-                           d.max_len)
+                self._body(st[:, 0], st[:, 1], st[:, 3:], st[:, 2], self._index[0],
+                           self._index[1], d.max_len)
             self.pool.capture(("feature_build", bucket), body)
-        host = torch.zeros(bucket, 2 + K, dtype=torch.int64)
-        host[:, 0], host[:, 1] = scratch, 1  # ghost rows: the scratch slot, position 1
+        host = torch.zeros(bucket, 3 + K, dtype=torch.int64)
+        host[:, 0], host[:, 1], host[:, 2] = scratch, 1, NONE  # ghost rows: the scratch slot
         host[:b, 0] = torch.tensor([r.slot for r in rows])
         host[:b, 1] = torch.tensor([len(r.tokens) - 1 for r in rows])
-        host[:b, 2:] = torch.tensor([r.sent for r in rows])
+        host[:b, 2] = torch.tensor(src)
+        host[:b, 3:] = torch.tensor([r.sent for r in rows])
         self._static[bucket].copy_(host.to(self.device, non_blocking=True))
         self._index[0].copy_(pos)
         self._index[1].copy_(rank)

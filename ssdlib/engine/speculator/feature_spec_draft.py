@@ -48,6 +48,10 @@ class FeatureSpecDraft:
         self.last_logits = torch.zeros(n_slots, vocab_size, dtype=torch.float32,
                                        device=self.device)
         self.last_hidden = torch.zeros(n_slots, cfg.hidden_size, dtype=dtype, device=self.device)
+        # per slot: the hidden states a jit draft's steps left (its own features of the
+        # positions of tokens 2 .. k, ``feature_build.py`` reads them) [slots, draws - 1, H]
+        self.jit_hidden = torch.zeros(n_slots, max(draws - 1, 0), cfg.hidden_size, dtype=dtype,
+                                      device=self.device)
         # per slot: the positions whose pairs hold the target's features (0 .. fed - 1)
         self.fed: dict[int, int] = {}
         # the speculator's fallbacks set it (a standalone drafter's lazily fed KV); the feature
@@ -208,8 +212,16 @@ class FeatureSpecDraft:
             tok = row_argmax(logits)
             tokens.append(tok)
             if j < k - 1:
-                logits, hidden = self.step(tok, hidden, first + j, slots, kv_len)
+                logits, hidden = self.jit_step(tok, hidden, first, j, slots, kv_len)
         return torch.stack(tokens, dim=1)
+
+    def jit_step(self, tok, hidden, first, j: int, slots, kv_len: int):
+        """Step j of a jit draft (its token j + 1 at position first + j): :meth:`step`, its
+        hidden kept in ``jit_hidden`` (where the draws have room)."""
+        logits, hidden = self.step(tok, hidden, first + j, slots, kv_len)
+        if j < self.jit_hidden.shape[1]:
+            self.jit_hidden[slots, j] = hidden.to(self.jit_hidden.dtype)
+        return logits, hidden
 
     def _jit_captured(self, rows, k: int) -> torch.Tensor:
         b = len(rows)
@@ -246,6 +258,6 @@ class FeatureSpecDraft:
         state = [self.last_hidden[slots]]  # the chain's last h
 
         def step(tok: torch.Tensor, j: int) -> torch.Tensor:
-            logits, state[0] = self.step(tok, state[0], first + j, slots, kv_len)
+            logits, state[0] = self.jit_step(tok, state[0], first, j, slots, kv_len)
             return logits
         return draw_chain(self.last_logits[slots], k, self.vocab_size, params, u, step)

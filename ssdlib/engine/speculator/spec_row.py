@@ -30,6 +30,12 @@ class SpecRow:
         self.hit = False  # the speculation in flight came from the cache
         self.limit: int | None = None  # how many of its tokens the leader verifies (None: all)
 
+    @property
+    def is_jit(self) -> bool:
+        """The speculation in flight is this speculator's jit draft (not the cache's, not a
+        fallback's)."""
+        return self.kind == int(QKind.DENSE) and not self.hit
+
     @classmethod
     def admitted(cls, row: AdmitRow, device: torch.device) -> "SpecRow":
         return cls(row.slot, row.tokens, row.params, row.request_index, device)

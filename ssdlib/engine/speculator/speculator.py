@@ -330,7 +330,7 @@ class CacheRole:
         """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
         if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
             self.fallbacks.observe_ngram(k, limit)
-        elif row.kind == int(QKind.DENSE) and not row.hit:  # a jit draft: its a_p on misses
+        elif row.is_jit:  # a jit draft: its a_p on misses
             self.fallbacks.observe_jit(k, limit)
 
     def observe_round(self, verified: list[tuple[int, int]]) -> None:
