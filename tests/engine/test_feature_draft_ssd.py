@@ -418,3 +418,11 @@ def test_ssd_with_a_feature_draft_on_a_speculator_rank_equals_ar(tiny_dirs, ar_r
         run = g.last_run_metrics
     check_equal(tiny_dirs, ar_reference, outs)
     assert run["hit_rate"] > 0
+
+
+def test_a_build_needs_the_jit_drafts_hidden_states_of_its_k():
+    target = PreviousTokenTarget()
+    drafter = FeatureSpecDraft(oracle_draft(target), 2, 64, V, 4 * K, "cpu", torch.float32,
+                               draws=K - 1)
+    with pytest.raises(ValueError, match="draws=2"):
+        FeatureCacheBuilder(drafter, SpeculationCache(2, 4, K, V, torch.device("cpu")), V, 1.0)

@@ -84,6 +84,10 @@ class FeatureCacheBuilder:
 
     def __init__(self, drafter: FeatureSpecDraft, cache: SpeculationCache, vocab_size: int,
                  saguaro_c: float, pool=None, target_features: torch.Tensor | None = None):
+        if drafter.draws < cache.K:
+            raise ValueError(f"a feature draft's cache build of K = {cache.K} needs its jit "
+                             f"drafts' {cache.K - 1} hidden states; the draft keeps "
+                             f"{max(drafter.draws - 1, 0)} (draws={drafter.draws})")
         self.drafter = drafter
         self.pool = pool  # captured greedy builds (module doc); None: eager
         self.scratch_slot = drafter.scratch_slot  # ghost rows of a captured step write here
