@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placement
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError, require_int
@@ -47,7 +48,8 @@ class EngineConfig:
     draft_placement: str = "leader"  # sd only: "leader" (on verifier rank 0) or "separate"
     # ssd only: where the speculator runs. "stream": in the leader's process, on a CUDA stream of
     # its own (one GPU serves both); "rank": its own rank (its own GPU); "auto": stream when the
-    # speculator would share a GPU with a verifier rank (or on CPU), rank when a GPU is free
+    # speculator would share a GPU with a verifier rank, rank when a GPU is free; on CPU rank
+    # when the host has a core for every rank's threads (distributed.host_cpu)
     speculator_placement: str = "auto"
     max_batch: int = 8
     max_len: int = 2048  # tokens per sequence, prompt + generated
@@ -63,7 +65,7 @@ class EngineConfig:
     cache_dir: str | None = None
     timeout_s: float = 600.0
     # torch intra-op threads per rank; None: OMP_NUM_THREADS if set, else on CPU the cores shared
-    # out among the job's ranks on this host (ssdlib.distributed.world.rank_threads)
+    # out among the job's ranks on this host (ssdlib.distributed.host_cpu.rank_threads)
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -171,9 +173,10 @@ class EngineConfig:
         """Where the ssd speculator runs, resolved: "stream" or "rank" (see the field)."""
         if self.speculator_placement != "auto":
             return self.speculator_placement
-        if self.device == "cuda" and torch.cuda.device_count() > self.tp:
-            return "rank"  # a GPU of its own
-        return "stream"
+        if self.device == "cuda":
+            return "rank" if torch.cuda.device_count() > self.tp else "stream"  # a GPU of its own?
+        return cpu_speculator_placement(self.tp, self.threads, available_cores(),
+                                        os.environ.get("OMP_NUM_THREADS"))
 
     def adopt_world_size(self, world_size: int) -> None:
         """Under torchrun the launch decides an "auto" placement: tp ranks = stream, tp + 1 =

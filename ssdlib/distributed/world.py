@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ssdlib.distributed.host_cpu import available_cores, rank_threads
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 from ssdlib.log import get_logger
@@ -52,41 +53,6 @@ class World:
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity: a container's or taskset's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def rank_threads(threads: int | None, device: str, local_ranks: int, current: int, cores: int,
-                 omp_env: str | None) -> int | None:
-    """The torch intra-op threads a rank should use, or None to leave torch's setting alone.
-
-    ``threads`` (the --threads flag) wins; then an OMP_NUM_THREADS in the environment (torch
-    has already read it; torchrun sets it to 1 for multi-rank jobs). Otherwise, on CPU, the
-    ``cores`` are shared out among the ``local_ranks`` ranks of this job on this host: each
-    rank's own default (``current``, torch's: one thread per physical core) would make N ranks
-    run N times as many threads as there are cores, and their OpenMP teams then spin against
-    each other (a rank's decode step is many small ops, each a barrier). Never more than
-    ``current``: a caller's process that runs the job's only rank keeps a lower setting of its
-    own. GPU ranks do little host compute and are left alone.
-
-    One core is left out of the share (where there are two or more) for the rest of the
-    machine: the leader's host work, a server's event loop, other processes. A decode step's
-    team of threads waits at a barrier after each small op, so one thread that loses its core
-    stalls the others: on a 2-core machine with other work running, the quick-start SD command
-    decoded at 5.8 tok/s with 2 threads and 33.6 with 1 (AR: 4.4 and 22.4); idle, 1 and 2
-    threads decode about equally fast."""
-    if threads is not None:
-        return threads
-    if omp_env or device != "cpu":
-        return None
-    usable = max(1, cores - 1)
-    return min(current, max(1, usable // max(1, local_ranks)))
 
 
 def _set_threads(cfg: EngineConfig, world_size: int) -> int:

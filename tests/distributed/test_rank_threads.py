@@ -1,6 +1,8 @@
 """Intra-op threads per rank: the cores but one are shared out among a job's ranks on one host unless
---threads or OMP_NUM_THREADS says otherwise (``world.rank_threads``, against a plain table);
-spawned ranks of a two-rank job get their share; ``--device auto`` resolves once."""
+--threads or OMP_NUM_THREADS says otherwise (``host_cpu.rank_threads``, against a plain table);
+spawned ranks of a two-rank job get their share; ``--device auto`` resolves once; on a CPU an
+"auto" SSD speculator gets a process of its own where the host has cores for every rank's
+threads (``host_cpu.cpu_speculator_placement``)."""
 
 import os
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from ssdlib.distributed.launcher import RankGroup
-from ssdlib.distributed.world import available_cores, rank_threads
+from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placement, rank_threads
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 
@@ -37,6 +39,35 @@ def report_threads(cfg, results) -> None:
 ])
 def test_rank_threads(threads, device, ranks, current, cores, omp, want):
     assert rank_threads(threads, device, ranks, current, cores, omp) == want
+
+
+@pytest.mark.parametrize("tp,threads,cores,omp,want", [
+    (1, None, 2, None, "rank"),     # two cores: one each for the verifier and the speculator
+    (1, None, 1, None, "stream"),   # one core: the speculator would take turns with the verifier
+    (2, None, 2, None, "stream"),   # TP 2 + speculator: three ranks on two cores
+    (2, None, 3, None, "rank"),
+    (1, 2, 3, None, "stream"),      # --threads 2: two ranks want four cores
+    (1, 2, 4, None, "rank"),
+    (1, None, 4, "2", "rank"),      # OMP_NUM_THREADS counts as each rank's threads
+    (1, None, 3, "2", "stream"),
+    (1, None, 2, "many", "rank"),   # (an OMP_NUM_THREADS that is not a number: one thread)
+])
+def test_cpu_speculator_placement(tp, threads, cores, omp, want):
+    assert cpu_speculator_placement(tp, threads, cores, omp) == want
+
+
+def test_auto_placement_on_a_cpu_follows_the_cores(monkeypatch):
+    """``EngineConfig.placement`` on a CPU asks the host's cores (the rule above); an explicit
+    placement is kept whatever the cores."""
+    import ssdlib.engine_config as engine_config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, want in ((2, "rank"), (1, "stream")):
+        monkeypatch.setattr(engine_config, "available_cores", lambda c=cores: c)
+        cfg = EngineConfig(device="cpu", mode="ssd")
+        assert (cfg.placement, cfg.world_size) == (want, 1 + (want == "rank"))
+        assert EngineConfig(device="cpu", mode="ssd", speculator_placement="stream").placement \
+            == "stream"
 
 
 def _spawned_threads(cfg) -> list[int]:

@@ -2,10 +2,13 @@
 round code as the rank placement, so the exactness tests run both (test_speculative_exact.py);
 here what is particular to it. GPU tests skip without CUDA."""
 
+import os
+
 import pytest
 import torch
 
 from ssdlib import Generator, SamplingParams
+from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placement
 from ssdlib.engine_config import EngineConfig
 from ssdlib.errors import ConfigError
 
@@ -24,7 +27,9 @@ def test_auto_placement_and_world_size(tiny_dirs):
     assert EngineConfig(**kw, speculator_placement="stream").world_size == 1
     assert EngineConfig(**kw, speculator_placement="rank").world_size == 2
     assert EngineConfig(**kw, tp=2, speculator_placement="stream").world_size == 2
-    assert EngineConfig(**kw).placement == "stream"  # CPU: the speculator shares the host
+    # CPU: a process of its own where every rank has a core (tests/distributed/test_rank_threads)
+    assert EngineConfig(**kw).placement == cpu_speculator_placement(
+        1, None, available_cores(), os.environ.get("OMP_NUM_THREADS"))
     cfg = EngineConfig(**kw)
     cfg.check_world_size(2)  # torchrun with tp + 1 ranks decides an auto placement
     assert cfg.placement == "rank"

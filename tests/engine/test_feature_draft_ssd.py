@@ -368,8 +368,9 @@ def test_cuda_compiled_feature_draft_equals_ar(tiny_dirs, ar_reference, feature_
 def _sampled_pit(tmp_path, saguaro_c: float) -> float:
     """The p-value of whole sampled SSD sequences with a feature draft (jit drafts, cached
     sampled branches: a fan-out wide enough that many rounds are hits; chained rounds unless
-    ``SSDLIB_CHAINED_ROUNDS=0``) against the target's law, through the randomized PIT of every
-    token (uniform iff the law is right)."""
+    ``SSDLIB_CHAINED_ROUNDS=0``; the speculator in this process, where a test may patch it)
+    against the target's law, through the randomized PIT of every token (uniform iff the law
+    is right)."""
     from tests.tiny import make_small_vocab_pair
 
     t, _ = make_small_vocab_pair(str(tmp_path / "pair"), 4.0, 0.5)
@@ -378,7 +379,7 @@ def _sampled_pit(tmp_path, saguaro_c: float) -> float:
                             ignore_eos=True)
     with Generator(target=t, draft=d, mode="ssd", k=K, max_batch=4, max_len=64,
                    fan_out="4,3,3,4", fallback="jit", saguaro_c=saguaro_c,
-                   dtype="float32") as g:
+                   dtype="float32", speculator_placement="stream") as g:
         outs = g.generate([SAMPLED_PROMPT] * N_SEQS, params)
     hits = sum(o.metrics.get("accepted_by_source", {}).get("cache", [0])[0] for o in outs)
     rounds = sum(o.metrics["rounds"] for o in outs)

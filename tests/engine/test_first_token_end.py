@@ -16,7 +16,9 @@ def eos_first_prompt(tiny_dirs):
 
 
 MODES = [dict(mode="ar"), dict(mode="sd"), dict(mode="sd", draft_placement="separate"),
-         dict(mode="ssd", fallback="jit"), dict(mode="ssd", fallback="ngram")]
+         dict(mode="ssd", fallback="jit", speculator_placement="stream"),
+         dict(mode="ssd", fallback="ngram", speculator_placement="stream"),
+         dict(mode="ssd", fallback="jit", speculator_placement="rank")]
 
 
 @pytest.mark.parametrize("kw", MODES, ids=lambda kw: "-".join(kw.values()))

@@ -77,8 +77,10 @@ def test_generate_after_warm_up_captures_nothing(tiny_dirs, monkeypatch, capture
     the prompts the warm-up was given captures nothing, though its batch shrinks (SD / SSD
     rows finish in different rounds)."""
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    # (the speculator in this process, where the counter sees its captures)
     with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
-                   mode=mode, k=3, max_batch=3, max_len=96, start=False) as g:
+                   mode=mode, k=3, max_batch=3, max_len=96, start=False,
+                   speculator_placement="stream") as g:
         g.start(PROMPTS, GREEDY)
         warm = len(captured)
         assert warm > 0 and g.warm_up_s > 0
@@ -96,7 +98,7 @@ def test_adaptive_k_after_warm_up_captures_nothing(tiny_dirs, monkeypatch, captu
     monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
     draft = make_tiny_llama(str(tiny_dirs["smol_heads"]) + "-random-draft", "smol_heads", seed=5)
     with Generator(target=tiny_dirs["smol_heads"], draft=draft, mode=mode, k=3, max_batch=3,
-                   max_len=96, start=False) as g:
+                   max_len=96, start=False, speculator_placement="stream") as g:
         g.start(PROMPTS, GREEDY)
         warm = len(captured)
         outs = g.generate(PROMPTS, SamplingParams(max_new_tokens=48, ignore_eos=True))
