@@ -63,7 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculator-placement", default="auto", choices=["auto", "stream", "rank"],
                    help="ssd: 'stream' runs the speculator in the leader's process on a CUDA "
                         "stream of its own (one GPU), 'rank' on its own rank (its own GPU); "
-                        "'auto': rank when a GPU is free for it, stream otherwise")
+                        "'auto': rank when a GPU is free for it (on a CPU: a core for "
+                        "every rank's threads), stream otherwise")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
