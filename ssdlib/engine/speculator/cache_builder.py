@@ -66,12 +66,6 @@ class CacheBuilder:
                            reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
         return sum(x >= 0 for x in reuse)
 
-    @property
-    def takes_budgets(self) -> bool:
-        """Whether :meth:`build` may be given a fan-out of fewer branches than the cache's B:
-        where it runs eagerly (its captured steps are keyed by B)."""
-        return self.tree_step.pool is None
-
     def budget_arms(self, budget: int) -> list[int]:
         """The budgets a chained build may take (``fanout_budget.budget_arms``): its captured
         build is keyed by its branches."""

@@ -109,8 +109,6 @@ class FeatureCacheBuilder:
         self._branch_hidden: dict[int, tuple[SpeculationCache, torch.Tensor]] = {}
         self.branch_hidden(cache)
 
-    takes_budgets = False  # its build is written for the cache's B branches
-
     def budget_arms(self, budget: int) -> list[int]:
         """Its chained build always takes the cache's whole budget (its body is written for B
         branches): no other arm."""

@@ -181,12 +181,9 @@ class Speculator:
 
     def end_round(self) -> None:
         """Add the round's phases. Read back here, after the cache build, not before the answer
-        is sent: the wait on the last mark costs nothing, the next step blocks on a receive.
-        With host-tuned builds the round's build time goes to the budget tuner."""
+        is sent: the wait on the last mark costs nothing, the next step blocks on a receive."""
         for name, dt in self.timer.totals().items():
             self.phase_s[name] += dt
-        if self.cache is not None and self.cache.host_tuning:
-            self.cache.observe_host_build(self.timer.phases().get("build"), self.t_verify)
         self.clock.tick("end")
         for name, dt in self.clock.take().items():
             if name in self.host_s:  # not "between": the wait for the next OUTCOME is idle_s
@@ -300,10 +297,6 @@ class CacheRole:
         self._chain = None  # the running chain's ChainState
         self._chain_rows: list[SpecRow] | None = None  # its rows, when some samples
         self._chain_facts = None  # their sampled builds' facts (None: greedy builds)
-        # the tuner also chooses the budget of builds in plain rounds (``tune_host_builds``);
-        # the budget of the last such build, until its time is observed
-        self.host_tuning = False
-        self._host_budget: int | None = None
 
     def fanout(self, limit: int | None = None, budget: int | None = None) -> list[int]:
         """The fan-out in use: a fixed --fan-out as given, else the estimate for a verification
@@ -380,30 +373,10 @@ class CacheRole:
         """Build the cache for ``rows``; returns how many continued a hit's branch KV. The
         estimated fan-out follows the leader's choice of K: outcomes past the longest verified
         limit of these rows cannot happen, so they get no branch (a fixed --fan-out is kept)."""
-        budget = self.tuner.next_budget() if self.host_tuning else None
         fan = self.fanout(max((self.K if r.limit is None else r.limit for r in rows),
-                              default=None), budget)
+                              default=None))
         self._fanout_used = fan
-        self._host_budget = budget
         return self.builder.build(rows, fan, sampling)
-
-    def tune_host_builds(self) -> bool:
-        """Let the budget tuner (``fanout_budget.py``) choose the budget of plain rounds' builds
-        too, from their measured times (:meth:`observe_host_build`), as it does for chained
-        rounds: for a speculator whose build runs beside the verify in a process of its own on
-        a CPU, where a build of the whole budget outlasts the verify (docs/BENCHMARKS.md,
-        2026-12-04). Builds through captured steps keep the whole budget (their steps are
-        keyed by it). Returns whether it is on (an estimated fan-out with tuning, more than
-        one arm)."""
-        self.host_tuning = self.tuner is not None and self.builder.takes_budgets
-        return self.host_tuning
-
-    def observe_host_build(self, build_s: float | None, verify_s: float | None) -> None:
-        """The last plain round's build time (seconds; None: not timed) beside the leader's
-        last verify forward: into the tuner when that build's budget was its choice."""
-        if self._host_budget is not None and build_s and verify_s:
-            self.tuner.observe(self._host_budget, 1e3 * build_s, 1e3 * verify_s)
-        self._host_budget = None
 
     def chain_caches(self) -> list[SpeculationCache]:
         """The caches of chained rounds, by round parity: the main one and a second (allocated
@@ -611,7 +584,4 @@ def serve_speculator(cfg, world, target_ck) -> None:
     link = SpecLink(world.spec_group, 0, world.device, cfg.max_batch, cfg.k,
                     target_ck.config.vocab_size, staged=world.spec_staged,
                     branches=cache_branches_of(cfg), features=link_features(cfg, target_ck))
-    speculator = build_speculator(cfg, world.device, target_ck, link)
-    if speculator.cache is not None and world.device.type == "cpu":
-        speculator.cache.tune_host_builds()  # its build runs on cores of its own
-    speculator.run()
+    build_speculator(cfg, world.device, target_ck, link).run()
