@@ -545,14 +545,12 @@ class ChainRegroup:
 class ChainSeen:
     """A chained round read back, for the speculator's online estimates (Thm 12's a_p and r,
     the fallbacks' hit rate), which chained rounds otherwise never tell it: each row's accepted
-    tokens out of ``k`` verified and whether the speculation verified was the draft's (a cache
-    hit; a miss verifies an n-gram proposal or placeholders, which say nothing of the draft's
-    a_p), and each lookup against a cache built for its row (the outcome position it looked
-    up, hit or not) with ``fan`` the fan-out of the build that cache came from (None: not known
-    to the leader, the lookups are not counted). In-process only."""
+    tokens out of ``k`` verified, and each lookup against a cache built for its row (the
+    outcome position it looked up, hit or not) with ``fan`` the fan-out of the build that
+    cache came from (None: not known to the leader, the lookups are not counted).
+    In-process only."""
 
     accepted: list[int]
-    drafted: list[bool]
     k: int
     lookups: list[tuple[int, bool]]
     fan: tuple | None

@@ -199,7 +199,7 @@ class LinkVerifier:
             # rows whose last round was chained too (a joined row's first found an empty cache)
             if self._chain_estimates:
                 self.link.observe_chain(ChainSeen(
-                    list(result.accepted), list(hits), K,
+                    list(result.accepted), K,
                     [(self._chain_k[q.slot], h) for q, h in zip(done, hits)
                      if q.slot in self._chain_k], got.looked_up))
         clock.tick("read")

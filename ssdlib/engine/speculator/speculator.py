@@ -144,7 +144,7 @@ class Speculator:
         drafted now and sent (with q when sampling) in a SPEC, in the message's order of rows;
         False if no listed row is active (then the answer is STATS)."""
         live = []  # positions in the message
-        verified = []  # (k, limit) of the rows whose verified speculation was the draft's
+        verified = []  # k of the rows whose speculation was verified
         for i, (slot, k, t, active) in enumerate(zip(outcome.slots, outcome.accepted,
                                                      outcome.bonus, outcome.active)):
             row = self.rows.get(slot)
@@ -156,8 +156,7 @@ class Speculator:
             if row.commit(k, t):
                 if self.cache is not None:
                     self.cache.observe(row, k, limit)
-                if row.kind == int(QKind.DENSE):  # the draft's (cache or jit): its a_p
-                    verified.append((k, limit))
+                verified.append((k, limit))
             row.limit = outcome.limit[i]  # of the next speculation
             live.append(i)
         if self.cache is not None:
@@ -335,9 +334,8 @@ class CacheRole:
             self.fallbacks.observe_jit(k, limit)
 
     def observe_round(self, verified: list[tuple[int, int]]) -> None:
-        """The round's rows whose verified speculation the draft drafted (a cache hit or a jit
-        draft; an n-gram's or random tokens' rejections say nothing of the draft's a_p):
-        (tokens accepted, tokens verified) each (one call a round)."""
+        """The round's verified rows: (tokens accepted, tokens verified) each (one call a
+        round)."""
         if self.estimator is not None and verified:
             self.estimator.observe_verify([k for k, _ in verified], [n for _, n in verified])
 
@@ -439,7 +437,7 @@ class CacheRole:
     def observe_chain(self, msg: ChainSeen) -> None:
         """A chained round's outcomes and lookups (``protocol.ChainSeen``): into the fan-out's
         estimates and the fallbacks' hit rate, as a plain round's OUTCOME and answer are."""
-        self.observe_round([(k, msg.k) for k, d in zip(msg.accepted, msg.drafted) if d])
+        self.observe_round([(k, msg.k) for k in msg.accepted])
         if msg.fan is None or not msg.lookups:
             return
         hits = [h for _, h in msg.lookups]
