@@ -52,7 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ar (default: on)")
     s.add_argument("--fan-out", default="auto",
                    help="'auto' (Thm 12), a list like 8,5,3,2,1,4 (K+1 entries), or all-accepted:N")
-    s.add_argument("--fan-out-budget", type=int, default=16, help="cache budget B for --fan-out auto")
+    s.add_argument("--fan-out-budget", type=int, default=None,
+                   help="cache budget B (branches a row) for --fan-out auto; default 16 on a GPU, "
+                        "8 on a CPU")
     s.add_argument("--fan-out-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="ssd with --fan-out auto, speculator on the GPU's own stream: each build "
                         "takes B, B/2 or B/4 branches, the largest whose build the verify hides, "

@@ -22,6 +22,12 @@ MODES = ("ar", "sd", "ssd")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENTS = ("auto", "stream", "rank")
 FALLBACKS = ("auto", "jit", "ngram", "random")
+# --fan-out-budget by device. On one H200 SmolLM2-135M at b = 1 was fastest with 16 branches a
+# row (docs/BENCHMARKS.md, 2026-12-04; chained rounds then tune it, speculative/fanout_budget.py).
+# On a CPU the build is bound by its FLOPs (every branch through the draft and its LM head): on
+# 2 cores, SSD with the speculator on a rank of its own ran 1.22-1.28x as fast with 8 as with 16
+# at b = 1 and 1.33x at b = 4 (docs/BENCHMARKS.md, 2026-12-04)
+DEFAULT_FAN_OUT_BUDGET = {"cuda": 16, "cpu": 8}
 
 
 @dataclass
@@ -39,7 +45,9 @@ class EngineConfig:
     # costs of a draft step and a verify (ssdlib.speculative.adaptive_k); False: always k
     adaptive_k: bool = True
     fan_out: str = "auto"
-    fan_out_budget: int = 16
+    # branches a row of the speculation cache holds under --fan-out auto; None: the device's
+    # default (DEFAULT_FAN_OUT_BUDGET), resolved with the device
+    fan_out_budget: int | None = None
     # ssd, --fan-out auto: chained builds (the stream placement) take the budget or its halves,
     # the largest whose build the verify hides, by measurement (speculative/fanout_budget.py)
     fan_out_tuning: bool = True
@@ -93,6 +101,8 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but no CUDA GPU is available")
+        if self.fan_out_budget is None:
+            self.fan_out_budget = DEFAULT_FAN_OUT_BUDGET[self.device]
         try:
             self.compile = compile_setting(self.compile)
         except ValueError as e:

@@ -572,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each sequence's K chosen per round (the engine's default; a mode may "
                         "set its own: sd:adaptive_k=0)")
     p.add_argument("--fan-out", default="auto")
-    p.add_argument("--fan-out-budget", type=int, default=16)
+    p.add_argument("--fan-out-budget", type=int, default=None,
+                   help="default: the engine's (16 on a GPU, 8 on a CPU)")
     p.add_argument("--saguaro-c", type=float, default=1.0)
     p.add_argument("--fallback", default="auto")
     p.add_argument("--batch", type=int, default=1)

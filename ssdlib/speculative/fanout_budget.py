@@ -9,8 +9,9 @@ on one H200 (K = 3, 16 HumanEval chat prompts, one invocation each, docs/BENCHMA
 1B-cost pair with B = 4, whose build no budget lets the verify hide.
 
 :class:`BudgetTuner` measures it. Its arms are the configured budget and its halves (down to
-K + 1: one branch per outcome position). It probes them in turn, one round each in a cycle, for
-``probe`` cycles (the first cycle also captures every arm's build, during the warm-up), keeping
+K + 1: one branch per outcome position). It probes them in turn, two rounds each in a cycle (one
+into each of chained rounds' two caches), for ``probe`` cycles (the first cycle also captures
+every arm's builds, during the warm-up), keeping
 each arm's build and verify times (ms a round, from CUDA events, fed by the leader a round
 late). Then it holds the largest arm whose build the verify hides (build <= verify in the median
 round: the rounds that captured a build are outliers), or the smallest arm when none is
@@ -39,7 +40,7 @@ def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
 class BudgetTuner:
     """Chooses each build's fan-out budget among ``arms`` (see the module doc)."""
 
-    def __init__(self, arms: list[int], probe: int = 8, hold: int = 512,
+    def __init__(self, arms: list[int], probe: int = 4, hold: int = 512,
                  first_hold: int = 32) -> None:
         if not arms or any(a < 1 for a in arms) or sorted(set(arms), reverse=True) != list(arms):
             raise ConfigError(f"budget arms must be distinct positive integers, largest first, "
@@ -58,7 +59,7 @@ class BudgetTuner:
 
     def next_budget(self) -> int:
         """The budget of the next build (one call a build)."""
-        if self._probing and self._step >= self.probe * len(self.arms):
+        if self._probing and self._step >= 2 * self.probe * len(self.arms):
             self._probing = False
             self._step = 0
             self.held = self.choose()
@@ -67,7 +68,11 @@ class BudgetTuner:
             self._step = 0
             self._hold = min(2 * self._hold, self.hold)
             self._timed = {a: [] for a in self.arms}
-        arm = self.arms[self._step % len(self.arms)] if self._probing else self.held
+        # probing: each arm two builds in a row, so that it builds once into each of chained
+        # rounds' two caches (their parities alternate): with an even number of arms, one
+        # build each would pair every arm with one parity only, and the warm-up would capture
+        # half of the steps the run later holds
+        arm = self.arms[(self._step // 2) % len(self.arms)] if self._probing else self.held
         self._step += 1
         self.rounds[arm] += 1
         return arm

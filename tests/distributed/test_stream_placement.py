@@ -152,12 +152,13 @@ def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch, path)
 
     prompts = [[1 + i, 5, 9, 11 + i] for i in range(4)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 25, 40)]
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2)
+    # (the GPU's default budget: a CPU's is 8)
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2, fan_out_budget=16)
     assert [o.token_ids for o in outs] == ar
     assert set(run["chain_budgets"]["builds"]) == {"16", "8", "4"}
     assert run["chain_budgets"]["held"] == 16  # no timings (CPU): the whole budget
     monkeypatch.setattr(BudgetTuner, "next_budget", lambda self: self.arms[-1])
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2)
+    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2, fan_out_budget=16)
     assert [o.token_ids for o in outs] == ar
     assert run["hit_rate"] > 0.2, run["hit_rate"]
 

@@ -38,15 +38,16 @@ def run(tuner: BudgetTuner, builds: int, times: dict | None = None) -> list[int]
 
 
 def test_probes_cycle_the_arms_then_hold_the_largest_hidden():
-    tuner = BudgetTuner([16, 8, 4], probe=2, hold=5, first_hold=5)
-    # the verify hides 8 and 4, not 16 (build, verify ms)
+    tuner = BudgetTuner([16, 8, 4], probe=1, hold=5, first_hold=5)
+    # the verify hides 8 and 4, not 16 (build, verify ms); each arm two builds in a row, one
+    # into each of chained rounds' two caches
     times = {16: (1.5, 1.3), 8: (1.2, 1.3), 4: (1.1, 1.3)}
-    assert run(tuner, 6, times) == [16, 8, 4, 16, 8, 4]
+    assert run(tuner, 6, times) == [16, 16, 8, 8, 4, 4]
     assert run(tuner, 5, times) == [8] * 5
     assert tuner.held == 8
     # then it probes again, afresh: now 16 is hidden too
     times = {16: (1.2, 1.3), 8: (1.1, 1.3), 4: (1.0, 1.3)}
-    assert run(tuner, 6, times) == [16, 8, 4, 16, 8, 4]
+    assert run(tuner, 6, times) == [16, 16, 8, 8, 4, 4]
     assert run(tuner, 2, times) == [16, 16]
     assert tuner.take() == {"held": 16, "builds": {"16": 6, "8": 9, "4": 4}}
     assert tuner.take()["builds"] == {}
@@ -55,16 +56,16 @@ def test_probes_cycle_the_arms_then_hold_the_largest_hidden():
 def test_when_no_build_is_hidden_the_smallest_is_held():
     tuner = BudgetTuner([16, 8, 4], probe=1, hold=3, first_hold=3)
     times = {16: (7.9, 5.7), 8: (7.7, 5.7), 4: (7.6, 5.8)}  # the 8B / 1B-cost pair's shape
-    assert run(tuner, 6, times) == [16, 8, 4, 4, 4, 4]
+    assert run(tuner, 9, times) == [16, 16, 8, 8, 4, 4, 4, 4, 4]
 
 
 def test_without_timings_the_full_budget_is_held():
-    tuner = BudgetTuner([16, 8], probe=2, hold=4, first_hold=4)
-    assert run(tuner, 8) == [16, 8, 16, 8, 16, 16, 16, 16]
+    tuner = BudgetTuner([16, 8], probe=1, hold=4, first_hold=4)
+    assert run(tuner, 8) == [16, 16, 8, 8, 16, 16, 16, 16]
 
 
 def test_the_median_round_decides_and_other_budgets_are_ignored():
-    tuner = BudgetTuner([16, 8], probe=2, hold=4, first_hold=4)
+    tuner = BudgetTuner([16, 8], probe=1, hold=4, first_hold=4)
     assert tuner.next_budget() == 16
     tuner.observe(16, 250.0, 1.2)  # the round that captured it: an outlier
     tuner.observe(16, 1.0, 1.2)
@@ -75,7 +76,7 @@ def test_the_median_round_decides_and_other_budgets_are_ignored():
     tuner.observe(32, 0.1, 9.0)    # not an arm
     assert tuner.hidden(16) is False and tuner.hidden(8) is None
     # 16 not hidden, 8 never timed: no arm is known hidden -> the smallest
-    assert run(tuner, 4) == [8, 16, 8, 8]
+    assert run(tuner, 4) == [16, 8, 8, 8]
     assert tuner.held == 8
 
 
@@ -96,6 +97,7 @@ def test_the_holds_double_from_the_first():
     soon; the holds then double up to the longest."""
     tuner = BudgetTuner([16, 8], probe=1, hold=8, first_hold=2)
     times = {16: (1.0, 1.3), 8: (0.9, 1.3)}
-    held = run(tuner, 2 + 2 + 2 + 4 + 2 + 8 + 2 + 8 + 2, times)
-    assert held == ([16, 8] + [16] * 2 + [16, 8] + [16] * 4 + [16, 8] + [16] * 8 + [16, 8]
-                    + [16] * 8 + [16, 8])
+    probe = [16, 16, 8, 8]
+    held = run(tuner, 4 + 2 + 4 + 4 + 4 + 8 + 4 + 8 + 4, times)
+    assert held == (probe + [16] * 2 + probe + [16] * 4 + probe + [16] * 8 + probe
+                    + [16] * 8 + probe)

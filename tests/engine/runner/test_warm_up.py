@@ -214,3 +214,23 @@ def test_cuda_run_after_warm_up_neither_captures_nor_compiles(tiny_dirs, monkeyp
         assert compiled > 0  # the warm-up compiled the steps
         g.generate([p[1:] for p in prompts], GREEDY)  # other lengths, same batch
         assert g.last_run_metrics["captured_in_run"] == 0 and _compile_count() == compiled
+
+
+@pytest.mark.parametrize("k,budget", [(5, 16), (3, 8)])
+def test_every_budget_arm_is_captured_for_both_chained_caches(tiny_dirs, monkeypatch, captured,
+                                                              k, budget):
+    """With two budget arms (K = 5 and 16 branches: 16 and 8; K = 3 and 8: 8 and 4) the tuner's
+    probe builds each arm into both of chained rounds' caches during the warm-up, so the arm it
+    holds afterwards captures nothing in the run (one build per arm paired each arm with one
+    cache only)."""
+    monkeypatch.setenv("SSDLIB_STEP_GRAPHS", "eager-all")
+    with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                   mode="ssd", k=k, max_batch=3, max_len=96, start=False,
+                   fan_out_budget=budget, speculator_placement="stream") as g:
+        g.start(PROMPTS, GREEDY)
+        warm = len(captured)
+        chained = {c for c in captured[:warm] if c[0] == "tree_chain"}
+        assert {(c[2], c[4]) for c in chained} >= {(p, n) for p in (0, 1)
+                                                    for n in (budget, budget // 2)}
+        g.generate(PROMPTS, GREEDY)
+        assert captured[warm:] == []
