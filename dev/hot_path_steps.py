@@ -114,11 +114,11 @@ def _feature_proposal(draft, backend, tck, ftr, rows, b: int, K: int, dev):
 def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tuple, dev,
                               dtype) -> dict:
     """The steps of SSD's speculator with the feature ``draft`` (as in
-    :func:`_feature_proposal`): the commit of a
-    round's K + 1 kept positions with the target's features, the build's two parts on device
-    tensors (the teacher-forced chain, one forward over the speculation's K positions; the K
-    tree depths over the fan-out's rows) and the whole greedy build as the speculator runs it (its captured step
-    on CUDA). Rows have 40 committed tokens, their features fed."""
+    :func:`_feature_proposal`): the commit of a round's K + 1 kept positions with the target's
+    features, the build's two parts on device tensors (the teacher-forced chain, one forward
+    over the speculation's K positions; the K tree depths over the fan-out's rows) and the
+    whole greedy build as the speculator runs it (its captured step on CUDA). Rows have 40
+    committed tokens, their features fed."""
     from ssdlib.engine.speculator.feature_build import JIT, FeatureCacheBuilder
     from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
     from ssdlib.engine.speculator.spec_cache import SpeculationCache
@@ -149,8 +149,8 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
     parts = {}
 
     def chain():
-        feats = builder.sent_features(slots, src, builder.cache)
-        parts["chain"] = builder.chain(slots, first, sent, feats, max_len)
+        pairs = builder.sent_features(slots, src, builder.cache)  # (not the commit's feats)
+        parts["chain"] = builder.chain(slots, first, sent, pairs, max_len)
         return parts["chain"][1]
 
     def tree():

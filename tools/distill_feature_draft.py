@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  f"; it keeps them (--features asks for {_described(spec)})")
             if args.grow_layers is not None:
                 draft = grow_feature_draft(draft, teacher, args.grow_layers,
-                                           args.init_layer_from_target).requires_grad_(True)
+                                           args.init_layer_from_target)  # (trainable, as DIR)
             args.layers = len(draft.layers)
         else:
             if args.grow_layers is not None:

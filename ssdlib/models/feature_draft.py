@@ -147,8 +147,8 @@ class FeatureDraft(nn.Module):
         [b, s, H] (conditioned, as in ``forward_full``) at ``meta.positions`` -> (logits
         [b, s, V], hidden [b, s, H]), or both at ``logits_index`` [b, n] only ([b, n, V],
         [b, n, H])."""
-        hidden = run_layers(self.layers, self.rotary, self.pair_inputs(next_ids, features), kv_cache,
-                            meta, self.config.sliding_window)
+        hidden = run_layers(self.layers, self.rotary, self.pair_inputs(next_ids, features),
+                            kv_cache, meta, self.config.sliding_window)
         if logits_index is not None:
             hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return self.logits(hidden), hidden
