@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ssdlib.engine_config import draft_vocab_value
 from ssdlib.errors import RankFailure, SSDError, exit_code
 from ssdlib.sampling import SamplingParams
 
@@ -59,6 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ssd with --fan-out auto, speculator on the GPU's own stream: each build "
                         "takes B, B/2 or B/4 branches, the largest whose build the verify hides, "
                         "by measurement (default: on)")
+    s.add_argument("--draft-vocab", type=draft_vocab_value, default="auto",
+                   help="the tokens the draft proposes (its LM head scores only those): 'full', "
+                        "N (the N most frequent of the draft's ranked vocabulary, "
+                        "draft_vocab.safetensors) or 'auto' (default: 16384 on a CPU for a "
+                        "draft that ships a ranking, the full vocabulary otherwise)")
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1]")
     s.add_argument("--fallback", default="auto", choices=["auto", "jit", "ngram", "random"])
     s.add_argument("--draft-placement", default="leader", choices=["leader", "separate"])
@@ -84,6 +90,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(target=a.target, draft=a.draft, mode=a.mode, tp=a.tp, device=a.device,
                 dtype=a.dtype, k=a.k, adaptive_k=a.adaptive_k, fan_out=a.fan_out,
                 fan_out_budget=a.fan_out_budget, fan_out_tuning=a.fan_out_tuning,
+                draft_vocab=a.draft_vocab,
                 saguaro_c=a.saguaro_c, fallback=a.fallback, draft_placement=a.draft_placement,
                 speculator_placement=a.speculator_placement,
                 max_batch=a.max_batch, max_len=a.max_len, cuda_graphs=a.cuda_graphs,

@@ -14,6 +14,7 @@ from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placemen
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError, require_int
+from ssdlib.loading.draft_vocab import DRAFT_VOCAB_FILE, draft_token_ids, ranking_path
 from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.loading.registry import default_draft
 from ssdlib.speculative.fanout import parse_fanout
@@ -28,6 +29,22 @@ FALLBACKS = ("auto", "jit", "ngram", "random")
 # 2 cores, SSD with the speculator on a rank of its own ran 1.22-1.28x as fast with 8 as with 16
 # at b = 1 and 1.33x at b = 4 (docs/BENCHMARKS.md, 2026-12-04)
 DEFAULT_FAN_OUT_BUDGET = {"cuda": 16, "cpu": 8}
+# --draft-vocab auto, by device, for a draft that ships a ranking of its vocabulary
+# (ssdlib.loading.draft_vocab): the tokens its LM head scores. On a CPU the head is most of a
+# draft's time (ssdlib.layers.subset_head); on a GPU the full vocabulary until measured there
+DEFAULT_DRAFT_VOCAB = {"cuda": "full", "cpu": 16384}
+
+
+def draft_vocab_value(text: str) -> int | str:
+    """A --draft-vocab argument: "auto", "full" or a number of tokens (ValueError otherwise)."""
+    text = text.strip()
+    if text in ("auto", "full"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--draft-vocab takes auto, full or a number of tokens, got {text!r}") \
+            from None
 
 
 @dataclass
@@ -51,6 +68,11 @@ class EngineConfig:
     # ssd, --fan-out auto: chained builds (the stream placement) take the budget or its halves,
     # the largest whose build the verify hides, by measurement (speculative/fanout_budget.py)
     fan_out_tuning: bool = True
+    # the tokens the draft proposes (its LM head scores only those): "full" (the whole
+    # vocabulary), N (the N first of the draft's ranking, ssdlib.loading.draft_vocab, plus the
+    # end-of-sequence tokens) or "auto" (DEFAULT_DRAFT_VOCAB for a draft that ships a ranking,
+    # else "full"); resolved with the device to "full" or N
+    draft_vocab: int | str = "auto"
     saguaro_c: float = 1.0
     fallback: str = "auto"
     draft_placement: str = "leader"  # sd only: "leader" (on verifier rank 0) or "separate"
@@ -137,6 +159,7 @@ class EngineConfig:
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         self._check_fan_out()
+        self._check_draft_vocab()
         self._check_position_slack()
         self._check_feature_draft()
         return self
@@ -155,6 +178,28 @@ class EngineConfig:
                 is_feature_draft(self.draft):
             raise ConfigError(f"--draft {self.draft} is a feature draft: it runs beside the "
                               "target (--draft-placement leader)")
+
+    def _check_draft_vocab(self) -> None:
+        """--draft-vocab: "auto" resolved with the device; N needs a draft with a ranking."""
+        value = self.draft_vocab
+        if value == "auto":
+            default = DEFAULT_DRAFT_VOCAB[self.device]
+            self.draft_vocab = default if ranking_path(self.draft) is not None else "full"
+            return
+        if value == "full":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--draft-vocab must be auto, full or a number of tokens >= 1, "
+                              f"got {value!r:.80}")
+        if self.mode != "ar" and ranking_path(self.draft) is None:
+            raise ConfigError(f"--draft-vocab {value}: the draft {self.draft!r} has no "
+                              f"{DRAFT_VOCAB_FILE} (tools/distill_data.py vocab writes one)")
+
+    def draft_vocab_ids(self, vocab_size: int, eos_ids) -> torch.Tensor | None:
+        """The token ids the draft's head scores (sorted), or None for the whole vocabulary."""
+        if self.mode == "ar" or self.draft_vocab == "full":
+            return None
+        return draft_token_ids(self.draft, self.draft_vocab, vocab_size, eos_ids)
 
     def _check_fan_out(self) -> None:
         """--fan-out is checked in every mode (a typo must not pass silently where it is unused)."""

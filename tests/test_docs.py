@@ -486,7 +486,7 @@ def test_a_bad_flag_in_a_block_or_in_wrapped_inline_code_is_reported():
         "docs/X.md:5: ssdlib.generate: unknown flag --bogus",
         "docs/X.md:5: ssdlib.generate: unknown flag --no-adaptive-kk",
         "docs/X.md:9: ssdlib.generate: unknown flag --tpp",
-        "docs/X.md:10: tools/distill_data.py: names none of its subcommands (gen, merge)",
+        "docs/X.md:10: tools/distill_data.py: names none of its subcommands (gen, merge, vocab)",
         "docs/X.md:11: dev/op_count.py: unknown flag --kk",
         "docs/X.md:13: tools.missing: no such program",
         "docs/X.md:16: tools/inflate.py: unknown flag --liek"]

@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ssdlib  # noqa: E402
 from ssdlib import Generator, SamplingParams, env  # noqa: E402
 from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa: E402
+from ssdlib.engine_config import draft_vocab_value  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
@@ -175,6 +176,7 @@ def _env(value: str) -> tuple[str, str]:
 _ENGINE_SWITCHES = {s.name for s in env.SWITCHES if s.reader == "ssdlib"}
 _env.__name__ = "SSDLIB_NAME=VALUE (a variable listed in ssdlib/env.py)"
 MODE_OPTIONS = {"k": int, "fan_out": str, "fan_out_budget": int, "fan_out_tuning": _flag,
+                "draft_vocab": draft_vocab_value,
                 "saguaro_c": float,
                 "fallback": str, "draft": str, "compile": _flag, "env": _env,
                 "placement": str, "adaptive_k": _flag}

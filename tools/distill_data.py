@@ -13,6 +13,12 @@ process per GPU:
     wait; python tools/distill_data.py merge --out data.safetensors s0.safetensors s1.safetensors
 
 ``merge`` concatenates the train and held-out splits of its inputs (sources kept).
+
+``vocab`` ranks the target's tokens by how often the training documents' scored positions (the
+target's own output) hold them and writes the ranking into a draft's directory
+(draft_vocab.safetensors: ``--draft-vocab N`` keeps its first N, tools/distill/vocab.py):
+
+    python tools/distill_data.py vocab --target smollm2-135m --into DRAFT_DIR data.safetensors
 """
 
 from __future__ import annotations
@@ -158,6 +164,34 @@ def merge_main(a: argparse.Namespace) -> dict:
     return report
 
 
+def vocab_main(a: argparse.Namespace) -> dict:
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.draft_vocab import write_ranking
+    from tools.distill.data import load_splits
+    from tools.distill.vocab import coverage, rank_tokens, scored_counts
+
+    if not os.path.isdir(a.into):
+        raise SystemExit(f"--into {a.into!r}: not a directory (the draft's)")
+    ck = load_checkpoint(a.target)
+    vocab_size = ck.config.vocab_size
+    splits = [load_splits(p) for p in a.inputs]
+    counts = scored_counts((train for train, _ in splits), vocab_size)
+    held = scored_counts((held for _, held in splits), vocab_size)
+    added = ck.tokenizer.backend.get_added_tokens_decoder()
+    leading = sorted({*(i for i, t in added.items() if t.special), *ck.config.eos_token_ids})
+    ranked, ranked_counts = rank_tokens(counts, leading)
+    path = write_ranking(a.into, ranked, ranked_counts)
+    sizes = [n for n in (4096, 8192, 16384, 24576, 32768) if n < ranked.numel()]
+    report = {"ranked": int(ranked.numel()), "leading": leading, "inputs": a.inputs,
+              "counted_tokens": int(counts.sum()), "held_out_tokens": int(held.sum()),
+              "held_out_coverage": coverage(held, ranked, sizes)}
+    print(f"{path}: {ranked.numel():,} tokens ranked ({len(leading)} special first) from "
+          f"{int(counts.sum()):,} scored training tokens")
+    for n, share in report["held_out_coverage"].items():
+        print(f"  first {n:>6,}: {100 * share:6.2f} % of the held-out documents' scored tokens")
+    return report
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -200,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("inputs", nargs="+")
     m.set_defaults(func=merge_main)
+    v = sub.add_parser("vocab", help="rank the target's tokens into a draft's "
+                                     "draft_vocab.safetensors",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    v.add_argument("--target", default="smollm2-135m")
+    v.add_argument("--into", required=True, help="the draft's directory")
+    v.add_argument("inputs", nargs="+", help="data files (gen / merge outputs)")
+    v.set_defaults(func=vocab_main)
     return p
 
 

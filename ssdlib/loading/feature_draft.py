@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from ssdlib.config import EMBEDDING_FROM_TARGET_KEY
 from ssdlib.errors import CheckpointError
 from ssdlib.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from ssdlib.layers.subset_head import SubsetLMHead
 from ssdlib.loading import registry
 from ssdlib.loading.checkpoint import Checkpoint, load_checkpoint
 from ssdlib.loading.compat import check_draft_compatible
@@ -197,11 +198,14 @@ def load_feature_draft(directory: str, target_ck: Checkpoint,
                        target_model: LlamaForCausalLM | None = None,
                        device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None,
-                       max_positions: int | None = None) -> FeatureDraft:
+                       max_positions: int | None = None,
+                       head_vocab: torch.Tensor | None = None) -> FeatureDraft:
     """The feature draft in ``directory``, its weights loaded, beside the target ``target_ck``
     (refused with a CheckpointError when the pair does not fit: ``check_feature_pair``). Its
     embedding and LM head are ``target_model``'s (shared) when given, else read from the
-    target's weights (frozen). Parameters in ``dtype`` (default float32) on ``device``."""
+    target's weights (frozen); with ``head_vocab`` (token ids) its head scores those rows only
+    (a copy of them, ``SubsetLMHead``). Parameters in ``dtype`` (default float32) on
+    ``device``."""
     directory = os.fspath(directory)
     directory = registry.resolve_named(directory) or directory
     draft_ck = load_checkpoint(directory)
@@ -212,6 +216,8 @@ def load_feature_draft(directory: str, target_ck: Checkpoint,
             embed, head = _target_embedding_and_head(target_ck, dtype)
         else:
             embed, head = target_model.model.embed_tokens, target_model.lm_head
+        if head_vocab is not None:
+            head = SubsetLMHead.of(head, head_vocab)
         draft = FeatureDraft(draft_ck.config, embed, head, max_positions, spec)
     for p in draft.parameters():
         p.data = p.data.to(dtype)

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from tests.tiny_chat import make_tiny_chat_model
 from tools.distill.data import SOURCES, load_splits
@@ -141,3 +142,36 @@ def test_merging_sets_keeps_held_out_documents_unseen(tmp_path):
     assert held.ids == [[7, 8, 9], [4, 5, 6]]
     assert train.ids == [[1, 2, 3], [10, 11]]
     assert len(train.score_from) == len(train.source) == 2
+
+
+def test_rank_tokens_puts_the_leading_ids_first_then_counts_then_ids():
+    from tools.distill.vocab import coverage, rank_tokens
+
+    counts = torch.tensor([0, 5, 3, 5, 0, 9, 1])
+    ranked, ranked_counts = rank_tokens(counts, leading=[4, 1, 4])
+    assert ranked.tolist() == [4, 1, 5, 3, 2, 6]  # 0 never seen: not ranked
+    assert ranked_counts.tolist() == [0, 5, 9, 5, 3, 1]
+    assert coverage(counts, ranked, [2, 3, 100]) == {2: 5 / 23, 3: 14 / 23, 100: 1.0}
+
+
+def test_vocab_ranks_the_scored_tokens_of_the_training_documents(setup, tmp_path):
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.draft_vocab import draft_token_ids, ranking_path, read_ranking
+
+    _, target, _, merged, _ = setup
+    ck = load_checkpoint(target)
+    report = data_main(["vocab", "--target", target, "--into", str(tmp_path), merged])
+    ranked = read_ranking(ranking_path(str(tmp_path)), ck.config.vocab_size)
+    train, _ = load_splits(merged)
+    expected = torch.zeros(ck.config.vocab_size, dtype=torch.int64)
+    for ids, start in zip(train.ids, train.score_from):
+        for t in ids[start:]:
+            expected[t] += 1
+    leading = report["leading"]
+    assert set(ck.config.eos_token_ids) <= set(leading)
+    assert ranked[:len(leading)].tolist() == leading
+    rest = ranked[len(leading):]
+    assert set(rest.tolist()) == set(expected.nonzero().flatten().tolist()) - set(leading)
+    assert bool((expected[rest][:-1] >= expected[rest][1:]).all())  # most frequent first
+    assert report["ranked"] == ranked.numel()
+    assert draft_token_ids(str(tmp_path), 3, ck.config.vocab_size).numel() == 3

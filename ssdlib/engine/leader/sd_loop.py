@@ -145,12 +145,15 @@ def build_sd_loop(cfg, world, target, target_ck):
     if cfg.draft_placement == "separate":
         # the draft on its own rank (a Speculator without a cache), speculations over the SSD link
         return build_link_verifier(cfg, world, target, target_ck)
+    # the tokens the draft's head scores (None: all; EngineConfig.draft_vocab)
+    head_vocab = cfg.draft_vocab_ids(target_ck.config.vocab_size, target_ck.config.eos_token_ids)
     if is_feature_draft(cfg.draft):
         # reads the target's features (its runner keeps them: runtime.build_rank); shares the
         # target's embedding and head where the target is unsharded
         model = target.runner.model if cfg.tp == 1 else None
         draft = load_feature_draft(cfg.draft, target_ck, model, world.device, cfg.torch_dtype,
-                                   max_positions=target.runner.cache.max_len)
+                                   max_positions=target.runner.cache.max_len,
+                                   head_vocab=head_vocab)
         pool = None  # the greedy chain's captured steps (CUDA; the eager path's on a CPU)
         if world.device.type == "cuda":
             pool = make_graph_pool(world.device, enabled=cfg.cuda_graphs)
@@ -166,7 +169,7 @@ def build_sd_loop(cfg, world, target, target_ck):
         return loop, (pool.clear if pool is not None else lambda: None)
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, world.device, cfg.torch_dtype, cfg.max_batch, cfg.max_len,
-                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, head_vocab=head_vocab)
     drafter = Drafter(runner, target_ck.config.vocab_size, draws=cfg.k)
     loop = SDLoop(target, drafter, cfg.k, world.device, adaptive=cfg.adaptive_k,
                   sweep=captures_steps(world.device), schedule=k_schedule(cfg.k))

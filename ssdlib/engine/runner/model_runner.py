@@ -20,6 +20,7 @@ from ssdlib.engine.runner.kv_cache import KVCache
 from ssdlib.engine.runner.step_graphs import StepGraphs
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.layers.linear import tp_size_rank
+from ssdlib.layers.subset_head import SubsetLMHead
 from ssdlib.loading.checkpoint import Checkpoint
 from ssdlib.log import get_logger
 from ssdlib.models.feature_spec import FeatureSpec
@@ -111,7 +112,8 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, tp_group, device: torch.device,
                  dtype: torch.dtype, n_slots: int, max_len: int, tree_len: int = 0,
                  cuda_graphs: bool = False, max_queries: int = MAX_GRAPH_QUERIES,
-                 compile: bool | None = None, features: bool | FeatureSpec = False):
+                 compile: bool | None = None, features: bool | FeatureSpec = False,
+                 head_vocab: torch.Tensor | None = None):
         config = checkpoint.config
         self.config = config
         self.device = torch.device(device)
@@ -130,6 +132,8 @@ class ModelRunner:
         for p in model.parameters():
             p.data = p.data.to(dtype)
         model.load_weights(checkpoint.weights)
+        if head_vocab is not None:  # a draft's vocabulary: its head scores those tokens only
+            model.lm_head = SubsetLMHead.of(model.lm_head, head_vocab)
         self.model = model.eval().requires_grad_(False)
         # one extra slot: the scratch slot that padded (ghost) rows of a captured step write to
         self.cache = KVCache(config.num_hidden_layers, n_slots + 1, model.kv_heads_local, alloc,

@@ -544,10 +544,13 @@ def build_speculator(cfg, device, target_ck, link, target_model=None,
     if cfg.draft is None:
         raise ConfigError("--mode ssd needs --draft")
     vocab = target_ck.config.vocab_size
+    # the tokens the draft's head scores (None: all; EngineConfig.draft_vocab)
+    head_vocab = cfg.draft_vocab_ids(vocab, target_ck.config.eos_token_ids)
     if is_feature_draft(cfg.draft):
         # KV for the committed tokens and a speculation past them; RoPE also for the branches
         draft = load_feature_draft(cfg.draft, target_ck, target_model, device, cfg.torch_dtype,
-                                   max_positions=cfg.max_len + 2 * cfg.k + 2)
+                                   max_positions=cfg.max_len + 2 * cfg.k + 2,
+                                   head_vocab=head_vocab)
         pool = None  # captured steps (CUDA; the eager path's on a CPU)
         if torch.device(device).type == "cuda":
             pool = make_graph_pool(device, enabled=cfg.cuda_graphs)
@@ -563,7 +566,7 @@ def build_speculator(cfg, device, target_ck, link, target_model=None,
     draft_ck = load_draft(cfg.draft, target_ck)  # checks compatibility
     runner = ModelRunner(draft_ck, None, device, cfg.torch_dtype, cfg.max_batch,
                          cfg.max_len + cfg.k + 2, tree_len=tree_len_of(cfg),
-                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile)
+                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, head_vocab=head_vocab)
     drafter = Drafter(runner, vocab, draws=cfg.k)
     cache = CacheRole(cfg, runner, drafter, vocab) if cfg.mode == "ssd" else None
     return Speculator(cfg, runner, link, vocab, drafter, cache)
