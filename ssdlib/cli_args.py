@@ -14,6 +14,13 @@ from ssdlib.errors import RankFailure, SSDError, exit_code
 from ssdlib.sampling import SamplingParams
 
 
+def _draft_vocab_arg(text: str) -> int | str:
+    try:
+        return draft_vocab_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--draft-vocab ")) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models and layout")
     g.add_argument("--target", default="smollm2-135m",
@@ -60,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ssd with --fan-out auto, speculator on the GPU's own stream: each build "
                         "takes B, B/2 or B/4 branches, the largest whose build the verify hides, "
                         "by measurement (default: on)")
-    s.add_argument("--draft-vocab", type=draft_vocab_value, default="auto",
+    s.add_argument("--draft-vocab", type=_draft_vocab_arg, default="auto",
                    help="the tokens the draft proposes (its LM head scores only those): 'full', "
                         "N (the N most frequent of the draft's ranked vocabulary, "
                         "draft_vocab.safetensors) or 'auto' (default: 16384 on a CPU for a "

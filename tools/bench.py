@@ -259,6 +259,7 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
         # requests more (excluded) meets the shapes a synthetic prompt cannot foresee (these
         # prompts' lengths, the sampling options)
         engine_ready = gen.ready_s
+        draft_vocab = gen.cfg.draft_vocab  # resolved: "full" or the tokens the draft proposes
         gen.generate(prompt_ids[:args.batch], params)
         sync(args.device)
         ready = time.perf_counter() - t_start  # engine start-up + warm-up (loading, capture)
@@ -281,6 +282,8 @@ def run_mode(args, spec: str, prompt_ids, params) -> tuple[dict, dict]:
         row["k_runs"] = [o.metrics.get("k_runs", []) for o in outs]
     if options:
         row["options"] = options
+    if mode != "ar":
+        row["draft_vocab"] = draft_vocab
     row.update({key: run[key] for key in ROW_KEYS if key in run})
     return row, run
 

@@ -29,6 +29,8 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from ssdlib.engine_config import draft_vocab_value  # noqa: E402
+
 HELDOUT_CHAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout_chat.jsonl")
 CARD_BEGIN = "<!-- held-out evaluation: begin (tools/distill/evaluate.py) -->"
 CARD_END = "<!-- held-out evaluation: end -->"
@@ -87,19 +89,21 @@ def evaluate_draft(target: str, draft: str, sets: dict, k: int = 5,
                    temperatures=(0.0, 0.7), max_new_tokens: int = 128, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0,
                    lengths: dict[str, list[dict]] | None = None,
-                   max_len: int = 2048, modes: tuple[str, ...] = ("sd",)) -> list[dict]:
+                   max_len: int = 2048, modes: tuple[str, ...] = ("sd",),
+                   draft_vocab: int | str = "full") -> list[dict]:
     """One run per (mode, set, temperature) -> rows with a_p, mean accepted, tokens per round
     (at K = ``k`` every round: the draft's acceptance is measured, not the engine's choice);
     SSD rows also the cache's hit rate and the tokens accepted per cached speculation (None
     without one). ``lengths``: more sets by name, built with the engine's tokenizer
     (``length_prompts``: {name: (length, code pieces, n)}); ``max_len``: the context each
-    sequence gets."""
+    sequence gets; ``draft_vocab``: the tokens the draft proposes (the engine's setting; default
+    its whole vocabulary)."""
     from ssdlib import Generator, SamplingParams
 
     rows = []
     for mode in modes:
         with Generator(target, mode=mode, draft=draft, k=k, device=device, dtype=dtype,
-                       adaptive_k=False, max_len=max_len) as gen:
+                       adaptive_k=False, max_len=max_len, draft_vocab=draft_vocab) as gen:
             sets_of_mode = dict(sets)
             for name, (length, code, n) in (lengths or {}).items():
                 sets_of_mode[name] = length_prompts(gen.tokenizer, code, length, n)
@@ -160,7 +164,7 @@ def run(target: str, draft: str, humaneval: str | None = None, n: int | None = N
         k: int = 5, max_new_tokens: int = 128, device: str = "cpu", dtype: str | None = None,
         card: str | None = None, with_humaneval: bool = True,
         lengths: tuple[int, ...] = (), length_n: int | None = None,
-        modes: tuple[str, ...] = ("sd",)) -> list[dict]:
+        modes: tuple[str, ...] = ("sd",), draft_vocab: int | str = "full") -> list[dict]:
     code = humaneval_code(humaneval) if lengths else []
     by_length = {f"code, {length} tokens": (length, code, length_n or n or 4)
                  for length in lengths}
@@ -168,10 +172,12 @@ def run(target: str, draft: str, humaneval: str | None = None, n: int | None = N
     max_len = max([2048] + [length + max_new_tokens + 64 for length in lengths])
     rows = evaluate_draft(target, draft, prompt_sets(humaneval, n, with_humaneval), k,
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype,
-                          lengths=by_length, max_len=max_len, modes=modes)
+                          lengths=by_length, max_len=max_len, modes=modes,
+                          draft_vocab=draft_vocab)
     under = " and ".join(m.upper() for m in modes)
+    vocab = "" if draft_vocab == "full" else f", draft vocabulary {draft_vocab}"
     text = (f"Held-out acceptance under {under} (K = {k}, {max_new_tokens} new tokens, EOS respected, "
-            f"device {device}, target `{target}`):\n\n{table(rows, k)}")
+            f"device {device}, target `{target}`{vocab}):\n\n{table(rows, k)}")
     print(text)
     if card:
         write_card(card, text)
@@ -224,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="sd",
                    help="sd, ssd or sd,ssd: SSD's cached speculations were drafted while the "
                         "target verified (a feature draft's self-conditioned acceptance)")
+    p.add_argument("--draft-vocab", type=draft_vocab_value, default="full",
+                   help="the tokens the draft proposes: full (default), N (the first N of its "
+                        "ranking) or auto (the engine's default on --device)")
     return p
 
 
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = parse_lengths(p, a.lengths)
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,
         a.card, not a.no_humaneval, lengths, parse_lengths_n(p, a.length_prompts),
-        parse_modes(p, a.modes))
+        parse_modes(p, a.modes), draft_vocab=a.draft_vocab)
 
 
 if __name__ == "__main__":
