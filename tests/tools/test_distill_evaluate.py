@@ -78,3 +78,23 @@ def test_ssd_rows_report_the_caches_speculations(tmp_path):
     assert all(r["hit_rate"] > 0 and r["cache_accepted"] == 3.0 for r in rows[2:]), rows
     text = evaluate.table(rows, 3)
     assert text.splitlines()[0].startswith("| mode | set |") and "| ssd | chat | 0.7 |" in text
+
+
+def test_a_draft_vocabulary_is_measured_as_the_engine_runs_it(tmp_path):
+    """--draft-vocab N: the target as its own draft, proposing only its ranking's first 4 tokens
+    (and EOS), is no longer accepted everywhere; the table's heading names the vocabulary."""
+    import shutil
+
+    import torch
+
+    from ssdlib.loading.draft_vocab import write_ranking
+
+    target = make_tiny_chat_model(str(tmp_path / "target"), seed=0)
+    draft = str(tmp_path / "draft")
+    shutil.copytree(target, draft)
+    write_ranking(draft, torch.tensor([5, 6, 7, 8]), torch.tensor([4, 3, 2, 1]))
+    rows = evaluate.run(target, draft, None, n=2, k=3, max_new_tokens=8, with_humaneval=False,
+                        draft_vocab=4)
+    assert all(r["a_p"] < 1.0 for r in rows), rows
+    parsed = evaluate.build_parser().parse_args(["--draft", draft, "--draft-vocab", "4"])
+    assert parsed.draft_vocab == 4
