@@ -162,3 +162,33 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_targets_distribution(small_v
                    draft_vocab=5, **extra) as g:
         counts = sample_pairs(g, 0.8, 0.9, seed=2)
     assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("which", ["standalone", "feature"])
+def test_cuda_draft_vocabulary_equals_ar(tiny_dirs, ar_reference, ranked_draft,
+                                         ranked_feature_draft, without_favourites, mode, which):
+    """fp32 on a GPU, the draft's steps (the subset head inside them) captured in CUDA graphs,
+    SSD's in chained rounds: AR's tokens."""
+    draft = ranked_draft if which == "standalone" else ranked_feature_draft
+    with Generator(target=tiny_dirs["smol_heads"], draft=draft, mode=mode, k=3, max_batch=4,
+                   max_len=128, device="cuda", dtype="float32",
+                   draft_vocab=len(without_favourites)) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+    check_equal(tiny_dirs, ar_reference, outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampled_chained_rounds_with_a_draft_vocabulary_follow_the_target(
+        small_vocab_ranked):
+    """Sampled SSD on a GPU (chained rounds, Saguaro sampling) with a draft of 5 tokens: the
+    target's distribution."""
+    t, d = small_vocab_ranked
+    with Generator(target=t, draft=d, mode="ssd", k=3, max_batch=1000, max_len=32,
+                   saguaro_c=0.5, fan_out="2,1,1,2", device="cuda", dtype="float32",
+                   draft_vocab=5) as g:
+        counts = sample_pairs(g, 0.8, 0.9, seed=3)
+    assert chi2_test(counts, exact_joint(t, 0.8, 0.9)) > 1e-3
