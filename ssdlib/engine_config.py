@@ -14,7 +14,8 @@ from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placemen
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError, require_int
-from ssdlib.loading.draft_vocab import DRAFT_VOCAB_FILE, draft_token_ids, ranking_path
+from ssdlib.loading.draft_vocab import (DRAFT_VOCAB_FILE, draft_token_ids, ranking_path,
+                                        trained_size)
 from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.loading.registry import default_draft
 from ssdlib.speculative.fanout import parse_fanout
@@ -70,8 +71,8 @@ class EngineConfig:
     fan_out_tuning: bool = True
     # the tokens the draft proposes (its LM head scores only those): "full" (the whole
     # vocabulary), N (the N first of the draft's ranking, ssdlib.loading.draft_vocab, plus the
-    # end-of-sequence tokens) or "auto" (DEFAULT_DRAFT_VOCAB for a draft that ships a ranking,
-    # else "full"); resolved with the device to "full" or N
+    # end-of-sequence tokens) or "auto" (for a draft that ships a ranking: the N it was trained
+    # over, else DEFAULT_DRAFT_VOCAB; "full" for a draft without one); resolved to "full" or N
     draft_vocab: int | str = "auto"
     saguaro_c: float = 1.0
     fallback: str = "auto"
@@ -183,7 +184,8 @@ class EngineConfig:
         """--draft-vocab: "auto" resolved with the device; N needs a draft with a ranking."""
         value = self.draft_vocab
         if value == "auto":
-            default = DEFAULT_DRAFT_VOCAB[self.device]
+            trained = trained_size(self.draft) if self.mode != "ar" else None
+            default = trained or DEFAULT_DRAFT_VOCAB[self.device]
             self.draft_vocab = default if ranking_path(self.draft) is not None else "full"
             return
         if value == "full":

@@ -168,7 +168,7 @@ def vocab_main(a: argparse.Namespace) -> dict:
     from ssdlib.loading import load_checkpoint
     from ssdlib.loading.draft_vocab import write_ranking
     from tools.distill.data import load_splits
-    from tools.distill.vocab import coverage, rank_tokens, scored_counts
+    from tools.distill.vocab import coverage, leading_tokens, rank_tokens, scored_counts
 
     if not os.path.isdir(a.into):
         raise SystemExit(f"--into {a.into!r}: not a directory (the draft's)")
@@ -177,8 +177,7 @@ def vocab_main(a: argparse.Namespace) -> dict:
     splits = [load_splits(p) for p in a.inputs]
     counts = scored_counts((train for train, _ in splits), vocab_size)
     held = scored_counts((held for _, held in splits), vocab_size)
-    added = ck.tokenizer.backend.get_added_tokens_decoder()
-    leading = sorted({*(i for i, t in added.items() if t.special), *ck.config.eos_token_ids})
+    leading = leading_tokens(ck)
     ranked, ranked_counts = rank_tokens(counts, leading)
     path = write_ranking(a.into, ranked, ranked_counts)
     sizes = [n for n in (4096, 8192, 16384, 24576, 32768) if n < ranked.numel()]

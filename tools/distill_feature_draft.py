@@ -43,6 +43,8 @@ import torch  # noqa: E402
 
 from ssdlib.errors import CheckpointError  # noqa: E402
 from ssdlib.loading import load_checkpoint, registry  # noqa: E402
+from ssdlib.loading.draft_vocab import (TRAINED_VOCAB_KEY, first_tokens,  # noqa: E402
+                                        write_ranking)
 from ssdlib.loading.feature_draft import (check_max_mb, load_feature_draft,  # noqa: E402
                                           save_feature_draft, tokenizer_source)
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
@@ -57,6 +59,7 @@ from tools.distill.feature_train import (FEATURE_KEYS, TTT_KEYS,  # noqa: E402
 from tools.distill.run_state import (SHARED_KEYS, RunStateError, read_state,  # noqa: E402
                                      write_state)
 from tools.distill.train import LOSSES  # noqa: E402
+from tools.distill.vocab import leading_tokens, rank_tokens, scored_counts  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 FEATURE_KINDS = {"last": LAST_PRENORM, "fused": FUSED}  # --features -> FeatureSpec kind
@@ -80,6 +83,28 @@ def feature_spec(features: str | None, fused_layers: str | None,
             raise ValueError(f"--fused-layers must be integers like 1,6,11, got "
                              f"{fused_layers!r}") from None
     return FeatureSpec.fused(num_layers, layers)
+
+
+def draft_vocabulary(ck, train_docs, size: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                         torch.Tensor]:
+    """--draft-vocab: ((ranked ids, their counts), the token ids trained over), ranked as
+    ``tools/distill_data.py vocab`` ranks them, from the training documents."""
+    vocab_size = ck.config.vocab_size
+    ranked, counts = rank_tokens(scored_counts([train_docs], vocab_size), leading_tokens(ck))
+    if not 1 <= size <= ranked.numel():
+        raise SystemExit(f"--draft-vocab {size}: the training data ranks {ranked.numel():,} "
+                         f"tokens (1 to that many)")
+    return (ranked, counts), first_tokens(ranked, size, vocab_size, ck.config.eos_token_ids)
+
+
+def set_trained_size(directory: str, size: int) -> None:
+    """Record in ``directory``'s config.json that its draft was trained over ``size`` tokens."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config[TRAINED_VOCAB_KEY] = size
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "that the token embedding and the (much larger, pre-norm) feature weigh "
                         "alike (tools/distill/feature_train.py); auto: the median RMS ratio "
                         "feature / embedding on the first training rows; 1: plain")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="train over the N tokens the target writes most often in --data-from "
+                        "(its training documents' scored positions) and the end-of-sequence "
+                        "tokens: the draft's logits and the KL over those only (EAGLE-3's "
+                        "reduced head). The ranking is written beside the draft and its config "
+                        "says N, so the engine runs it with that vocabulary (default: the full "
+                        "vocabulary)")
     p.add_argument("--loss", choices=tuple(LOSSES), default="kl")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="default steps/20, at most 100")
@@ -199,6 +231,7 @@ def _resumed_args(args: argparse.Namespace) -> tuple[argparse.Namespace, dict, d
         record = json.load(f)
     merged = dict(record["args"])
     merged.setdefault("ttt_keys", "uniform")  # a run recorded before --ttt-keys: its keys
+    merged.setdefault("draft_vocab", None)  # and before --draft-vocab: the full vocabulary
     merged.update({k: getattr(args, k) for k in RESUME_OWN})
     if isinstance(merged.get("fused_layers"), list):  # saved as read from the draft
         merged["fused_layers"] = ",".join(str(i) for i in merged["fused_layers"])
@@ -256,6 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(str(e)) from None
     if len(held_out) == 0:
         raise SystemExit(f"{args.data_from}: no held-out documents")
+    ranking = vocab = None
+    if args.draft_vocab is not None:
+        ranking, vocab = draft_vocabulary(ck, train_docs, args.draft_vocab)
     try:
         spec = feature_spec(args.features, args.fused_layers, ck.config.num_hidden_layers)
     except ValueError as e:
@@ -323,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"step {step:>6}  loss {float(loss):.4f}")
 
     t0 = time.perf_counter()
-    trainer = FeatureTrainer(draft, teacher, batcher, held_out, settings)
+    trainer = FeatureTrainer(draft, teacher, batcher, held_out, settings,
+                             None if vocab is None else vocab.to(device))
     rows_count = int(rows.shape[0])
     if state is not None:
         if state.get("rows") != rows_count:
@@ -352,6 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(str(e)) from None
     if ref is None:
         models.copy_tokenizer(ck, args.out)
+    if ranking is not None:  # the engine then runs it with the vocabulary it was trained over
+        write_ranking(args.out, *ranking)
+        set_trained_size(args.out, args.draft_vocab)
     command = " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     report = {"command": command, "commands": [*record.get("commands", []), command],
               "args": vars(args), "token_gain": gain, "safetensors_bytes": size,

@@ -71,8 +71,13 @@ class SubsetLMHead(nn.Module):
         """How many tokens the head scores."""
         return int(self.token_ids.numel())
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The subset's logits alone, [..., n] in ``token_ids`` order (training over the
+        subset: tools/distill/feature_train.py)."""
+        return nn.functional.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = nn.functional.linear(x, self.weight)  # [..., n]
+        rows = self.rows(x)  # [..., n]
         logits = rows.new_full((*rows.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.token_ids, rows)
 

@@ -5,11 +5,14 @@ frequent first; the tokenizer's special tokens lead) and ``counts`` (int64 [n], 
 the text it was ranked on). ``tools/distill_data.py vocab`` writes it from a distillation data
 file (the target's own samples). The engine's ``draft_vocab`` setting takes the first N of the
 ranking (plus the target's end-of-sequence tokens) as the only tokens the draft proposes, and
-computes its LM head over those rows only (``ssdlib.layers.subset_head``).
+computes its LM head over those rows only (``ssdlib.layers.subset_head``). A draft trained
+over such a vocabulary (``tools/distill_feature_draft.py --draft-vocab N``) says so in its
+config.json (``ssdlib_draft_vocab``: N), and the engine runs it with that vocabulary.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
@@ -21,6 +24,9 @@ from ssdlib.errors import CheckpointError, ConfigError
 from ssdlib.loading import registry
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# config.json key of a draft trained over the first N tokens of its ranking: N (the engine's
+# --draft-vocab auto then takes N, on every device)
+TRAINED_VOCAB_KEY = "ssdlib_draft_vocab"
 
 
 def ranking_path(spec: str | os.PathLike | None) -> str | None:
@@ -70,6 +76,40 @@ def write_ranking(directory: str, ranked: torch.Tensor, counts: torch.Tensor) ->
     return path
 
 
+def first_tokens(ranked: torch.Tensor, size: int, vocab_size: int,
+                 always: Iterable[int] = ()) -> torch.Tensor:
+    """The first ``size`` ids of ``ranked`` plus the ids ``always`` (those inside the
+    vocabulary), sorted and distinct (int64)."""
+    extra = torch.tensor(sorted({int(t) for t in always if 0 <= int(t) < vocab_size}),
+                         dtype=torch.int64)
+    return torch.cat([ranked[:size].to(torch.int64), extra]).unique()
+
+
+def trained_size(spec: str | os.PathLike | None) -> int | None:
+    """The vocabulary a draft was trained over (config.json's ``ssdlib_draft_vocab``: the first
+    N of its ranking), or None (trained over the full vocabulary, or not a directory)."""
+    if spec is None:
+        return None
+    try:
+        path = registry.resolve_named(os.fspath(spec)) or os.fspath(spec)
+    except CheckpointError:
+        return None
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as f:
+            value = json.load(f).get(TRAINED_VOCAB_KEY)
+    except (OSError, ValueError):
+        return None  # the checkpoint's load reports a broken config.json
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{config}: {TRAINED_VOCAB_KEY} must be a number of tokens >= 1, "
+                              f"got {value!r:.40}")
+    return value
+
+
 def draft_token_ids(spec: str | os.PathLike, size: int, vocab_size: int,
                     always: Iterable[int] = ()) -> torch.Tensor:
     """The draft vocabulary of ``size`` tokens: the first ``size`` of the draft ``spec``'s
@@ -83,6 +123,4 @@ def draft_token_ids(spec: str | os.PathLike, size: int, vocab_size: int,
     if size > ranked.numel():
         raise ConfigError(f"--draft-vocab {size}: the draft {os.fspath(spec)!r} ranks "
                           f"{ranked.numel():,} tokens")
-    extra = torch.tensor(sorted({int(t) for t in always if 0 <= int(t) < vocab_size}),
-                         dtype=torch.int64)
-    return torch.cat([ranked[:size], extra]).unique()
+    return first_tokens(ranked, size, vocab_size, always)

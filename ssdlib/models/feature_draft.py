@@ -89,6 +89,13 @@ class FeatureDraft(nn.Module):
         view._modules["layers"] = nn.ModuleList(layers)
         return view
 
+    def with_head(self, lm_head: nn.Module) -> "FeatureDraft":
+        """A second view of this draft whose logits come from ``lm_head`` (e.g. a draft
+        vocabulary's head in training), sharing every module and all weights."""
+        view = copy.copy(self)
+        view._target = (self._target[0], lm_head)
+        return view
+
     @property
     def embed_tokens(self) -> nn.Module:
         return self._target[0]

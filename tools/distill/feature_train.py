@@ -57,8 +57,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ssdlib.models.feature_draft import FeatureDraft
 from ssdlib.layers.rotary import apply_rotary
+from ssdlib.layers.subset_head import SubsetLMHead
+from ssdlib.models.feature_draft import FeatureDraft
 from tools.distill.data import Batcher, Docs
 from tools.distill.run_state import SHARED_KEYS, capture_shared, require_keys, restore_shared
 from tools.distill.train import (LOSSES, TrainSettings, _autocast, eval_batches,
@@ -338,10 +339,13 @@ def _token_loss(target_logits: torch.Tensor,
 
 @torch.no_grad()
 def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
-                      s: FeatureTrainSettings) -> dict:
+                      s: FeatureTrainSettings, vocab: "DraftVocab | None" = None) -> dict:
     """Held-out KL(target || draft) and greedy agreement at each unroll depth 0..eval_depth-1
     (depth 0: the target's features; depth d: features through d levels of the draft's own),
-    over the positions that predict the target's own output."""
+    over the positions that predict the target's own output. With a draft vocabulary (``draft``
+    then its view over it, ``DraftVocab.view``) the KL is over its tokens (the target's
+    distribution renormalised there, as trained) and agreement is with the target's greedy
+    token over the whole vocabulary (one outside the draft's never agrees)."""
     device = next(draft.parameters()).device
     kl = torch.zeros(s.eval_depth, dtype=torch.float64)
     agree = torch.zeros(s.eval_depth, dtype=torch.float64)
@@ -353,11 +357,50 @@ def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
         with _autocast(device, s.amp_dtype):
             steps = unroll(draft, feats, next_ids, s.eval_depth, s.ttt_keys)
             for depth, (logits, _) in enumerate(steps):
-                kl[depth] += float(kl_per_position(logits, t_logits)[scored].sum())
-                agree[depth] += float((logits.argmax(-1) == t_logits.argmax(-1))[scored].sum())
+                t_kept = t_logits if vocab is None else vocab.of_target(t_logits)
+                kl[depth] += float(kl_per_position(logits, t_kept)[scored].sum())
+                guess = logits.argmax(-1) if vocab is None else vocab.token(logits.argmax(-1))
+                agree[depth] += float((guess == t_logits.argmax(-1))[scored].sum())
         n += int(scored.sum())
     n_safe = max(n, 1)
     return {"kl": (kl / n_safe).tolist(), "agreement": (agree / n_safe).tolist(), "positions": n}
+
+
+class _SubsetLogits(nn.Module):
+    """A draft vocabulary's head as training sees it: the logits of its tokens alone."""
+
+    def __init__(self, head: SubsetLMHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(x)
+
+
+class DraftVocab:
+    """Training over a draft vocabulary (EAGLE-3's reduced head): the draft's logits over the
+    tokens ``token_ids`` only (the same rows of the target's head), the target's logits cut to
+    the same columns, so the KL is over those tokens, the target's distribution renormalised
+    there: what the draft's distribution is when it runs with that vocabulary. Positions where
+    the target's own token lies outside teach the draft the renormalised rest."""
+
+    def __init__(self, draft: FeatureDraft, token_ids: torch.Tensor):
+        self.head = SubsetLMHead.of(draft.lm_head, token_ids)
+        self.token_ids = self.head.token_ids
+        self._view = draft.with_head(_SubsetLogits(self.head))
+
+    @property
+    def view(self) -> FeatureDraft:
+        """The draft with the vocabulary's head (the same modules and parameters)."""
+        return self._view
+
+    def of_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits [..., V] at the vocabulary's tokens: [..., n]."""
+        return logits.index_select(-1, self.token_ids)
+
+    def token(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in the vocabulary (an argmax over its logits)."""
+        return self.token_ids[index]
 
 
 FEATURE_KEYS = ("steps", "params")  # a FeatureTrainer's own keys in its run state
@@ -368,9 +411,13 @@ class FeatureTrainer:
     evaluated on ``held_out`` documents."""
 
     def __init__(self, draft: FeatureDraft, teacher, batcher: Batcher, held_out: Docs,
-                 s: FeatureTrainSettings):
+                 s: FeatureTrainSettings, vocab: torch.Tensor | None = None):
         self.draft, self.teacher, self.batcher, self.held_out, self.s = (
             draft, teacher, batcher, held_out, s)
+        # vocab (token ids): train over those tokens only (DraftVocab); self.view is the draft
+        # the losses run (the same parameters)
+        self.vocab = DraftVocab(draft, vocab) if vocab is not None else None
+        self.view = self.vocab.view if self.vocab is not None else draft
         self.device = next(draft.parameters()).device
         # the parameters are the same objects with the token gain's parametrisation on or off
         # (it keeps fc's weight tensor as its ``original``), so one optimizer serves both
@@ -415,8 +462,10 @@ class FeatureTrainer:
         s = self.s
         with torch.no_grad():
             t_logits, t_features = self.teacher_outputs(self.teacher, self.draft, ids)
+            if self.vocab is not None:
+                t_logits = self.vocab.of_target(t_logits)
         with _autocast(self.device, s.amp_dtype):
-            loss = torch.stack(unrolled_losses(self.draft, ids, t_logits, t_features, s)).mean()
+            loss = torch.stack(unrolled_losses(self.view, ids, t_logits, t_features, s)).mean()
         optimizer_step(self.opt, loss, self.draft.parameters(), self.step, s)
         self.step += 1
         return loss.detach()
@@ -424,7 +473,8 @@ class FeatureTrainer:
     def run_eval(self) -> dict:
         t0 = time.perf_counter()
         result = {"step": self.step,
-                  **evaluate_unrolled(self.draft, self.teacher, self.held_out, self.s)}
+                  **evaluate_unrolled(self.view, self.teacher, self.held_out, self.s,
+                                      self.vocab)}
         self.history.append(result)
         self.last_eval_seconds = time.perf_counter() - t0
         self.eval_seconds += self.last_eval_seconds

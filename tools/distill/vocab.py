@@ -17,6 +17,15 @@ import torch
 from tools.distill.data import Docs
 
 
+def leading_tokens(checkpoint) -> list[int]:
+    """The ids a ranking puts first: the tokenizer's special tokens (where the checkpoint has a
+    tokenizer) and the end-of-sequence tokens."""
+    tokenizer = checkpoint.tokenizer
+    added = tokenizer.backend.get_added_tokens_decoder() if tokenizer is not None else {}
+    return sorted({*(i for i, t in added.items() if t.special),
+                   *checkpoint.config.eos_token_ids})
+
+
 def scored_counts(docs: Iterable[Docs], vocab_size: int) -> torch.Tensor:
     """Occurrences of every token id (int64 [vocab_size]) at the documents' scored positions
     (``Docs.score_from`` onwards)."""
