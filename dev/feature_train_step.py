@@ -3,6 +3,7 @@ shape with random weights, and where the step's GPU kernel time goes: the short 
 rows, eager and with the KL loss and the teacher's forward compiled.
 
     python dev/feature_train_step.py --device cuda [--steps 20] [--ttt-keys uniform] [--profile]
+        [--draft-vocab 16384]
 
 Random weights change nothing in a step's cost; no checkpoint or data is needed.
 """
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-keys", choices=TTT_KEYS, default="inference",
                    help="the unroll's keys (tools/distill_feature_draft.py --ttt-keys)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="train over N tokens (tools/distill_feature_draft.py --draft-vocab; "
+                        "here the first N ids: which ones changes nothing in the cost)")
+    p.add_argument("--eager-only", action="store_true",
+                   help="only the eager step (no compiles: a CPU's quick measurement)")
     p.add_argument("--small", action="store_true", help="a tiny shape (to check the script)")
     p.add_argument("--profile", action="store_true", help="list the top kernels of a step")
     args = p.parse_args(argv)
@@ -88,19 +94,23 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     variants = {"eager": {}, "KL compiled": dict(compile_loss=True),
                 "KL and teacher compiled": dict(compile_loss=True, compile_teacher=True)}
+    if args.eager_only:
+        variants = {"eager": {}}
     for variant, flags in variants.items():
         s = FeatureTrainSettings(steps=10 ** 6, lr=1e-4, warmup=1, seq_len=args.seq_len,
                                  ttt_steps=args.ttt_steps, ttt_keys=args.ttt_keys,
                                  token_gain=290.0,
                                  amp_dtype=dtype if dtype != torch.float32 else None, **flags)
-        trainer = FeatureTrainer(draft, teacher, None, None, s)
+        vocab = (None if args.draft_vocab is None
+                 else torch.arange(args.draft_vocab, device=device))
+        trainer = FeatureTrainer(draft, teacher, None, None, s, vocab)
         trainer._gain(True)
         for name, ids in (("short", short), ("long", long)):
             ms = time_steps(trainer, ids, args.steps)
             key = f"{name}, {variant}"
             results[key] = ms
             print(f"{key}: {ms:.1f} ms a step over {tuple(ids.shape)} "
-                  f"({ids.numel() / ms:.0f} k tokens/s)", flush=True)
+                  f"({1e3 * ids.numel() / ms:,.0f} tokens/s)", flush=True)
         if args.profile and device.type == "cuda":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
