@@ -123,3 +123,22 @@ def test_a_stopped_run_over_a_vocabulary_resumes_over_it(setup, tmp_path):  # no
     assert resumed["history"][-1]["kl"] == pytest.approx(whole["history"][-1]["kl"], rel=1e-4)
     with open(tmp_path / "split" / "config.json") as f:
         assert json.load(f)[TRAINED_VOCAB_KEY] == 40
+
+
+def test_the_evaluators_measure_a_draft_with_the_vocabulary_it_was_trained_over(
+        setup, tmp_path, capsys):  # noqa: F811
+    from tools.distill import evaluate, feature_eval
+
+    target, _, data = setup
+    out = tmp_path / "draft"
+    main(["--target", target, "--out", str(out), "--data-from", data, "--device", "cpu",
+          "--steps", "4", "--batch", "8", "--seq-len", str(SEQ), "--eval-every", "0",
+          "--ttt-steps", "1", "--draft-vocab", "30"])
+    assert evaluate.trained_vocab(str(out)) == 30 and evaluate.trained_vocab(target) == "full"
+    args = ["--draft", str(out), "--target", target, "--data-from", data, "--k", "3",
+            "--positions", "8"]
+    capsys.readouterr()
+    feature_eval.main(args)
+    assert "draft vocabulary 30" in capsys.readouterr().out
+    feature_eval.main([*args, "--draft-vocab", "full"])
+    assert "draft vocabulary" not in capsys.readouterr().out

@@ -30,6 +30,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from ssdlib.engine_config import draft_vocab_value  # noqa: E402
+from ssdlib.loading.draft_vocab import trained_size  # noqa: E402
+
+
+def trained_vocab(draft: str) -> int | str:
+    """The vocabulary a draft is measured with by default: the one it was trained over."""
+    return trained_size(draft) or "full"
 
 HELDOUT_CHAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout_chat.jsonl")
 CARD_BEGIN = "<!-- held-out evaluation: begin (tools/distill/evaluate.py) -->"
@@ -230,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="sd",
                    help="sd, ssd or sd,ssd: SSD's cached speculations were drafted while the "
                         "target verified (a feature draft's self-conditioned acceptance)")
-    p.add_argument("--draft-vocab", type=draft_vocab_value, default="full",
-                   help="the tokens the draft proposes: full (default), N (the first N of its "
-                        "ranking) or auto (the engine's default on --device)")
+    p.add_argument("--draft-vocab", type=draft_vocab_value, default=None,
+                   help="the tokens the draft proposes: full, N (the first N of its ranking) or "
+                        "auto (the engine's default on --device); default: the vocabulary the "
+                        "draft was trained over (its config's ssdlib_draft_vocab), else full")
     return p
 
 
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     lengths = parse_lengths(p, a.lengths)
     run(a.target, a.draft, a.humaneval, a.n_prompts, a.k, a.max_new_tokens, a.device, a.dtype,
         a.card, not a.no_humaneval, lengths, parse_lengths_n(p, a.length_prompts),
-        parse_modes(p, a.modes), draft_vocab=a.draft_vocab)
+        parse_modes(p, a.modes),
+        draft_vocab=a.draft_vocab if a.draft_vocab is not None else trained_vocab(a.draft))
 
 
 if __name__ == "__main__":

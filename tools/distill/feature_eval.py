@@ -175,12 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=tuple(STORAGE_DTYPES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab", type=_vocab_arg, default=None, metavar="N|full",
+                   help="the tokens the draft proposes: N (the first N of its ranking) or full; "
+                        "default: the vocabulary it was trained over, else full")
     return p
 
 
+def _vocab_arg(text: str) -> int | str:
+    if text == "full":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes N or full, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    from ssdlib.errors import CheckpointError
+    from ssdlib.errors import CheckpointError, ConfigError
     from ssdlib.loading import load_checkpoint
+    from ssdlib.loading.draft_vocab import draft_token_ids, trained_size
     from ssdlib.loading.feature_draft import load_feature_draft
     from tools.distill.data import load_splits
     from tools.distill.models import STORAGE_DTYPES, load_teacher
@@ -191,14 +204,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ck = load_checkpoint(a.target)
         held_out = load_splits(a.data_from)[1]
         teacher = load_teacher(ck, device, dtype, ck.config.max_position_embeddings)
+        vocab = a.draft_vocab if a.draft_vocab is not None else (trained_size(a.draft) or "full")
+        head_vocab = None if vocab == "full" else draft_token_ids(
+            a.draft, vocab, ck.config.vocab_size, ck.config.eos_token_ids)
         draft = load_feature_draft(a.draft, ck, teacher, device, dtype,
-                                   ck.config.max_position_embeddings)
+                                   ck.config.max_position_embeddings, head_vocab=head_vocab)
         rows = acceptance_rows(draft, teacher, held_out, a.k, a.positions, a.self_conditioned,
                                a.seed)
-    except (CheckpointError, ValueError, OSError) as e:
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
         raise SystemExit(str(e)) from None
+    vocab_note = "" if head_vocab is None else f", draft vocabulary {vocab}"
     print(f"Greedy acceptance of feature draft `{a.draft}` beside `{a.target}` at sampled "
-          f"held-out positions (K = {a.k}, {a.device}, {a.dtype}):\n\n{table(rows)}")
+          f"held-out positions (K = {a.k}, {a.device}, {a.dtype}{vocab_note}):\n\n{table(rows)}")
     return rows
 
 
