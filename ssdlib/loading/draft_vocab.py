@@ -12,7 +12,6 @@ config.json (``ssdlib_draft_vocab``: N), and the engine runs it with that vocabu
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 
@@ -32,15 +31,9 @@ TRAINED_VOCAB_KEY = "ssdlib_draft_vocab"
 def ranking_path(spec: str | os.PathLike | None) -> str | None:
     """The ranking file of the draft ``spec`` (a named checkpoint or a directory), or None
     when it has none (a GGUF file, a directory without one, a named draft not found)."""
-    if spec is None:
-        return None
-    spec = os.fspath(spec)
-    try:
-        path = registry.resolve_named(spec) or spec
-    except CheckpointError:  # a named checkpoint not found: its load says so
-        return None
-    candidate = os.path.join(path, DRAFT_VOCAB_FILE)
-    return candidate if os.path.isfile(candidate) else None
+    path = registry.path_of(spec)
+    candidate = None if path is None else os.path.join(path, DRAFT_VOCAB_FILE)
+    return candidate if candidate is not None and os.path.isfile(candidate) else None
 
 
 def read_ranking(path: str, vocab_size: int) -> torch.Tensor:
@@ -88,25 +81,12 @@ def first_tokens(ranked: torch.Tensor, size: int, vocab_size: int,
 def trained_size(spec: str | os.PathLike | None) -> int | None:
     """The vocabulary a draft was trained over (config.json's ``ssdlib_draft_vocab``: the first
     N of its ranking), or None (trained over the full vocabulary, or not a directory)."""
-    if spec is None:
-        return None
-    try:
-        path = registry.resolve_named(os.fspath(spec)) or os.fspath(spec)
-    except CheckpointError:
-        return None
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config) as f:
-            value = json.load(f).get(TRAINED_VOCAB_KEY)
-    except (OSError, ValueError):
-        return None  # the checkpoint's load reports a broken config.json
+    value = registry.config_value(spec, TRAINED_VOCAB_KEY)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{config}: {TRAINED_VOCAB_KEY} must be a number of tokens >= 1, "
-                              f"got {value!r:.40}")
+        raise CheckpointError(f"{os.fspath(spec)}: config.json's {TRAINED_VOCAB_KEY} must be a "
+                              f"number of tokens >= 1, got {value!r:.40}")
     return value
 
 

@@ -104,21 +104,7 @@ def save_feature_draft(draft: FeatureDraft, directory: str,
 def is_feature_draft(spec: str | os.PathLike | None) -> bool:
     """Whether ``spec`` (a named checkpoint, a directory or a file) is a feature draft: a
     directory whose config.json has the ``ssdlib_feature_draft`` entry."""
-    if spec is None:
-        return False
-    spec = os.fspath(spec)
-    try:
-        path = registry.resolve_named(spec) or spec
-    except CheckpointError:  # a named checkpoint not found: its load says so
-        return False
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return False
-    try:
-        with open(config) as f:
-            return isinstance(json.load(f).get(FEATURE_DRAFT_KEY), dict)
-    except (OSError, ValueError, AttributeError):
-        return False
+    return isinstance(registry.config_value(spec, FEATURE_DRAFT_KEY), dict)
 
 
 def _feature_spec(directory: str) -> dict:

@@ -14,6 +14,7 @@ To add a model, add a :class:`NamedCheckpoint` to ``_TABLE``.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 
@@ -116,3 +117,31 @@ def resolve_named(spec: str) -> str | None:
     raise CheckpointError(
         f"named checkpoint {spec!r} not found: {entry.how_to_get}, or put {entry.filename!r} in a "
         f"directory listed in {MODEL_DIRS_ENV} (separated by {os.pathsep!r})")
+
+
+def path_of(spec: str | os.PathLike | None) -> str | None:
+    """The path ``spec`` names (a named checkpoint resolved, any other spec as given), or None
+    for None and for a named checkpoint that is not found (its load says why)."""
+    if spec is None:
+        return None
+    spec = os.fspath(spec)
+    try:
+        return resolve_named(spec) or spec
+    except CheckpointError:
+        return None
+
+
+def config_value(spec: str | os.PathLike | None, key: str, default=None):
+    """Entry ``key`` of the config.json in the directory ``spec`` names (``path_of``), or
+    ``default`` where there is none: ``spec`` not a directory with a readable JSON object there
+    (its load reports a broken one), or no such entry."""
+    path = path_of(spec)
+    config = None if path is None else os.path.join(path, "config.json")
+    if config is None or not os.path.isfile(config):
+        return default
+    try:
+        with open(config) as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return default
+    return content.get(key, default) if isinstance(content, dict) else default

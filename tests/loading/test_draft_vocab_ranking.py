@@ -91,3 +91,25 @@ def test_the_flags_values():
     assert draft_vocab_value("8192") == 8192
     with pytest.raises(ValueError, match="--draft-vocab takes"):
         draft_vocab_value("8k")
+
+
+def test_a_trained_size_is_read_and_a_bad_one_refused(tiny_dirs, tmp_path, ranked_dir):
+    import json
+
+    from ssdlib.loading.draft_vocab import TRAINED_VOCAB_KEY, trained_size
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_dirs["smol_heads_draft"], draft)
+    shutil.copy(ranking_path(ranked_dir), draft)
+    assert trained_size(str(draft)) is None and trained_size(None) is None
+    config = json.loads((draft / "config.json").read_text())
+    for value, ok in ((4, True), ("4", False), (0, False), (True, False)):
+        (draft / "config.json").write_text(json.dumps({**config, TRAINED_VOCAB_KEY: value}))
+        if ok:
+            assert trained_size(str(draft)) == 4
+            cfg = EngineConfig(target=tiny_dirs["smol_heads"], draft=str(draft), mode="sd",
+                               device="cpu")
+            assert cfg.draft_vocab == 4
+        else:
+            with pytest.raises(CheckpointError, match=f"{TRAINED_VOCAB_KEY} must be a number"):
+                trained_size(str(draft))
