@@ -70,8 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-vocab", type=_draft_vocab_arg, default="auto",
                    help="the tokens the draft proposes (its LM head scores only those): 'full', "
                         "N (the N most frequent of the draft's ranked vocabulary, "
-                        "draft_vocab.safetensors) or 'auto' (default: 16384 on a CPU for a "
-                        "draft that ships a ranking, the full vocabulary otherwise)")
+                        "draft_vocab.safetensors) or 'auto' (default: for a draft that ships a "
+                        "ranking the N it was trained over, else 16384 on a CPU; otherwise the "
+                        "full vocabulary)")
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling C in (0, 1]")
     s.add_argument("--fallback", default="auto", choices=["auto", "jit", "ngram", "random"])
     s.add_argument("--draft-placement", default="leader", choices=["leader", "separate"])
