@@ -34,6 +34,8 @@
 # SSD, SSD with chains up to 4 rows (larger batches through the host) and with a fan-out budget
 # of 8; chain087: b = 8, T = 0.7, SD and SSD; chain074: T = 0.7 at
 # b = 4, SD and SSD; chainfp32: fp32 greedy AR, SSD with the stream placement and with the rank one.
+# vocab1 / vocab8: b = 1 / b = 8 greedy, SD and SSD with the full vocabulary (the GPU's default)
+# and with the draft's 16,384 tokens (--draft-vocab), in one invocation.
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -102,6 +104,8 @@ for b in ${BENCHES:-b1}; do
       timeout 150 $B --modes ar,sd,ssd --n-prompts 2 --max-new-tokens 128 --dtype float32 --k 3 \
           --json "$OUT/exact1.json" 2>&1 | $F | tail -6 ;;
     chain1) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --k 3 --json "$OUT/chain1.json" 2>&1 | $F | tail -16 ;;
+    vocab1) timeout 300 $B --modes ar,sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --k 3 --json "$OUT/vocab1.json" 2>&1 | $F | tail -18 ;;
+    vocab8) timeout 300 $B --modes sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --batch 8 --k 3 --json "$OUT/vocab8.json" 2>&1 | $F | tail -18 ;;
     chain07) timeout 300 $B --modes ar,sd,ssd,ssd:env=SSDLIB_CHAIN_SAMPLED=0 --n-prompts 16 --k 3 --temperature 0.7 --json "$OUT/chain07.json" 2>&1 | $F | tail -18 ;;
     chain8) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8.json" 2>&1 | $F | tail -16 ;;
     chain8x) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=4,ssd:fan_out_budget=8 --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8x.json" 2>&1 | $F | tail -20 ;;
