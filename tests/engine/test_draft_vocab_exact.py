@@ -128,6 +128,19 @@ def test_sd_with_a_draft_vocabulary_equals_ar(tiny_dirs, ar_reference, ranked_dr
                                 set(load_checkpoint(draft).config.eos_token_ids))
 
 
+def test_sd_with_the_draft_on_its_own_rank_and_a_draft_vocabulary_equals_ar(
+        tiny_dirs, ar_reference, ranked_target_copy, without_favourites):
+    """The separate draft rank builds its draft with the vocabulary too: the target as its own
+    draft is no longer accepted everywhere."""
+    with Generator(target=tiny_dirs["smol_heads"], draft=ranked_target_copy, mode="sd",
+                   draft_placement="separate", k=4, max_batch=2, max_len=128, adaptive_k=False,
+                   draft_vocab=len(without_favourites)) as g:
+        outs = g.generate(PROMPTS, GREEDY)
+        rate = g.last_run_metrics["acceptance_rate"]
+    check_equal(tiny_dirs, ar_reference, outs)
+    assert rate < 0.95, rate
+
+
 @pytest.mark.parametrize("placement", ["stream", "rank"])
 @pytest.mark.parametrize("which", ["standalone", "feature"])
 def test_ssd_with_a_draft_vocabulary_equals_ar(tiny_dirs, ar_reference, ranked_draft,
