@@ -81,3 +81,25 @@ def test_shipped_feature_draft_size_and_spec():
     assert (spec.kind, tuple(spec.layers)) == ("fused", (1, 15, 29))
     draft = load_feature_draft("smollm2-135m-eagle", target)
     assert len(draft.layers) == 1 and draft.fuse is not None
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-draft", "smollm2-135m-eagle"])
+def test_shipped_drafts_rank_their_vocabulary(name):
+    """Each shipped draft carries the ranking --draft-vocab reads: distinct ids of SmolLM2's
+    vocabulary, at least the CPU's default 16,384 of them, the special tokens (end of
+    sequence included) first, then by count."""
+    from safetensors.torch import load_file
+
+    from ssdlib.engine_config import DEFAULT_DRAFT_VOCAB
+    from ssdlib.loading.draft_vocab import ranking_path, read_ranking
+
+    path = ranking_path(name)
+    assert path is not None
+    ranked = read_ranking(path, 49152)
+    assert ranked.numel() >= DEFAULT_DRAFT_VOCAB["cpu"]
+    counts = load_file(path)["counts"]
+    eos = load_checkpoint(name).config.eos_token_ids
+    leading = 17  # SmolLM2's special tokens
+    assert set(eos) <= set(ranked[:leading].tolist())
+    assert bool((counts[leading:-1] >= counts[leading + 1:]).all())
+    assert int(counts[leading:].min()) > 0
