@@ -168,18 +168,15 @@ def vocab_main(a: argparse.Namespace) -> dict:
     from ssdlib.loading import load_checkpoint
     from ssdlib.loading.draft_vocab import write_ranking
     from tools.distill.data import load_splits
-    from tools.distill.vocab import coverage, leading_tokens, rank_tokens, scored_counts
+    from tools.distill.vocab import coverage, rank_training_tokens, scored_counts
 
     if not os.path.isdir(a.into):
         raise SystemExit(f"--into {a.into!r}: not a directory (the draft's)")
     ck = load_checkpoint(a.target)
-    vocab_size = ck.config.vocab_size
     splits = [load_splits(p) for p in a.inputs]
-    counts = scored_counts((train for train, _ in splits), vocab_size)
-    held = scored_counts((held for _, held in splits), vocab_size)
-    leading = leading_tokens(ck)
-    ranked, ranked_counts = rank_tokens(counts, leading)
-    path = write_ranking(a.into, ranked, ranked_counts)
+    ranked, counts, leading = rank_training_tokens(ck, (train for train, _ in splits))
+    held = scored_counts((held for _, held in splits), ck.config.vocab_size)
+    path = write_ranking(a.into, ranked, counts)
     sizes = [n for n in (4096, 8192, 16384, 24576, 32768) if n < ranked.numel()]
     report = {"ranked": int(ranked.numel()), "leading": leading, "inputs": a.inputs,
               "counted_tokens": int(counts.sum()), "held_out_tokens": int(held.sum()),

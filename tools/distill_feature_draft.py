@@ -59,7 +59,7 @@ from tools.distill.feature_train import (FEATURE_KEYS, TTT_KEYS,  # noqa: E402
 from tools.distill.run_state import (SHARED_KEYS, RunStateError, read_state,  # noqa: E402
                                      write_state)
 from tools.distill.train import LOSSES  # noqa: E402
-from tools.distill.vocab import leading_tokens, rank_tokens, scored_counts  # noqa: E402
+from tools.distill.vocab import rank_training_tokens  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 FEATURE_KINDS = {"last": LAST_PRENORM, "fused": FUSED}  # --features -> FeatureSpec kind
@@ -90,7 +90,7 @@ def draft_vocabulary(ck, train_docs, size: int) -> tuple[tuple[torch.Tensor, tor
     """--draft-vocab: ((ranked ids, their counts), the token ids trained over), ranked as
     ``tools/distill_data.py vocab`` ranks them, from the training documents."""
     vocab_size = ck.config.vocab_size
-    ranked, counts = rank_tokens(scored_counts([train_docs], vocab_size), leading_tokens(ck))
+    ranked, counts, _ = rank_training_tokens(ck, [train_docs])
     if not 1 <= size <= ranked.numel():
         raise SystemExit(f"--draft-vocab {size}: the training data ranks {ranked.numel():,} "
                          f"tokens (1 to that many)")

@@ -193,9 +193,10 @@ def _vocab_arg(text: str) -> int | str:
 def main(argv: list[str] | None = None) -> list[dict]:
     from ssdlib.errors import CheckpointError, ConfigError
     from ssdlib.loading import load_checkpoint
-    from ssdlib.loading.draft_vocab import draft_token_ids, trained_size
+    from ssdlib.loading.draft_vocab import draft_token_ids
     from ssdlib.loading.feature_draft import load_feature_draft
     from tools.distill.data import load_splits
+    from tools.distill.evaluate import trained_vocab
     from tools.distill.models import STORAGE_DTYPES, load_teacher
 
     a = build_parser().parse_args(argv)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ck = load_checkpoint(a.target)
         held_out = load_splits(a.data_from)[1]
         teacher = load_teacher(ck, device, dtype, ck.config.max_position_embeddings)
-        vocab = a.draft_vocab if a.draft_vocab is not None else (trained_size(a.draft) or "full")
+        vocab = a.draft_vocab if a.draft_vocab is not None else trained_vocab(a.draft)
         head_vocab = None if vocab == "full" else draft_token_ids(
             a.draft, vocab, ck.config.vocab_size, ck.config.eos_token_ids)
         draft = load_feature_draft(a.draft, ck, teacher, device, dtype,

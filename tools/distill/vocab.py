@@ -57,6 +57,15 @@ def rank_tokens(counts: torch.Tensor, leading: Sequence[int] = ()) -> tuple[torc
     return ranked, counts[ranked]
 
 
+def rank_training_tokens(checkpoint, docs: Iterable[Docs]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                  list[int]]:
+    """The ranking of ``checkpoint``'s tokens over ``docs`` (training documents), as a draft's
+    ranking file holds it: (ranked ids, their counts, the leading ids)."""
+    leading = leading_tokens(checkpoint)
+    ranked, counts = rank_tokens(scored_counts(docs, checkpoint.config.vocab_size), leading)
+    return ranked, counts, leading
+
+
 def coverage(counts: torch.Tensor, ranked: torch.Tensor, sizes: Sequence[int]) -> dict[int, float]:
     """The share of counted tokens that the first N of ``ranked`` hold, for each N of ``sizes``."""
     total = max(1, int(counts.sum()))
