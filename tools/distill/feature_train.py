@@ -354,13 +354,14 @@ def evaluate_unrolled(draft: FeatureDraft, teacher, held_out: Docs,
         ids, mask = ids.to(device), mask.to(device)
         next_ids, feats, t_logits, _ = shifted(ids, *teacher_outputs(teacher, draft, ids))
         scored = mask[:, 1:]  # draft position t is scored where the target's t + 1 is
+        t_kept = t_logits if vocab is None else vocab.of_target(t_logits)  # what the KL reads
+        t_greedy = t_logits.argmax(-1)  # over the whole vocabulary
         with _autocast(device, s.amp_dtype):
             steps = unroll(draft, feats, next_ids, s.eval_depth, s.ttt_keys)
             for depth, (logits, _) in enumerate(steps):
-                t_kept = t_logits if vocab is None else vocab.of_target(t_logits)
                 kl[depth] += float(kl_per_position(logits, t_kept)[scored].sum())
                 guess = logits.argmax(-1) if vocab is None else vocab.token(logits.argmax(-1))
-                agree[depth] += float((guess == t_logits.argmax(-1))[scored].sum())
+                agree[depth] += float((guess == t_greedy)[scored].sum())
         n += int(scored.sum())
     n_safe = max(n, 1)
     return {"kl": (kl / n_safe).tolist(), "agreement": (agree / n_safe).tolist(), "positions": n}
