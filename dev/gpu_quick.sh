@@ -35,7 +35,9 @@
 # of 8; chain087: b = 8, T = 0.7, SD and SSD; chain074: T = 0.7 at
 # b = 4, SD and SSD; chainfp32: fp32 greedy AR, SSD with the stream placement and with the rank one.
 # vocab1 / vocab8: b = 1 / b = 8 greedy, SD and SSD with the full vocabulary (the GPU's default)
-# and with the draft's 16,384 tokens (--draft-vocab), in one invocation.
+# and with the draft's 16,384 tokens (--draft-vocab), in one invocation. vocabchat: the same at
+# b = 1 on the 24 held-out chat prompts, with the feature draft too. k5warm: K = 5 (the
+# default), captured_in_run per mode.
 # exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
@@ -105,6 +107,13 @@ for b in ${BENCHES:-b1}; do
           --json "$OUT/exact1.json" 2>&1 | $F | tail -6 ;;
     chain1) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --k 3 --json "$OUT/chain1.json" 2>&1 | $F | tail -16 ;;
     vocab1) timeout 300 $B --modes ar,sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --k 3 --json "$OUT/vocab1.json" 2>&1 | $F | tail -18 ;;
+    vocabchat)  # b = 1 greedy, the 24 held-out chat prompts: both drafts, full vocabulary and 16,384
+      timeout 560 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --n-prompts 24 --k 3 \
+          --modes "ar,sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384,sd:draft=smollm2-135m-eagle,sd:draft=smollm2-135m-eagle:draft_vocab=16384,ssd:draft=smollm2-135m-eagle:draft_vocab=16384" \
+          --json "$OUT/vocabchat.json" 2>&1 | $F | tail -30 ;;
+    k5warm)  # the default K = 5: AR / SD / SSD, nothing captured inside the timed call
+      timeout 200 $B --modes ar,sd,ssd --n-prompts 4 --k 5 --json "$OUT/k5warm.json" 2>&1 | $F | tail -14
+      python3 -c "import json; print('captured_in_run', {r['mode']: r.get('captured_in_run') for r in json.load(open('$OUT/k5warm.json'))['rows']})" ;;
     vocab8) timeout 300 $B --modes sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --batch 8 --k 3 --json "$OUT/vocab8.json" 2>&1 | $F | tail -18 ;;
     chain07) timeout 300 $B --modes ar,sd,ssd,ssd:env=SSDLIB_CHAIN_SAMPLED=0 --n-prompts 16 --k 3 --temperature 0.7 --json "$OUT/chain07.json" 2>&1 | $F | tail -18 ;;
     chain8) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8.json" 2>&1 | $F | tail -16 ;;

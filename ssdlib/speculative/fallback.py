@@ -18,6 +18,13 @@ Backups: the primary draft just in time ("jit": T_b = t_jit, acceptance a_p), an
 speculator (t_ngram ~ 0, a_ngram), random tokens (t_random ~ 0, acceptance ~ 0: the bonus only).
 The accurate backup wins at small b, a fast one above a critical batch size b*.
 
+The hit rate need not be one number: a row's next lookup hits more or less often according to
+where its speculation came from (a backup's proposal that the target rejects at once leaves an
+outcome the cache foresaw more often than a draft's continuation). With p_c the hit rate after a
+hit and p_f after backup f's speculation, a row's rounds form a two-state Markov chain whose
+long-run share of hits is p_f / (p_f + 1 - p_c) (``steady_hit_rate``); ``p_after`` puts that in
+place of p for each backup (equal rates give p back).
+
 The paper also puts p^b into the token term, as if every row of a missed round were redrafted by
 the backup; ssdlib runs the backup only on the rows that missed, so the rows that hit still commit
 E_hit and the token term keeps the per-row p. ``per_row_fallback=False`` gives the paper's form.
@@ -30,6 +37,7 @@ the first switch.)
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 from ssdlib.errors import ConfigError, require_int
@@ -80,25 +88,45 @@ def expected_speedup(p_hit: float, e_hit: float, e_miss: float, t_p: float, t_b:
     return tokens / time
 
 
+def steady_hit_rate(p_after_hit: float, p_after_miss: float) -> float:
+    """A row's long-run share of rounds served from the cache when its lookup hits with
+    probability ``p_after_hit`` after a hit and ``p_after_miss`` after a backup's speculation
+    (a two-state Markov chain): p_m / (p_m + 1 - p_h); p when both are p. (p_h = 1, p_m = 0:
+    either state is absorbing; the row that starts on a hit stays there, so 1.)"""
+    p_h = _check_prob("p_after_hit", p_after_hit)
+    p_m = _check_prob("p_after_miss", p_after_miss)
+    denom = p_m + 1.0 - p_h
+    return 1.0 if denom == 0.0 else p_m / denom
+
+
 def fallback_speedups(batch_size: int, p_hit: float, a_p: float, K: int, t_jit: float,
                       t_ngram: float, a_ngram: float, *, t_p: float | None = None,
                       t_random: float = 0.0, a_random: float = 0.0,
                       a_jit: float | None = None,
+                      p_after: Mapping[str, float] | None = None,
                       per_row_fallback: bool = True) -> dict[Fallback, float]:
     """Expected speedup over AR with each backup at this batch size (Thm 17).
 
     t_p: the primary draft's time for K tokens on the hit path (default t_jit). a_jit: the
     draft's acceptance when it drafts a row that missed (default a_p; measured, it is lower:
-    misses are the outcomes the draft did not foresee).
+    misses are the outcomes the draft did not foresee). p_after: the hit rate of a lookup after
+    each backup's speculation (a backup left out: p_hit); p_hit is then the rate after a hit,
+    and each backup is weighed at its :func:`steady_hit_rate`.
     """
-    x = batch_hit_rate(p_hit, batch_size)
     t_p = t_jit if t_p is None else t_p
     e_hit = expected_tokens(a_p, K)
     a_jit = a_p if a_jit is None else _check_prob("a_jit", a_jit)
+    _check_prob("p_hit", p_hit)
+    if p_after is not None and set(p_after) - set(FALLBACKS):
+        raise ConfigError(f"p_after names backups {sorted(set(p_after) - set(FALLBACKS))}; "
+                          f"they are {', '.join(FALLBACKS)}")
     backups = {"jit": (t_jit, a_jit), "ngram": (t_ngram, a_ngram), "random": (t_random, a_random)}
     out: dict[Fallback, float] = {}
     for name, (t_b, a_b) in backups.items():
-        p_tokens = p_hit if per_row_fallback else x
+        p = p_hit if p_after is None or name not in p_after else \
+            steady_hit_rate(p_hit, p_after[name])
+        x = batch_hit_rate(p, batch_size)
+        p_tokens = p if per_row_fallback else x
         out[name] = expected_speedup(p_tokens, e_hit, expected_tokens(a_b, K), t_p, t_b,
                                      p_round=x)
     return out

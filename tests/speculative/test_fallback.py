@@ -6,7 +6,9 @@ import pytest
 
 from ssdlib.errors import ConfigError
 from ssdlib.speculative import (batch_hit_rate, choose_fallback, critical_batch_size,
-                                expected_speedup, expected_tokens, fallback_speedups)
+                                expected_speedup, expected_tokens, fallback_speedups,
+                                steady_hit_rate)
+from ssdlib.speculative.fallback import FALLBACKS
 
 # a typical pairing: good draft (a_p 0.8, K 5) costing half a verification, a weak free n-gram
 BASE = dict(p_hit=0.9, a_p=0.8, K=5, t_jit=0.5, t_ngram=0.02, a_ngram=0.3)
@@ -129,7 +131,98 @@ def test_fallback_choice_keeps_its_lookups_across_batches():
     fb.t_jit = 1e-3
     assert fb.choose(1, 1e-3, None) == "jit"  # nothing measured yet
     fb.observe_lookups(MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
+    _measure_after(fb, {f: 0.5 for f in FALLBACKS})
     for k in (0,) * 20:  # jit drafts that were all rejected: any other backup is better
         fb.observe_jit(k)
     assert fb.choose(1, 1e-3, None) != "jit"
     assert (fb.lookups, fb.hits) == (MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
+
+
+def _measure_after(fb, rates: dict, n: int = 40) -> None:
+    """n lookups after each source in ``rates`` hitting at that rate."""
+    for source, rate in rates.items():
+        hits = round(rate * n)
+        for i in range(n):
+            fb.observe_after(source, i < hits)
+
+
+def test_steady_hit_rate():
+    assert steady_hit_rate(0.6, 0.6) == pytest.approx(0.6)
+    # after a hit 0.5, after a miss's backup 0.9: most rounds hit
+    assert steady_hit_rate(0.5, 0.9) == pytest.approx(0.9 / 1.4)
+    assert steady_hit_rate(0.9, 0.0) == 0.0  # a backup that never leads back to the cache
+    assert steady_hit_rate(1.0, 0.0) == 1.0  # both absorbing; a row that starts on a hit stays
+    assert steady_hit_rate(1.0, 0.3) == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="p_after_miss"):
+        steady_hit_rate(0.5, 1.5)
+
+
+def test_hit_rate_after_each_backup():
+    """Equal rates after every source give Thm 17's speedups; a backup after whose speculation
+    the cache hits more often gains, enough to beat jit's acceptance; a misspelt name raises."""
+    same = fallback_speedups(1, **BASE, p_after={f: BASE["p_hit"] for f in FALLBACKS})
+    assert same == pytest.approx(fallback_speedups(1, **BASE))
+    base = dict(BASE, p_hit=0.5, a_ngram=0.5)
+    assert choose_fallback(1, **base) == "jit"
+    s = fallback_speedups(1, **base, p_after={"ngram": 0.9})
+    p = steady_hit_rate(0.5, 0.9)
+    e_hit = expected_tokens(0.8, 5)
+    assert s["ngram"] == pytest.approx((p * e_hit + (1 - p) * expected_tokens(0.5, 5))
+                                       / (p * 1.0 + (1 - p) * 1.02))
+    assert s["jit"] == fallback_speedups(1, **base)["jit"]  # left out: p_hit
+    assert choose_fallback(1, **base, p_after={"ngram": 0.9}) == "ngram"
+    with pytest.raises(ConfigError, match="p_after"):
+        fallback_speedups(1, **BASE, p_after={"n-gram": 0.9})
+
+
+def test_auto_measures_each_backup_then_weighs_them():
+    """fallback=auto: jit until p_hit is measured, then each backup in turn (the least measured
+    first) until the hit rate after it is, then the model's choice; ``pushed`` is the choice
+    the leader answers misses with."""
+    from ssdlib.engine.speculator.outcomes import (MIN_LOOKUPS_AFTER, MIN_LOOKUPS_FOR_AUTO,
+                                                   Fallbacks)
+
+    fb = Fallbacks(None, "auto", 5, 1000)
+    fb.t_jit = 0.5e-3
+    fb.observe_lookups(MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
+    tried = []
+    for _ in range(3 * MIN_LOOKUPS_AFTER):
+        choice = fb.choose(1, 1e-3, None)
+        assert fb.pushed == choice
+        tried.append(choice)
+        fb.observe_after(choice, False)
+    assert sorted(set(tried)) == sorted(FALLBACKS)
+    assert all(fb.after[f][0] == MIN_LOOKUPS_AFTER for f in FALLBACKS)
+    for k in (3, 4, 2, 5, 4, 3) * 4:  # jit drafts accept well
+        fb.observe_jit(k)
+    for k in (3, 1, 2, 2) * 4:  # n-gram proposals less well
+        fb.observe_ngram(k)
+    fb.after = {s: [0, 0] for s in fb.after}
+    _measure_after(fb, {"cache": 0.5, "jit": 0.5, "ngram": 0.5, "random": 0.5})
+    assert fb.choose(1, 1e-3, None) == "jit"
+    _measure_after(fb, {"ngram": 1.0}, n=400)  # after an n-gram proposal the cache hits
+    assert fb.hit_rate_after("ngram", 0.5) > 0.9
+    assert fb.choose(1, 1e-3, None) == "ngram"
+    fixed = Fallbacks(None, "random", 5, 1000)
+    assert fixed.choose(1, 1e-3, None) == "random" and fixed.pushed == "random"
+
+
+def test_speculation_sources():
+    """A row's speculation is attributed to where it came from: the cache, the jit draft, or
+    the backup the leader drew it with (n-gram's random tokens too)."""
+    import torch
+
+    from ssdlib.engine.speculator.outcomes import Answer
+    from ssdlib.engine.speculator.spec_row import SpecRow
+    from ssdlib.sampling import SamplingParams
+    from ssdlib.speculative.acceptance import QKind
+
+    rows = [SpecRow(i, [1, 2], SamplingParams(), i, torch.device("cpu")) for i in range(4)]
+    kinds = [QKind.DENSE, QKind.DENSE, QKind.ONEHOT, QKind.UNIFORM]
+    ans = Answer(torch.zeros(4, 3, dtype=torch.int64), torch.tensor([int(k) for k in kinds]),
+                 torch.tensor([True, False, False, False]), torch.zeros(4, dtype=torch.int64),
+                 None)
+    ans.record(rows, "ngram")
+    assert [r.source for r in rows] == ["cache", "jit", "ngram", "ngram"]
+    ans.record(rows, "random")
+    assert [r.source for r in rows] == ["cache", "jit", "random", "random"]

@@ -18,12 +18,15 @@ from ssdlib import env
 from ssdlib.distributed.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
-from ssdlib.speculative.fallback import choose_fallback
+from ssdlib.speculative.fallback import FALLBACKS, choose_fallback
 
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
 # prior for an explicit fan-out list (no estimator).
 MIN_LOOKUPS_FOR_AUTO = 8
+# lookups after each backup's speculations before the choice trusts its hit rate: until then
+# "auto" answers misses with the backup least measured (jit, n-gram and random each a few times)
+MIN_LOOKUPS_AFTER = 8
 NGRAM_COST = 0.0
 NGRAM_ACCEPTANCE_PRIOR = 0.2
 A_P_PRIOR = 0.7
@@ -39,8 +42,10 @@ class Answer:
     branch: torch.Tensor  # [n] int64, host: the cache branch of a hit
     q: torch.Tensor | None  # [n, K, V] float32 on the device, when the exchange samples
 
-    def record(self, rows: list[SpecRow]) -> None:
-        """The rows' speculations in flight are now these."""
+    def record(self, rows: list[SpecRow], backup: str = "ngram") -> None:
+        """The rows' speculations in flight are now these; ``backup``: the one the leader
+        answered misses with (the speculator's last CACHE named it), the source of the rows
+        the leader drew (n-gram or random tokens)."""
         hit, branch, tokens = self.hit.tolist(), self.branch.tolist(), self.tokens.tolist()
         for row, h, br, toks, kind in zip(rows, hit, branch, tokens, self.kinds.tolist()):
             row.reuse = br if h and row.fed else None
@@ -48,6 +53,7 @@ class Answer:
             row.sent = toks
             row.fed = False
             row.kind = kind
+            row.source = "cache" if h else "jit" if kind == int(QKind.DENSE) else backup
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, live: list[int], vocab_size: int,
@@ -133,6 +139,9 @@ class Fallbacks:
         # cache lookups and hits over the rank's life (the STATS counters restart with every
         # batch: with those, each new batch's first rounds fell back to jit until measured)
         self.hits = self.lookups = 0
+        # the same by the source of the speculation looked up after: [lookups, hits]
+        self.after = {source: [0, 0] for source in ("cache",) + FALLBACKS}
+        self.pushed = "jit"  # the backup named in the last CACHE: the leader's for misses
 
     def observe_ngram(self, k: int, limit: int | None = None) -> None:
         """An n-gram speculation had k of its first ``limit`` tokens (default K) accepted: learn
@@ -149,6 +158,17 @@ class Fallbacks:
         self.lookups += lookups
         self.hits += hits
 
+    def observe_after(self, source: str, hit: bool) -> None:
+        """A lookup after a speculation from ``source`` ("cache", or a backup) hit or missed."""
+        counts = self.after[source]
+        counts[0] += 1
+        counts[1] += int(hit)
+
+    def hit_rate_after(self, source: str, prior: float) -> float:
+        """The hit rate of lookups after ``source``'s speculations, shrunk towards ``prior``."""
+        lookups, hits = self.after[source]
+        return _shrunk(hits, lookups, prior)
+
     def jit_acceptance(self, prior: float) -> float:
         """Measured per-token acceptance of jit drafts, shrunk towards ``prior``: the draft
         accepts less on the rows that missed the cache than on average."""
@@ -159,18 +179,30 @@ class Fallbacks:
         return _shrunk(self.ngram_accepted, self.ngram_tried, NGRAM_ACCEPTANCE_PRIOR)
 
     def choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
-        """The configured backup, or Thm 17's choice from measured p_hit (:meth:`observe_lookups`),
-        jit cost (in verify forwards of the leader, ``t_verify`` seconds each), the backups'
-        measured acceptance and the batch size; jit until there are measurements."""
+        """The backup the next CACHE names (:attr:`pushed`): the configured one, or Thm 17's
+        choice from the measured hit rates after a hit and after each backup
+        (:meth:`observe_after`; ``fallback.steady_hit_rate``), jit's cost (in verify forwards of
+        the leader, ``t_verify`` seconds each), the backups' measured acceptance and the batch
+        size. jit until there are measurements, then each backup in turn until its hit rate is
+        measured (the least measured first)."""
+        self.pushed = self._choose(n_rows, t_verify, estimator)
+        return self.pushed
+
+    def _choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
         if self.configured != "auto":
             return self.configured
         if self.t_jit is None or not t_verify or self.lookups < MIN_LOOKUPS_FOR_AUTO:
             return "jit"
+        unmeasured = [f for f in FALLBACKS if self.after[f][0] < MIN_LOOKUPS_AFTER]
+        if unmeasured:
+            return min(unmeasured, key=lambda f: self.after[f][0])
+        p = self.hits / self.lookups
         a_p = estimator.a_p if estimator is not None else A_P_PRIOR
-        return choose_fallback(n_rows, self.hits / self.lookups, a_p, self.K,
+        return choose_fallback(n_rows, self.hit_rate_after("cache", p), a_p, self.K,
                                self.t_jit / t_verify,
                                NGRAM_COST, self.ngram_acceptance(),
-                               a_jit=self.jit_acceptance(a_p))
+                               a_jit=self.jit_acceptance(a_p),
+                               p_after={f: self.hit_rate_after(f, p) for f in FALLBACKS})
 
     def jit(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
         """Draft ``rows`` (positions ``loc`` of ``ans``) now, timing it for :meth:`choose`."""

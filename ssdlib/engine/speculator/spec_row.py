@@ -28,6 +28,9 @@ class SpecRow:
         self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
         self.kind = int(QKind.DENSE)
         self.hit = False  # the speculation in flight came from the cache
+        # where it came from: "cache", "jit" (the draft's, now), "ngram" or "random" (drawn by
+        # the leader for a miss, with the backup the speculator named)
+        self.source = "jit"
         self.limit: int | None = None  # how many of its tokens the leader verifies (None: all)
 
     @property
@@ -62,4 +65,5 @@ class SpecRow:
         self.reuse = None
         self.kind = int(QKind.DENSE)
         self.hit = False
+        self.source = "jit"
         self.limit = None

@@ -40,7 +40,6 @@ from ssdlib.loading.draft import load_draft
 from ssdlib.loading.feature_draft import feature_spec_for, is_feature_draft, load_feature_draft
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.profiling import RoundProfiler
-from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
 from ssdlib.speculative.fanout_budget import BudgetTuner
@@ -176,7 +175,8 @@ class Speculator:
                                 hold_q=self.hold_q)
         self.timer.mark("send")
         self.clock.tick("send")
-        answer.record([self.rows[s_] for s_ in slots])  # bookkeeping, after the verifier has it
+        backup = self.cache.fallbacks.pushed if self.cache is not None else "jit"
+        answer.record([self.rows[s_] for s_ in slots], backup)  # after the verifier has it
         return True
 
     def end_round(self) -> None:
@@ -328,9 +328,9 @@ class CacheRole:
 
     def observe(self, row: SpecRow, k: int, limit: int) -> None:
         """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
-        if row.kind == int(QKind.ONEHOT):  # an n-gram speculation: learn its a_p
+        if row.source == "ngram":  # an n-gram backup's (random where no suffix recurs)
             self.fallbacks.observe_ngram(k, limit)
-        elif row.is_jit:  # a jit draft: its a_p on misses
+        elif row.source == "jit":  # a jit draft: its a_p on misses
             self.fallbacks.observe_jit(k, limit)
 
     def observe_round(self, verified: list[tuple[int, int]]) -> None:
@@ -355,6 +355,9 @@ class CacheRole:
         hit = ans.hit.tolist()
         hs = [h for h, f in zip(hit, built) if f]
         self.fallbacks.observe_lookups(len(hs), sum(hs))
+        for row, h in zip(rows, hit):
+            if row.fed:
+                self.fallbacks.observe_after(row.source, h)
         if self.estimator is not None and hs:
             fan = self._fanout_used
             self.estimator.observe_lookups(
