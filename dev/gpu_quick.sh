@@ -114,7 +114,7 @@ for b in ${BENCHES:-b1}; do
     k5warm)  # the default K = 5: AR / SD / SSD, nothing captured inside the timed call
       timeout 200 $B --modes ar,sd,ssd --n-prompts 4 --k 5 --json "$OUT/k5warm.json" 2>&1 | $F | tail -14
       python3 -c "import json; print('captured_in_run', {r['mode']: r.get('captured_in_run') for r in json.load(open('$OUT/k5warm.json'))['rows']})" ;;
-    vocab8) timeout 300 $B --modes sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --batch 8 --k 3 --json "$OUT/vocab8.json" 2>&1 | $F | tail -18 ;;
+    vocab8) timeout 300 $B --modes ar,sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384 --n-prompts 16 --batch 8 --k 3 --json "$OUT/vocab8.json" 2>&1 | $F | tail -18 ;;
     chain07) timeout 300 $B --modes ar,sd,ssd,ssd:env=SSDLIB_CHAIN_SAMPLED=0 --n-prompts 16 --k 3 --temperature 0.7 --json "$OUT/chain07.json" 2>&1 | $F | tail -18 ;;
     chain8) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8.json" 2>&1 | $F | tail -16 ;;
     chain8x) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=4,ssd:fan_out_budget=8 --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8x.json" 2>&1 | $F | tail -20 ;;
