@@ -22,22 +22,30 @@ from ssdlib.errors import ConfigError
 from ssdlib.layers.linear import tp_size_rank
 
 
-def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``token_ids`` as a sorted int64 vector of distinct ids in [0, vocab_size); ConfigError
-    (one line) when it is not one."""
+def token_id_problem(token_ids: torch.Tensor, vocab_size: int) -> str | None:
+    """What keeps ``token_ids`` from being a list of distinct ids of a vocabulary of
+    ``vocab_size`` (a phrase to follow "a draft vocabulary"), or None."""
     if token_ids.dim() != 1 or token_ids.numel() == 0:
-        raise ConfigError(f"a draft vocabulary is a non-empty list of token ids, got shape "
-                          f"{tuple(token_ids.shape)}")
+        return f"must be a non-empty list of token ids, got shape {tuple(token_ids.shape)}"
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise ConfigError(f"a draft vocabulary holds integer token ids, got {token_ids.dtype}")
+        return f"holds integer token ids, got {token_ids.dtype}"
     ids = token_ids.to(torch.int64).sort().values
     low, high = int(ids[0]), int(ids[-1])
     if low < 0 or high >= vocab_size:
-        raise ConfigError(f"a draft vocabulary's token ids must lie in [0, {vocab_size}), got "
-                          f"{low if low < 0 else high}")
-    if ids.numel() > 1 and bool((ids[1:] == ids[:-1]).any()):
-        raise ConfigError("a draft vocabulary lists a token id twice")
-    return ids
+        return f"has token id {low if low < 0 else high} outside [0, {vocab_size})"
+    repeated = ids[1:][ids[1:] == ids[:-1]]
+    if repeated.numel():
+        return f"lists token id {int(repeated[0])} twice"
+    return None
+
+
+def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``token_ids`` as a sorted int64 vector of distinct ids in [0, vocab_size); ConfigError
+    (one line) when it is not one."""
+    problem = token_id_problem(token_ids, vocab_size)
+    if problem is not None:
+        raise ConfigError(f"a draft vocabulary {problem}")
+    return token_ids.to(torch.int64).sort().values
 
 
 class SubsetLMHead(nn.Module):

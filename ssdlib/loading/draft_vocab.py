@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ssdlib.errors import CheckpointError, ConfigError
+from ssdlib.layers.subset_head import token_id_problem
 from ssdlib.loading import registry
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
@@ -44,18 +45,13 @@ def read_ranking(path: str, vocab_size: int) -> torch.Tensor:
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{path}: not a readable draft vocabulary ({e})") from None
     ranked = tensors.get("ranked")
-    if ranked is None or ranked.dim() != 1 or ranked.numel() == 0 or \
-            ranked.dtype not in (torch.int32, torch.int64):
+    if ranked is None or ranked.dtype not in (torch.int32, torch.int64):
         raise CheckpointError(f"{path}: a draft vocabulary holds 'ranked', a non-empty vector "
                               "of integer token ids")
-    ranked = ranked.to(torch.int64)
-    low, high = int(ranked.min()), int(ranked.max())
-    if low < 0 or high >= vocab_size:
-        raise CheckpointError(f"{path}: token id {low if low < 0 else high} is outside the "
-                              f"target's vocabulary of {vocab_size}")
-    if ranked.unique().numel() != ranked.numel():
-        raise CheckpointError(f"{path}: a token id is ranked twice")
-    return ranked
+    problem = token_id_problem(ranked, vocab_size)
+    if problem is not None:
+        raise CheckpointError(f"{path}: a draft vocabulary {problem} (the target's vocabulary)")
+    return ranked.to(torch.int64)
 
 
 def write_ranking(directory: str, ranked: torch.Tensor, counts: torch.Tensor) -> str:

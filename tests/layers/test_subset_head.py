@@ -45,7 +45,7 @@ def test_the_subset_is_a_copy_of_the_rows():
 
 
 @pytest.mark.parametrize("ids,match", [
-    (torch.tensor([3, 3]), "twice"),
+    (torch.tensor([3, 3]), "token id 3 twice"),
     (torch.tensor([0, V]), r"\[0, 40\)"),
     (torch.tensor([-1, 2]), r"\[0, 40\)"),
     (torch.tensor([], dtype=torch.int64), "non-empty"),

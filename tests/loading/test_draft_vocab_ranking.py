@@ -39,8 +39,9 @@ def test_no_ranking_is_said_in_one_line(tmp_path):
 @pytest.mark.parametrize("tensors,match", [
     ({"counts": torch.tensor([1])}, "holds 'ranked'"),
     ({"ranked": torch.tensor([1.0, 2.0])}, "holds 'ranked'"),
-    ({"ranked": torch.tensor([1, 12])}, "token id 12 is outside"),
-    ({"ranked": torch.tensor([3, 1, 3])}, "ranked twice"),
+    ({"ranked": torch.tensor([1, 12])}, r"token id 12 outside \[0, 10\)"),
+    ({"ranked": torch.tensor([3, 1, 3])}, "token id 3 twice"),
+    ({"ranked": torch.tensor([], dtype=torch.int64)}, "non-empty"),
 ])
 def test_a_bad_ranking_is_refused(tmp_path, tensors, match):
     save_file(tensors, str(tmp_path / DRAFT_VOCAB_FILE))
