@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from ssdlib.engine_config import draft_vocab_value  # noqa: E402
 from ssdlib.engine.runner.kv_cache import KVCache  # noqa: E402
 from ssdlib.layers.attention import AttentionMetadata  # noqa: E402
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
@@ -175,19 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=tuple(STORAGE_DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-vocab", type=_vocab_arg, default=None, metavar="N|full",
-                   help="the tokens the draft proposes: N (the first N of its ranking) or full; "
-                        "default: the vocabulary it was trained over, else full")
+    p.add_argument("--draft-vocab", type=draft_vocab_value, default="auto", metavar="auto|full|N",
+                   help="the tokens the draft proposes: N (the first N of its ranking), full, or "
+                        "auto (the default): the vocabulary it was trained over, else full")
     return p
-
-
-def _vocab_arg(text: str) -> int | str:
-    if text == "full":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes N or full, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -205,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ck = load_checkpoint(a.target)
         held_out = load_splits(a.data_from)[1]
         teacher = load_teacher(ck, device, dtype, ck.config.max_position_embeddings)
-        vocab = a.draft_vocab if a.draft_vocab is not None else trained_vocab(a.draft)
+        vocab = trained_vocab(a.draft) if a.draft_vocab == "auto" else a.draft_vocab
         head_vocab = None if vocab == "full" else draft_token_ids(
             a.draft, vocab, ck.config.vocab_size, ck.config.eos_token_ids)
         draft = load_feature_draft(a.draft, ck, teacher, device, dtype,
