@@ -94,6 +94,16 @@ Those rounds capture their steps, so their times say nothing of the costs: the l
 :class:`StepCosts` neither from a sweep's round (``AdaptiveK.sweeping``) nor from any round in
 which a step was captured.
 
+Timing rounds. A K the policy never runs is never timed: it takes the nearest timed K's cost,
+so where the verify's cost grows with K (a CPU, or a large batch) and only K_max was ever run,
+K_max / 2 looks as dear as K_max and is never chosen. SSD's leader met this on a CPU: its
+speculator's drafting costs the choice nothing, so from the prior on every round ran K_max (2
+cores, b = 1: 63 ms a verify of 6 positions against 40 for an AR step). So once costs are
+measured, every COST_PROBE_GAP rounds an all-greedy round whose longest K is above an untimed
+choice >= 1 runs at the longest such choice instead (greedy tokens do not depend on K; sampled
+rows are never shortened), until every choice >= 1 below K_max has a timing; K = 0 is left to
+the rows' own probes.
+
 Ahead of time (:meth:`AdaptiveK.choose_ahead`): a round at K = 0 teaches the policy nothing (its
 rows observe nothing), so the next round's choices can be made while its forward runs on the
 device, and the next :meth:`AdaptiveK.choose` takes them as they are (rows that joined since are
@@ -126,6 +136,7 @@ LONGER_K_MARGIN = 0.05  # a longer K is kept while its rate is within this share
 PROBE_BUDGET = 0.02  # probes' share of the decoding time at most, once a probe has been timed
 COST_WINDOW = 15  # measurements a cost estimate is the median of
 DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
+COST_PROBE_GAP = 16  # rounds between two timing rounds of a K not yet timed (module doc)
 
 
 def expected_tokens(k: int, alpha: float) -> float:
@@ -309,6 +320,8 @@ class AdaptiveK:
         self._calls = 0
         self.sweeping = False  # the last choice was a sweep's (its round captures: not timed)
         self.probed = False  # a row of the last choice probes (the loop times its round)
+        self.timing = False  # the last choice is a timing round of an untimed K (module doc)
+        self._since_timing = 0  # choices since the last timing round
         self.k_max = k_max
         self.costs = costs if costs is not None else StepCosts(k_max)
         self.enabled = enabled
@@ -362,7 +375,25 @@ class AdaptiveK:
                 k, probe = self._choose_row(key, s, prior if s else measured)
             self.probed |= probe
             out.append(k)
-        return self._lift(keys, sampled, out)
+        return self._timing_round(self._lift(keys, sampled, out), sampled)
+
+    def _timing_round(self, chosen: list[int], sampled: Sequence[bool]) -> list[int]:
+        """``chosen``, or every COST_PROBE_GAP rounds of greedy rows, while a choice >= 1 below
+        the round's longest K has no timing, the round at the longest such choice (module doc,
+        Timing rounds)."""
+        self._since_timing += 1
+        self.timing = False
+        if not chosen or any(sampled) or not self.costs.measured or \
+                self._since_timing < COST_PROBE_GAP:
+            return chosen
+        longest = max(chosen)
+        untimed = [k for k in self.choices if 0 < k < longest and self.costs.rest[k] is None]
+        if not untimed:
+            return chosen
+        self._since_timing = 0
+        self.timing = True
+        k = max(untimed)
+        return [min(c, k) for c in chosen]
 
     def choose_ahead(self, keys: Sequence[int], sampled: Sequence[bool]) -> None:
         """The next round's choices for ``keys``, made now (module doc, Ahead of time): call

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ssdlib.speculative.adaptive_k import (COST_WINDOW, FIRST_PROBE_INTERVAL, LONGER_K_MARGIN, PROBE_BUDGET,
+from ssdlib.speculative.adaptive_k import (COST_PROBE_GAP, COST_WINDOW, FIRST_PROBE_INTERVAL, LONGER_K_MARGIN, PROBE_BUDGET,
                                            MAX_PROBE_INTERVAL, AdaptiveK, RowState,
                                            StepCosts, best_k, expected_tokens,
                                            k_choices)
@@ -462,3 +462,48 @@ def test_a_choice_made_ahead_is_used_once_and_only_for_its_rows():
     policy.choose_ahead([0], [False])
     policy.choose([1], [False])  # a round without row 0 drops what was chosen for it
     assert policy._ahead == {}
+
+
+def _ssd_like_policy(k_max: int = 5) -> AdaptiveK:
+    """A policy whose drafting costs nothing (an SSD leader's) with only K_max timed."""
+    policy = AdaptiveK(k_max, StepCosts(k_max, draft_prior=0.0))
+    policy.admit(0)
+    policy.costs.observe_round(k_max, 0.063)
+    return policy
+
+
+def test_a_timing_round_times_an_untimed_k():
+    """Only K_max timed (a leader whose draft costs it nothing runs K_max from the prior on): one
+    round in COST_PROBE_GAP runs the untimed K_max / 2; once that K is timed, no more; where it
+    is cheaper than its rate's loss (a verify whose cost grows with K), the policy takes it."""
+    policy = _ssd_like_policy()
+    ks = []
+    for _ in range(2 * COST_PROBE_GAP):
+        ks.append(policy.choose([0], [False])[0])
+        if policy.timing:
+            assert ks[-1] == 3
+        policy.observe([0], [ks[-1]], [ks[-1] * 6 // 10], [False])
+    assert ks.count(3) == 2 and ks.count(5) == 2 * COST_PROBE_GAP - 2  # untimed: probed again
+    policy.costs.observe_round(3, 0.050)  # 6 positions 63 ms, 4 positions 50 ms
+    ks = []
+    for _ in range(COST_PROBE_GAP + 1):
+        policy.rows[0].accepted, policy.rows[0].tried = 6.0, 10.0  # alpha 0.6
+        ks.append(policy.choose([0], [False])[0])
+        assert not policy.timing
+    assert set(ks) == {3}  # E(3) / 50 ms beats E(5) / 63 ms at alpha ~0.6
+    flat = _ssd_like_policy()
+    flat.costs.observe_round(3, 0.063)  # a GPU: the verify's cost flat in K
+    flat.rows[0].accepted, flat.rows[0].tried = 6.0, 10.0
+    assert flat.choose([0], [False]) == [5]
+
+
+def test_no_timing_round_with_sampled_rows_or_before_costs():
+    policy = _ssd_like_policy()
+    policy.admit(1)
+    for _ in range(3 * COST_PROBE_GAP):
+        assert policy.choose([0, 1], [False, True]) == [5, 5]  # a sampled row: never shortened
+        assert not policy.timing
+    fresh = AdaptiveK(5, StepCosts(5, draft_prior=0.0))
+    fresh.admit(0)
+    for _ in range(3 * COST_PROBE_GAP):  # nothing timed yet: the priors decide
+        assert fresh.choose([0], [False]) == [5]

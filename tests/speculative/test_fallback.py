@@ -203,6 +203,11 @@ def test_auto_measures_each_backup_then_weighs_them():
     _measure_after(fb, {"ngram": 1.0}, n=400)  # after an n-gram proposal the cache hits
     assert fb.hit_rate_after("ngram", 0.5) > 0.9
     assert fb.choose(1, 1e-3, None) == "ngram"
+    # later, one choice in EXPLORE_EVERY goes to the least measured backup
+    from ssdlib.engine.speculator.outcomes import EXPLORE_EVERY
+    picks = [fb.choose(1, 1e-3, None) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count("ngram") == 2 * EXPLORE_EVERY - 2
+    assert {p for p in picks if p != "ngram"} <= {"jit", "random"}
     fixed = Fallbacks(None, "random", 5, 1000)
     assert fixed.choose(1, 1e-3, None) == "random" and fixed.pushed == "random"
 
@@ -226,3 +231,17 @@ def test_speculation_sources():
     assert [r.source for r in rows] == ["cache", "jit", "ngram", "ngram"]
     ans.record(rows, "random")
     assert [r.source for r in rows] == ["cache", "jit", "random", "random"]
+
+
+def test_jit_cost_is_the_median_of_its_drafts(monkeypatch):
+    """One slow jit draft (a collector's pause, a first call) does not decide jit's cost."""
+    import time
+
+    from ssdlib.engine.speculator import outcomes
+
+    durations = iter([0.002, 0.002, 0.050, 0.002])
+    monkeypatch.setattr(outcomes, "answer_jit", lambda *a: time.sleep(next(durations)))
+    fb = outcomes.Fallbacks(None, "auto", 3, 10)
+    for _ in range(4):
+        fb.jit([], None, [])
+    assert 0.002 <= fb.t_jit < 0.02

@@ -9,7 +9,9 @@ Every answer declares the q its tokens were drawn from (QKind), so the verifier 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,10 @@ MIN_LOOKUPS_FOR_AUTO = 8
 # lookups after each backup's speculations before the choice trusts its hit rate: until then
 # "auto" answers misses with the backup least measured (jit, n-gram and random each a few times)
 MIN_LOOKUPS_AFTER = 8
+# then one choice in this many goes to the backup least measured, so that the estimates of the
+# backups not chosen keep learning (a choice made on a few lookups is not final)
+EXPLORE_EVERY = 32
+JIT_TIMES = 15  # jit drafts whose median time is jit's cost
 NGRAM_COST = 0.0
 NGRAM_ACCEPTANCE_PRIOR = 0.2
 A_P_PRIOR = 0.7
@@ -133,7 +139,9 @@ class Fallbacks:
         self.drafter = drafter
         self.configured = configured  # "jit" | "ngram" | "random" | "auto"
         self.K, self.V = k, vocab_size
-        self.t_jit: float | None = None  # measured cost of a jit draft, seconds
+        self.t_jit: float | None = None  # measured cost of a jit draft, seconds (median)
+        self._jit_times: deque[float] = deque(maxlen=JIT_TIMES)
+        self._choices = 0  # choices since the backups were all measured
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
         self.jit_accepted = self.jit_tried = 0  # and of jit drafts (rows that missed, firsts)
         # cache lookups and hits over the rank's life (the STATS counters restart with every
@@ -184,7 +192,8 @@ class Fallbacks:
         (:meth:`observe_after`; ``fallback.steady_hit_rate``), jit's cost (in verify forwards of
         the leader, ``t_verify`` seconds each), the backups' measured acceptance and the batch
         size. jit until there are measurements, then each backup in turn until its hit rate is
-        measured (the least measured first)."""
+        measured (the least measured first); after that, one choice in EXPLORE_EVERY is the
+        least measured backup's."""
         self.pushed = self._choose(n_rows, t_verify, estimator)
         return self.pushed
 
@@ -196,6 +205,9 @@ class Fallbacks:
         unmeasured = [f for f in FALLBACKS if self.after[f][0] < MIN_LOOKUPS_AFTER]
         if unmeasured:
             return min(unmeasured, key=lambda f: self.after[f][0])
+        self._choices += 1
+        if self._choices % EXPLORE_EVERY == 0:
+            return min(FALLBACKS, key=lambda f: self.after[f][0])
         p = self.hits / self.lookups
         a_p = estimator.a_p if estimator is not None else A_P_PRIOR
         return choose_fallback(n_rows, self.hit_rate_after("cache", p), a_p, self.K,
@@ -209,7 +221,8 @@ class Fallbacks:
         t0 = time.perf_counter()
         answer_jit(self.drafter, rows, self.K, ans, torch.tensor(loc))
         # after the read-back, so the cost includes the drafting on the device
-        self.t_jit = time.perf_counter() - t0
+        self._jit_times.append(time.perf_counter() - t0)
+        self.t_jit = statistics.median(self._jit_times)
 
 
 def q_after_build() -> bool:
