@@ -101,8 +101,10 @@ speculator's drafting costs the choice nothing, so from the prior on every round
 cores, b = 1: 63 ms a verify of 6 positions against 40 for an AR step). So once costs are
 measured, every COST_PROBE_GAP rounds an all-greedy round whose longest K is above an untimed
 choice >= 1 runs at the longest such choice instead (greedy tokens do not depend on K; sampled
-rows are never shortened), until every choice >= 1 below K_max has a timing; K = 0 is left to
-the rows' own probes.
+rows are never shortened), until every choice >= 1 below K_max has a timing at that batch size
+(costs are kept per batch size: on 2 cores, SD at b = 4 ended a run with K = 3 timed at 51 ms
+and K = 5 at 114 when each median mixed rounds of 1 to 4 rows, and an SSD leader with K = 3 at
+131 and K = 5 at 63, which then never chose K = 3); K = 0 is left to the rows' own probes.
 
 Ahead of time (:meth:`AdaptiveK.choose_ahead`): a round at K = 0 teaches the policy nothing (its
 rows observe nothing), so the next round's choices can be made while its forward runs on the
@@ -166,13 +168,40 @@ def best_k(alpha: float, costs: Sequence[float], least: int = 0,
     return max(k for k in ks if k > 0 and rates[k] >= (1.0 - margin) * rates[best])
 
 
-class StepCosts:
-    """Running estimates of a round's cost at each K (seconds once measured).
+class _Timings:
+    """The running medians of one batch size: a draft step, and the rest of a round per K."""
 
-    ``observe_draft(seconds, steps)``: a proposal of ``steps`` tokens took ``seconds``;
-    ``observe_round(k, seconds)``: the rest of a round that verified ``k`` drafts (the verify
-    forward, acceptance, commit; for k = 0 an AR step). :meth:`table` gives cost(K) for every K:
-    K * draft + rest(K). A K not measured yet takes the nearest measured one's rest; a draft not
+    def __init__(self, k_max: int, window: int):
+        self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
+        self._rest = [deque(maxlen=window) for _ in range(k_max + 1)]  # seconds, per K
+        # their medians, each recomputed when its window changes (a few µs, once a round)
+        self.draft: float | None = None
+        self.rest: list[float | None] = [None] * (k_max + 1)
+
+    def add_draft(self, seconds: float) -> None:
+        self._draft.append(seconds)
+        self.draft = median(self._draft)
+
+    def add_rest(self, k: int, seconds: float) -> None:
+        self._rest[k].append(seconds)
+        self.rest[k] = median(self._rest[k])
+
+    @property
+    def measured(self) -> bool:
+        return any(r is not None for r in self.rest)
+
+
+class StepCosts:
+    """Running estimates of a round's cost at each K (seconds once measured), per batch size.
+
+    ``observe_draft(seconds, steps, rows)``: a proposal of ``steps`` tokens for ``rows`` rows
+    took ``seconds``; ``observe_round(k, seconds, rows)``: the rest of a round of ``rows`` rows
+    that verified ``k`` drafts (the verify forward, acceptance, commit; for k = 0 an AR step).
+    :meth:`at_rows` sets the batch size the next choices are for (a round's cost grows with its
+    rows where the device is busy: a CPU, a large batch; a median over rounds of other sizes
+    would judge a K by the rows its last rounds happened to have). :meth:`table` gives cost(K)
+    for every K: K * draft + rest(K), from that batch size's timings, else the nearest timed
+    batch size's. A K not measured yet takes the nearest measured one's rest; a draft not
     measured ``draft_prior`` times the mean rest. Before any measurement, and with
     ``measured=False``, the priors: rest = 1, draft = ``draft_prior``."""
 
@@ -181,53 +210,94 @@ class StepCosts:
             raise ValueError("StepCosts: k_max >= 0, draft_prior >= 0 and window >= 1 needed")
         self.k_max = k_max
         self.draft_prior = draft_prior
-        self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
-        self._rest = [deque(maxlen=window) for _ in range(k_max + 1)]  # seconds, per K
-        # their medians, each recomputed when its window changes (a few µs, once a round)
-        self.draft: float | None = None  # seconds per draft step (None: not measured)
-        self.rest: list[float | None] = [None] * (k_max + 1)  # seconds of the rest, per K
-        self._cache: list[float] | None = None  # the measured table, until the next sample
+        self.window = window
+        self.rows = 1  # the batch size of the next choices (:meth:`at_rows`)
+        self._by_rows: dict[int, _Timings] = {}
+        self._cache: dict[int, list[float]] = {}  # measured tables by batch size, until a sample
         self._prior = [1.0 + k * draft_prior for k in range(k_max + 1)]
         self._probe: deque[float] = deque(maxlen=window)  # a probe round's extra seconds
         self.probe_extra: float | None = None  # their median (None: no probe timed yet)
 
-    def observe_draft(self, seconds: float, steps: int) -> None:
-        if steps > 0 and seconds >= 0:
-            self._draft.append(seconds / steps)
-            self.draft = median(self._draft)
-            self._cache = None
+    def at_rows(self, rows: int) -> None:
+        """The next choices are for rounds of ``rows`` rows."""
+        self.rows = max(1, int(rows))
 
-    def observe_round(self, k: int, seconds: float) -> None:
+    def _timings(self, rows: int | None) -> _Timings:
+        rows = self.rows if rows is None else max(1, int(rows))
+        t = self._by_rows.get(rows)
+        if t is None:
+            t = self._by_rows[rows] = _Timings(self.k_max, self.window)
+        return t
+
+    def _here(self) -> _Timings | None:
+        """This batch size's timings, else the nearest timed batch size's (ties: the larger),
+        else None."""
+        timed = [r for r, t in self._by_rows.items() if t.measured]
+        if not timed:
+            return None
+        if self.rows in timed:
+            return self._by_rows[self.rows]
+        return self._by_rows[min(timed, key=lambda r: (abs(r - self.rows), -r))]
+
+    @property
+    def draft(self) -> float | None:
+        """Seconds a draft step at this batch size (None: not measured)."""
+        here = self._here()
+        if here is not None and here.draft is not None:
+            return here.draft
+        drafts = [(abs(r - self.rows), -r, t.draft) for r, t in self._by_rows.items()
+                  if t.draft is not None]
+        return min(drafts)[2] if drafts else None
+
+    @property
+    def rest(self) -> list[float | None]:
+        """Seconds of the rest of a round per K at this batch size (or the nearest timed)."""
+        here = self._here()
+        return list(here.rest) if here is not None else [None] * (self.k_max + 1)
+
+    def timed(self, k: int) -> bool:
+        """Whether a round of this very batch size has timed K = ``k``."""
+        t = self._by_rows.get(self.rows)
+        return t is not None and t.rest[k] is not None
+
+    def observe_draft(self, seconds: float, steps: int, rows: int | None = None) -> None:
+        if steps > 0 and seconds >= 0:
+            self._timings(rows).add_draft(seconds / steps)
+            self._cache.clear()
+
+    def observe_round(self, k: int, seconds: float, rows: int | None = None) -> None:
         if 0 <= k <= self.k_max and seconds > 0:
-            self._rest[k].append(seconds)
-            self.rest[k] = median(self._rest[k])
-            self._cache = None
+            self._timings(rows).add_rest(k, seconds)
+            self._cache.clear()
 
     def observe_probe(self, seconds: float) -> None:
         """A round in which a row probed took ``seconds`` (every phase, catch-up included)."""
-        if self.rest[0] is not None and seconds > 0:
-            self._probe.append(max(0.0, seconds - self.rest[0]))
+        ar = self.rest[0]
+        if ar is not None and seconds > 0:
+            self._probe.append(max(0.0, seconds - ar))
             self.probe_extra = median(self._probe)
 
     def probe_gap(self, budget: float = PROBE_BUDGET) -> int:
         """Rounds at K = 0 between probes so that probes take at most ``budget`` of the time
         (0 until a probe and an AR round are timed)."""
-        if self.probe_extra is None or not self.rest[0]:
+        ar = self.rest[0]
+        if self.probe_extra is None or not ar:
             return 0
-        return math.ceil(self.probe_extra / (budget * self.rest[0]))
+        return math.ceil(self.probe_extra / (budget * ar))
 
     @property
     def measured(self) -> bool:
-        return any(r is not None for r in self.rest)
+        return any(t.measured for t in self._by_rows.values())
 
     def table(self, measured: bool = True) -> list[float]:
-        """cost(K) for K = 0 .. k_max (prior units without measurements or with
-        ``measured=False``)."""
+        """cost(K) for K = 0 .. k_max at this batch size (prior units without measurements or
+        with ``measured=False``)."""
         if not measured or not self.measured:
             return self._prior
-        if self._cache is None:
-            self._cache = self._measured_table()
-        return self._cache
+        table = self._cache.get(self.rows)
+        if table is None:
+            table = self._cache[self.rows] = self._measured_table()
+        return table
 
     def _measured_table(self) -> list[float]:
         known = [(k, r) for k, r in enumerate(self.rest) if r is not None]
@@ -244,10 +314,16 @@ class StepCosts:
         return [k * draft + rest[k] for k in range(self.k_max + 1)]
 
     def snapshot(self) -> dict:
-        """The estimates in ms, for the run's metrics: draft step, and the rest per K."""
-        return {"draft_step_ms": None if self.draft is None else 1e3 * self.draft,
+        """The estimates in ms, for the run's metrics: at the last batch size chosen for, a
+        draft step and the rest per K; and the rest per K of every batch size timed."""
+        draft = self.draft
+        return {"draft_step_ms": None if draft is None else 1e3 * draft,
                 "round_ms_by_k": {str(k): 1e3 * r for k, r in enumerate(self.rest)
                                   if r is not None},
+                "round_ms_by_rows": {str(rows): {str(k): 1e3 * r for k, r in enumerate(t.rest)
+                                                 if r is not None}
+                                     for rows, t in sorted(self._by_rows.items())
+                                     if t.measured},
                 "probe_extra_ms": None if self.probe_extra is None else 1e3 * self.probe_extra}
 
 
@@ -360,6 +436,7 @@ class AdaptiveK:
         if not self.enabled:
             return [self.k_max] * len(keys)
         ahead, self._ahead = self._ahead, {}
+        self.costs.at_rows(len(keys))
         forced = self._sweep.next((not all(sampled), any(sampled))) if keys else None
         self.sweeping = forced is not None
         self.probed = False
@@ -387,7 +464,7 @@ class AdaptiveK:
                 self._since_timing < COST_PROBE_GAP:
             return chosen
         longest = max(chosen)
-        untimed = [k for k in self.choices if 0 < k < longest and self.costs.rest[k] is None]
+        untimed = [k for k in self.choices if 0 < k < longest and not self.costs.timed(k)]
         if not untimed:
             return chosen
         self._since_timing = 0
@@ -402,6 +479,7 @@ class AdaptiveK:
         if self.schedule or not self.enabled or not keys or \
                 self._sweep.todo.get((not all(sampled), any(sampled))):
             return
+        self.costs.at_rows(len(keys))
         measured, prior = self.costs.table(), self.costs.table(measured=False)
         self._ahead = {key: (s, *self._choose_row(key, s, prior if s else measured))
                        for key, s in zip(keys, sampled)}

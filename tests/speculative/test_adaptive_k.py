@@ -281,11 +281,13 @@ def test_a_short_failing_stretch_shortens_speculation_and_a_lasting_one_stops_it
 H200_DRAFT, H200_VERIFY, H200_AR, H200_PROBE = 0.26e-3, 1.10e-3, 1.17e-3, 0.9e-3
 
 
-def _h200_costs(policy):
+def _h200_costs(policy, rows=(1, 2)):
+    """Every K timed at these batch sizes (a GPU: the same costs at each)."""
     for _ in range(COST_WINDOW):
-        policy.costs.observe_draft(H200_DRAFT, 1)
-        for k in range(policy.k_max + 1):
-            policy.costs.observe_round(k, H200_VERIFY if k else H200_AR)
+        for n in rows:
+            policy.costs.observe_draft(H200_DRAFT, 1, rows=n)
+            for k in range(policy.k_max + 1):
+                policy.costs.observe_round(k, H200_VERIFY if k else H200_AR, rows=n)
         policy.costs.observe_probe(H200_AR + H200_PROBE)
 
 
@@ -507,3 +509,30 @@ def test_no_timing_round_with_sampled_rows_or_before_costs():
     fresh.admit(0)
     for _ in range(3 * COST_PROBE_GAP):  # nothing timed yet: the priors decide
         assert fresh.choose([0], [False]) == [5]
+
+
+def test_costs_are_kept_per_batch_size():
+    """A round's cost at each K is learnt per batch size; a batch size not timed takes the
+    nearest timed one's (ties: the larger); the choice follows the batch it is made for."""
+    costs = StepCosts(5, draft_prior=0.0)
+    for _ in range(COST_WINDOW):
+        costs.observe_round(5, 0.114, rows=4)
+        costs.observe_round(3, 0.090, rows=4)
+        costs.observe_round(5, 0.063, rows=1)
+        costs.observe_round(3, 0.063, rows=1)
+    costs.at_rows(4)
+    assert costs.rest[3] == 0.090 and costs.rest[5] == 0.114 and costs.timed(3)
+    costs.at_rows(1)
+    assert costs.rest[3] == costs.rest[5] == 0.063
+    costs.at_rows(3)  # not timed: the nearest, 4 rows
+    assert costs.rest[5] == 0.114 and not costs.timed(5)
+    costs.at_rows(2)  # 1 and 4 rows are not equally near: 1
+    assert costs.rest[5] == 0.063
+    snap = costs.snapshot()
+    assert snap["round_ms_by_rows"]["4"] == pytest.approx({"3": 90.0, "5": 114.0})
+    policy = AdaptiveK(5, costs)
+    for key in range(4):
+        policy.admit(key)
+        policy.rows[key].accepted, policy.rows[key].tried = 6.0, 10.0
+    assert policy.choose([0, 1, 2, 3], [False] * 4) == [3] * 4  # 4 rows: K = 3 pays
+    assert policy.choose([0], [False]) == [5]  # one row: the verify's cost is flat in K

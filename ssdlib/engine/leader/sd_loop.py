@@ -54,16 +54,17 @@ class SDLoop:
         # proposal: that may come after rounds at K = 0, with a length no warm-up foresaw
         self.drafter.prefill(seqs)
 
-    def _learn_costs(self, phases: dict, tag: tuple[int, bool, bool] | None) -> None:
-        """A timed round's phases -> the policy's cost estimates: a draft step (from a round
-        whose proposal was its chain alone: no prompt, no catch-up), the rest of the round."""
+    def _learn_costs(self, phases: dict, tag: tuple[int, bool, bool, int] | None) -> None:
+        """A timed round's phases -> the policy's cost estimates at its batch size: a draft
+        step (from a round whose proposal was its chain alone: no prompt, no catch-up), the rest
+        of the round."""
         if not phases or tag is None:
             return
-        k, plain, probed = tag
+        k, plain, probed, rows = tag
         costs = self.policy.costs
         if k > 0 and plain:
-            costs.observe_draft(phases.get("draft", 0.0), k)
-        costs.observe_round(k, phases.get("verify", 0.0) + phases.get("host", 0.0))
+            costs.observe_draft(phases.get("draft", 0.0), k, rows)
+        costs.observe_round(k, phases.get("verify", 0.0) + phases.get("host", 0.0), rows)
         if probed:
             costs.observe_probe(sum(phases.get(p, 0.0) for p in ("draft", "verify", "host")))
 
@@ -132,7 +133,7 @@ class SDLoop:
         # nor does one with sampling rows: only greedy rows decide on measured costs, and a
         # sampled round's steps may be others (adaptive_k's module doc, Costs)
         tag = None if self.policy.sweeping or capture_count() != captured or not greedy else \
-            (k, k > 0 and self.drafter.plain, self.policy.probed)
+            (k, k > 0 and self.drafter.plain, self.policy.probed, len(seqs))
         self._timed = tag if timer.timed and not phases else None
         self._learn_costs(phases, tag)
 

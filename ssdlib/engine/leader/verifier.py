@@ -90,8 +90,9 @@ class LinkVerifier:
         self.policy = AdaptiveK(k, costs, enabled=adaptive, sweep=sweep, schedule=schedule or ())
         self.limits: dict[int, int] = {}  # per slot: K_i of the speculation in hand
         self._drafted = 0  # tokens a row the speculator drafts for the next round (jit source)
-        # (K verified, K drafted for the next round) of the round whose phases the timer holds
-        self._timed: tuple[int, int] | None = None
+        # (K verified, K drafted for the next round, rows) of the round whose phases the timer
+        # holds
+        self._timed: tuple[int, int, int] | None = None
         # chained rounds (stream placement, small batches: chained_rounds.py)
         self.chain = ChainedRounds(target, link, k, device, link.max_batch) \
             if isinstance(link, LocalLink) and source.pushes_cache and chained_rounds_on() \
@@ -246,13 +247,13 @@ class LinkVerifier:
         self._verify_us = int(1e6 * phases["verify"])  # (the speculator keeps the last value)
         if ks is None:
             return
-        verified, drafted = ks
+        verified, drafted, rows = ks
         rest = sum(phases.values())
         if not self.source.pushes_cache and drafted > 0:
             # a cacheless speculator's jit draft is the wait for the next speculation
-            self.policy.costs.observe_draft(phases.get("wait", 0.0), drafted)
+            self.policy.costs.observe_draft(phases.get("wait", 0.0), drafted, rows)
             rest -= phases.get("wait", 0.0)
-        self.policy.costs.observe_round(verified, rest)
+        self.policy.costs.observe_round(verified, rest, rows)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -412,7 +413,7 @@ class LinkVerifier:
         # (only greedy rows decide on measured costs, as in SDLoop)
         swept = sweeping or self.policy.sweeping
         ks = None if swept or capture_count() != captured or any(sampled) else \
-            (k, self._drafted)
+            (k, self._drafted, len(active))
         self._timed = ks if timer.timed and not phases else None
         self._read_phases(phases, ks)
         clock.tick("timer")
