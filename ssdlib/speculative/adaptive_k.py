@@ -101,7 +101,8 @@ speculator's drafting costs the choice nothing, so from the prior on every round
 cores, b = 1: 63 ms a verify of 6 positions against 40 for an AR step). So once costs are
 measured, every COST_PROBE_GAP rounds an all-greedy round whose longest K is above an untimed
 choice >= 1 runs at the longest such choice instead (greedy tokens do not depend on K; sampled
-rows are never shortened), until every choice >= 1 below K_max has a timing at that batch size
+rows are never shortened), until every choice >= 1 below K_max has TIMINGS timings at that batch
+size (one timing may be an outlier that would keep the K from ever being chosen)
 (costs are kept per batch size: on 2 cores, SD at b = 4 ended a run with K = 3 timed at 51 ms
 and K = 5 at 114 when each median mixed rounds of 1 to 4 rows, and an SSD leader with K = 3 at
 131 and K = 5 at 63, which then never chose K = 3); K = 0 is left to the rows' own probes.
@@ -139,6 +140,7 @@ PROBE_BUDGET = 0.02  # probes' share of the decoding time at most, once a probe 
 COST_WINDOW = 15  # measurements a cost estimate is the median of
 DRAFT_PRIOR = 0.25  # a draft step, in verifies, before it is measured (a draft ~1/4 the target)
 COST_PROBE_GAP = 16  # rounds between two timing rounds of a K not yet timed (module doc)
+TIMINGS = 3  # timings of a K at a batch size before it counts as timed (one may be an outlier)
 
 
 def expected_tokens(k: int, alpha: float) -> float:
@@ -185,6 +187,9 @@ class _Timings:
     def add_rest(self, k: int, seconds: float) -> None:
         self._rest[k].append(seconds)
         self.rest[k] = median(self._rest[k])
+
+    def count(self, k: int) -> int:
+        return len(self._rest[k])
 
     @property
     def measured(self) -> bool:
@@ -255,10 +260,10 @@ class StepCosts:
         here = self._here()
         return list(here.rest) if here is not None else [None] * (self.k_max + 1)
 
-    def timed(self, k: int) -> bool:
-        """Whether a round of this very batch size has timed K = ``k``."""
+    def timed(self, k: int, times: int = TIMINGS) -> bool:
+        """Whether rounds of this very batch size have timed K = ``k`` ``times`` times."""
         t = self._by_rows.get(self.rows)
-        return t is not None and t.rest[k] is not None
+        return t is not None and t.count(k) >= times
 
     def observe_draft(self, seconds: float, steps: int, rows: int | None = None) -> None:
         if steps > 0 and seconds >= 0:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ssdlib.speculative.adaptive_k import (COST_PROBE_GAP, COST_WINDOW, FIRST_PROBE_INTERVAL, LONGER_K_MARGIN, PROBE_BUDGET,
+from ssdlib.speculative.adaptive_k import (COST_PROBE_GAP, COST_WINDOW, TIMINGS, FIRST_PROBE_INTERVAL, LONGER_K_MARGIN, PROBE_BUDGET,
                                            MAX_PROBE_INTERVAL, AdaptiveK, RowState,
                                            StepCosts, best_k, expected_tokens,
                                            k_choices)
@@ -487,6 +487,10 @@ def test_a_timing_round_times_an_untimed_k():
         policy.observe([0], [ks[-1]], [ks[-1] * 6 // 10], [False])
     assert ks.count(3) == 2 and ks.count(5) == 2 * COST_PROBE_GAP - 2  # untimed: probed again
     policy.costs.observe_round(3, 0.050)  # 6 positions 63 ms, 4 positions 50 ms
+    assert not policy.costs.timed(3)  # one timing may be an outlier: TIMINGS of them
+    for _ in range(TIMINGS - 1):
+        policy.costs.observe_round(3, 0.050)
+    assert policy.costs.timed(3)
     ks = []
     for _ in range(COST_PROBE_GAP + 1):
         policy.rows[0].accepted, policy.rows[0].tried = 6.0, 10.0  # alpha 0.6
