@@ -101,7 +101,7 @@ def _check_branches(cache, row, target):
 def _answer(row, tokens, hit: bool, branch: int = 0, kind=QKind.DENSE):
     """The speculator's record of its answer to the row's outcome (``outcomes.Answer``)."""
     Answer(torch.tensor([tokens]), torch.tensor([int(kind)]), torch.tensor([hit]),
-           torch.tensor([branch]), None).record([row])
+           torch.tensor([branch]), None).record([row], "ngram")
 
 
 def _oracle_rounds(target, draft, fused, pool, runs, compiled):

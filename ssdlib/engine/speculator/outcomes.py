@@ -48,7 +48,7 @@ class Answer:
     branch: torch.Tensor  # [n] int64, host: the cache branch of a hit
     q: torch.Tensor | None  # [n, K, V] float32 on the device, when the exchange samples
 
-    def record(self, rows: list[SpecRow], backup: str = "ngram") -> None:
+    def record(self, rows: list[SpecRow], backup: str) -> None:
         """The rows' speculations in flight are now these; ``backup``: the one the leader
         answered misses with (the speculator's last CACHE named it), the source of the rows
         the leader drew (n-gram or random tokens)."""
