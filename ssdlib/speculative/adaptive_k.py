@@ -305,9 +305,10 @@ class StepCosts:
         return table
 
     def _measured_table(self) -> list[float]:
-        known = [(k, r) for k, r in enumerate(self.rest) if r is not None]
+        rest = self.rest  # this batch size's (or the nearest timed one's), a copy
+        known = [(k, r) for k, r in enumerate(rest) if r is not None]
         rest = [r if r is not None else min(known, key=lambda kr: abs(kr[0] - k))[1]
-                for k, r in enumerate(self.rest)]
+                for k, r in enumerate(rest)]
         # a verify of more positions never costs less than one of fewer: each K's rest is at
         # most every longer K's (so a K whose few timings ran slow, e.g. beside a first call's
         # work, is not judged dearer than a longer one, and thereby never run and retimed)

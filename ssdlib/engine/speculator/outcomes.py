@@ -55,7 +55,6 @@ class Answer:
         hit, branch, tokens = self.hit.tolist(), self.branch.tolist(), self.tokens.tolist()
         for row, h, br, toks, kind in zip(rows, hit, branch, tokens, self.kinds.tolist()):
             row.reuse = br if h and row.fed else None
-            row.hit = bool(h)
             row.sent = toks
             row.fed = False
             row.kind = kind

@@ -27,9 +27,8 @@ class SpecRow:
         self.fed = False  # the speculation's tokens are in the slot (cache was built)
         self.reuse: int | None = None  # cache branch that answered the last outcome (a hit)
         self.kind = int(QKind.DENSE)
-        self.hit = False  # the speculation in flight came from the cache
-        # where it came from: "cache", "jit" (the draft's, now), "ngram" or "random" (drawn by
-        # the leader for a miss, with the backup the speculator named)
+        # where the speculation in flight came from: "cache", "jit" (the draft's, now), "ngram"
+        # or "random" (drawn by the leader for a miss, with the backup the speculator named)
         self.source = "jit"
         self.limit: int | None = None  # how many of its tokens the leader verifies (None: all)
 
@@ -37,7 +36,7 @@ class SpecRow:
     def is_jit(self) -> bool:
         """The speculation in flight is this speculator's jit draft (not the cache's, not a
         fallback's)."""
-        return self.kind == int(QKind.DENSE) and not self.hit
+        return self.source == "jit"
 
     @classmethod
     def admitted(cls, row: AdmitRow, device: torch.device) -> "SpecRow":
@@ -64,6 +63,5 @@ class SpecRow:
         self.fed = False
         self.reuse = None
         self.kind = int(QKind.DENSE)
-        self.hit = False
         self.source = "jit"
         self.limit = None

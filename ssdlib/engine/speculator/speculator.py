@@ -353,11 +353,12 @@ class CacheRole:
         cache. Returns (lookups, hits)."""
         built = [r.fed for r in rows]
         hit = ans.hit.tolist()
-        hs = [h for h, f in zip(hit, built) if f]
-        self.fallbacks.observe_lookups(len(hs), sum(hs))
+        hs = []
         for row, h in zip(rows, hit):
             if row.fed:
+                hs.append(h)
                 self.fallbacks.observe_after(row.source, h)
+        self.fallbacks.observe_lookups(len(hs), sum(hs))
         if self.estimator is not None and hs:
             fan = self._fanout_used
             self.estimator.observe_lookups(
