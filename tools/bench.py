@@ -555,9 +555,23 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
             budgets = b.get("chain_budgets") if key == "chain_overlap" else None
             tuned = "" if not budgets else "  budgets " + ", ".join(
                 f"{n}x{a}" for a, n in budgets["builds"].items()) + f" (held {budgets['held']})"
-            print(f"{b['mode']:12} {count}verify {o['verify_ms']:.3f}  "
-                  f"build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
+            print(f"{b['mode']:12} {count}verify {o['verify_ms']:.3f}"
+                  f"{verify_ratios(o['verify_ms'], breakdowns) if key == 'chain_overlap' else ''}"
+                  f"  build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
                   f"({100 * share:.0f}% of the build){tuned}")
+
+
+def verify_ratios(verify_ms: float, breakdowns: list[dict]) -> str:
+    """A chained round's verify against AR's verify (one position a row) and SD's (the same K + 1
+    positions, no build beside it), from the same invocation: the first ratio is what the
+    build beside it and the K + 1 positions cost together, the second the build's share."""
+    parts = []
+    for mode in ("ar", "sd"):
+        b = next((b for b in breakdowns if b["mode"] == mode), None)
+        ms = (b or {}).get("ms_per_round", {}).get("verify")
+        if ms:
+            parts.append(f"{verify_ms / ms:.2f}x {mode.upper()}'s")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -265,3 +265,19 @@ def test_the_source_digest_follows_the_files(tmp_path):
     assert changed != first
     (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "b.py")
     assert source_digest(str(tmp_path)) not in (first, changed)
+
+
+def test_chained_verify_is_compared_with_ar_and_sd_verify(capsys):
+    def part(mode, verify_s, **extra):
+        return dict(breakdown(mode, {"tokens": 20, "requests": 1, "rounds": 10,
+                                     "verify_s": verify_s, "tokens_per_round": 2.0}), **extra)
+    overlap = {"verify_ms": 1.5, "build_ms": 1.2, "hidden_ms": 1.2}
+    ssd = part("ssd", 0.015, chain_overlap=overlap, chained_rounds=9)
+    print_tables([], [part("ar", 0.012), part("sd", 0.013), ssd])
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("ssd") and "chained" in x)
+    assert "verify 1.500 (1.25x AR's, 1.15x SD's)" in line
+    print_tables([], [ssd])  # no AR or SD in the invocation: no ratios
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("ssd") and "chained" in x)
+    assert "verify 1.500  build 1.200" in line
