@@ -60,6 +60,21 @@ def timed(launches, verify_stream, n=200):
     return wall[0].elapsed_time(wall[1]) / n, verify_ms / n
 
 
+def alone_on(stream, work):
+    """Launches for :func:`timed`: ``work()`` alone on ``stream``, between the timing events."""
+    def launches(start, end):
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            if start is not None:
+                start.record()
+            work()
+            if end is not None:
+                end.record()
+        main.wait_stream(stream)
+    return launches
+
+
 def run_case(fp, name, verify_shape, build_shape, sms_list):
     gv, kv = graph_of(fp, *verify_shape)
     gb, kb = graph_of(fp, *build_shape)
@@ -88,17 +103,7 @@ def run_case(fp, name, verify_shape, build_shape, sms_list):
         return launches
 
     def build_alone(stream):
-        def launches(start, end):
-            main = torch.cuda.current_stream()
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                if start is not None:
-                    start.record()
-                nonlocal_graph[0].replay()
-                if end is not None:
-                    end.record()
-            main.wait_stream(stream)
-        return launches
+        return alone_on(stream, lambda: nonlocal_graph[0].replay())
 
     _, v_alone = timed(make(None), sv)
     _, b_alone = timed(build_alone(sb), sb)
@@ -126,17 +131,7 @@ def run_case(fp, name, verify_shape, build_shape, sms_list):
         hq, hkv, hd = build_shape[3:6]
 
         def eager_on(stream):
-            def launches(start, end):
-                main = torch.cuda.current_stream()
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    if start is not None:
-                        start.record()
-                    fp.step(W, emb, ids, pos, cos, sin, hq, hkv, hd, 1024)
-                    if end is not None:
-                        end.record()
-                main.wait_stream(stream)
-            return launches
+            return alone_on(stream, lambda: fp.step(W, emb, ids, pos, cos, sin, hq, hkv, hd, 1024))
         try:
             _, e_full = timed(eager_on(sb), sb, n=50)
             _, e_green = timed(eager_on(gs), gs, n=50)
