@@ -157,6 +157,13 @@ class FanoutEstimator:
 
     @property
     def r(self) -> float:
+        fit = self._miss_fit()
+        return self.r_prior if fit is None else fit[1]  # (the prior too without a slope)
+
+    def _miss_fit(self) -> tuple[float, float] | None:
+        """(log c, r) of the miss model m(F) = c F^(-r) fitted to the lookups (class doc), the
+        line through the buckets' weighted centroid at the clipped slope; with fewer than two
+        usable buckets r's prior and c pooled over every lookup; None before any lookup."""
         xs, ys, ws = [], [], []
         for f, (n, misses) in self.lookups.items():
             if f < 1 or n < self.min_lookups:
@@ -166,13 +173,45 @@ class FanoutEstimator:
             ys.append(math.log(m))
             ws.append(n * m / (1.0 - m))
         if len(set(xs)) < 2:
-            return self.r_prior
+            # one F or too few lookups for a slope: r's prior, and c from every lookup so far
+            # (the moment estimate: misses = c sum_F n_F F^(-r))
+            pooled = [(f, n, misses) for f, (n, misses) in self.lookups.items() if f >= 1 and n]
+            if not pooled:
+                return None
+            r = self.r_prior
+            expected = sum(n * f ** -r for f, n, _ in pooled)
+            return math.log((sum(m for _, _, m in pooled) + 0.5) / (expected + 1.0)), r
         sw = sum(ws)
         mx = sum(w * x for w, x in zip(ws, xs)) / sw
         my = sum(w * y for w, y in zip(ws, ys)) / sw
         sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
         sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
-        return min(max(-sxy / sxx, self.r_range[0]), self.r_range[1])
+        r = min(max(-sxy / sxx, self.r_range[0]), self.r_range[1])
+        return my + r * mx, r
+
+    def hit_rate_after(self, a: float, limit: int | None = None) -> float | None:
+        """The hit rate the model predicts for the lookup after a speculation whose tokens the
+        target accepts at per-token rate ``a``: sum over outcomes k of P_k(a) (1 - m(F_k)),
+        with P_k the geometric outcome law over the verified ``limit`` (default K) tokens, F_k
+        the current allocation's guesses at k and m(F) = min(1, c F^(-r)) the fitted miss
+        model (m(0) = 1). A random proposal (a = 0) always ends at k = 0, where the geometric
+        fan-out puts the most guesses once the draft is often rejected; a backup whose tokens
+        are accepted like the draft's leads to the cache's own hit rate. None before any
+        lookup."""
+        fit = self._miss_fit()
+        if fit is None:
+            return None
+        log_c, r = fit
+        if not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ConfigError(f"acceptance a must be in [0, 1], got {a!r}")
+        fan = self.allocation(limit)
+        k_max = self.K if limit is None else min(max(int(limit), 0), self.K)
+        hit = 0.0
+        for k in range(k_max + 1):
+            p_k = a ** k * ((1.0 - a) if k < k_max else 1.0)
+            if p_k and fan[k] > 0:
+                hit += p_k * (1.0 - min(1.0, math.exp(log_c - r * math.log(fan[k]))))
+        return hit
 
     def allocation(self, limit: int | None = None, budget: int | None = None) -> list[int]:
         """The current Thm 12 fan-out: K+1 integers summing to the budget (``budget``: this

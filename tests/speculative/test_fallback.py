@@ -245,3 +245,50 @@ def test_jit_cost_is_the_median_of_its_drafts(monkeypatch):
     for _ in range(4):
         fb.jit([], None, [])
     assert 0.002 <= fb.t_jit < 0.02
+
+
+def _fitted_estimator(rounds: list[tuple[int, int]], lookups: dict[int, tuple[int, int]]):
+    """A FanoutEstimator (B = 8, K = 5) that saw ``rounds`` (accepted, verified) and, at each
+    fan-out F, ``lookups[F]`` = (lookups, misses)."""
+    from ssdlib.speculative import FanoutEstimator
+
+    est = FanoutEstimator(8, 5)
+    est.min_lookups = 10
+    for k, n in rounds:
+        est.observe_verify([k], [n])
+    for f, (n, misses) in lookups.items():
+        est.observe_lookups([f] * n, [i >= misses for i in range(n)])
+    return est
+
+
+@pytest.mark.parametrize("case", ["draft accepts well", "draft fails"])
+def test_auto_chooses_from_the_miss_model_without_trying_every_backup(case, monkeypatch):
+    """With a fitted miss model the hit rate after each backup is predicted before it is
+    measured (FanoutEstimator.hit_rate_after, scaled to the cache's measured rate), so auto
+    chooses from its first decision: jit where the draft accepts well and costs little (a
+    random proposal lands at k = 0, where this fan-out keeps one guess), a free backup where
+    the draft fails and costs a verify (its outcomes land at k = 0, where half the guesses are).
+    Without the prediction, each backup is tried first."""
+    from ssdlib.engine.speculator.outcomes import MIN_LOOKUPS_FOR_AUTO, Fallbacks
+
+    if case == "draft accepts well":
+        est = _fitted_estimator([(5, 5)] * 20 + [(2, 5)] * 20, {1: (40, 20), 3: (40, 10)})
+        t_jit, jit_k, want = 0.3e-3, (4, 5, 3, 5), {"jit"}
+    else:
+        est = _fitted_estimator([(0, 5)] * 30 + [(1, 5)] * 10, {2: (40, 8), 4: (40, 4)})
+        t_jit, jit_k, want = 1.0e-3, (0, 1, 0, 0), {"ngram", "random"}
+    assert est.allocation()[0] == (1 if case == "draft accepts well" else 4)
+
+    def run(fb):
+        fb.t_jit = t_jit
+        fb.observe_lookups(MIN_LOOKUPS_FOR_AUTO, MIN_LOOKUPS_FOR_AUTO // 2)
+        for k in jit_k * 5:
+            fb.observe_jit(k)
+        picks = []
+        for _ in range(12):
+            picks.append(fb.choose(1, 1e-3, est))
+            fb.observe_after(picks[-1], True)
+        return picks
+    assert set(run(Fallbacks(None, "auto", 5, 1000))) <= want
+    monkeypatch.setattr(Fallbacks, "after_priors", lambda *a, **k: None)
+    assert set(run(Fallbacks(None, "auto", 5, 1000))) == set(FALLBACKS)  # each one tried

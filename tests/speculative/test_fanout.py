@@ -152,3 +152,40 @@ def test_the_allocation_follows_the_verified_limit(limit):
 def test_integer_arguments_refuse_bools_floats_strings_and_negatives(call, name, bad):
     with pytest.raises(ConfigError, match=f"^{name} must be an integer >= "):
         call(bad)
+
+
+def test_hit_rate_after_a_speculation_follows_the_miss_model():
+    """The lookup after a speculation accepted at per-token rate a hits with probability
+    sum_k P_k(a) (1 - c F_k^(-r)): the fitted model at the current allocation; a random
+    proposal (a = 0) always lands at k = 0, a perfect one (a = 1) at k = K."""
+    K, B, c, r = 5, 40, 0.8, 1.2
+    est = FanoutEstimator(B, K)
+    assert est.hit_rate_after(0.5) is None  # no lookup yet
+    allocations = [[12, 8, 6, 4, 2, 8], [4, 3, 2, 2, 1, 28], [16, 16, 2, 2, 2, 2]]
+    synthetic_rounds(est, 30_000, 0.65, r, c, K, allocations, seed=2)
+    fan = est.allocation()
+    log_c, r_fit = est._miss_fit()
+    assert math.exp(log_c) == pytest.approx(c, rel=0.1) and r_fit == pytest.approx(r, abs=0.15)
+
+    def miss(f):
+        return 1.0 if f == 0 else min(1.0, math.exp(log_c) * f ** -r_fit)
+    for a in (0.0, 0.3, 0.7, 1.0):
+        law = [a ** k * (1 - a) for k in range(K)] + [a ** K]
+        want = sum(p * (1 - miss(f)) for p, f in zip(law, fan))
+        assert est.hit_rate_after(a) == pytest.approx(want)
+    assert est.hit_rate_after(0.0) == pytest.approx(1 - miss(fan[0]))
+    assert est.hit_rate_after(1.0) == pytest.approx(1 - miss(fan[K]))
+    # a verification of the first 2 tokens only: outcomes k = 0..2, the budget on those
+    short = est.allocation(limit=2)
+    assert est.hit_rate_after(1.0, limit=2) == pytest.approx(1 - miss(short[2]))
+    with pytest.raises(ConfigError, match="acceptance"):
+        est.hit_rate_after(1.5)
+
+
+def test_miss_model_before_a_slope_pools_the_lookups():
+    """One F value (or too few lookups for a slope): r's prior, and c from every lookup."""
+    est = FanoutEstimator(8, 3, r_prior=1.0)
+    est.observe_lookups([2] * 30, [True] * 20 + [False] * 10)
+    log_c, r = est._miss_fit()
+    assert r == 1.0 and math.exp(log_c) == pytest.approx((10 + 0.5) / (30 * 2 ** -1.0 + 1))
+    assert est.r == 1.0

@@ -26,8 +26,9 @@ from ssdlib.speculative.fallback import FALLBACKS, choose_fallback
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
 # prior for an explicit fan-out list (no estimator).
 MIN_LOOKUPS_FOR_AUTO = 8
-# lookups after each backup's speculations before the choice trusts its hit rate: until then
-# "auto" answers misses with the backup least measured (jit, n-gram and random each a few times)
+# without a fitted miss model (no fan-out estimator, or too few lookups), lookups after each
+# backup's speculations before the choice trusts its hit rate: until then "auto" answers misses
+# with the backup least measured (jit, n-gram and random each a few times)
 MIN_LOOKUPS_AFTER = 8
 # then one choice in this many goes to the backup least measured, so that the estimates of the
 # backups not chosen keep learning (a choice made on a few lookups is not final)
@@ -140,7 +141,7 @@ class Fallbacks:
         self.K, self.V = k, vocab_size
         self.t_jit: float | None = None  # measured cost of a jit draft, seconds (median)
         self._jit_times: deque[float] = deque(maxlen=JIT_TIMES)
-        self._choices = 0  # choices since the backups were all measured
+        self._choices = 0  # choices the model made (one in EXPLORE_EVERY explores)
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
         self.jit_accepted = self.jit_tried = 0  # and of jit drafts (rows that missed, firsts)
         # cache lookups and hits over the rank's life (the STATS counters restart with every
@@ -187,33 +188,53 @@ class Fallbacks:
 
     def choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
         """The backup the next CACHE names (:attr:`pushed`): the configured one, or Thm 17's
-        choice from the measured hit rates after a hit and after each backup
-        (:meth:`observe_after`; ``fallback.steady_hit_rate``), jit's cost (in verify forwards of
-        the leader, ``t_verify`` seconds each), the backups' measured acceptance and the batch
-        size. jit until there are measurements, then each backup in turn until its hit rate is
-        measured (the least measured first); after that, one choice in EXPLORE_EVERY is the
-        least measured backup's."""
+        choice from the hit rates after a hit and after each backup (:meth:`observe_after`;
+        ``fallback.steady_hit_rate``), jit's cost (in verify forwards of the leader,
+        ``t_verify`` seconds each), the backups' measured acceptance and the batch size. jit
+        until there are measurements. Each backup's hit rate after is its measured rate shrunk
+        towards the rate the fan-out's miss model predicts for it (:meth:`after_priors`), so
+        the model chooses from the first lookups on; one choice in EXPLORE_EVERY is the least
+        measured backup's, so that the estimates of the backups not chosen keep learning.
+        Without a fitted miss model each backup is first tried until measured, the least
+        measured first."""
         self.pushed = self._choose(n_rows, t_verify, estimator)
         return self.pushed
+
+    def after_priors(self, p: float, a_p: float, accepted: dict[str, float],
+                     estimator) -> dict[str, float] | None:
+        """Each backup's prior hit rate after its speculation: the miss model's prediction at
+        the backup's per-token acceptance (``accepted``; ``FanoutEstimator.hit_rate_after``),
+        scaled by the cache's measured rate after a hit over the model's prediction for it (at
+        ``a_p``), at most 1. None without a fitted model (or one that predicts no hits)."""
+        if estimator is None:
+            return None
+        predicted = estimator.hit_rate_after(a_p)
+        if not predicted:
+            return None
+        scale = self.hit_rate_after("cache", p) / predicted
+        return {f: min(1.0, scale * estimator.hit_rate_after(a)) for f, a in accepted.items()}
 
     def _choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
         if self.configured != "auto":
             return self.configured
         if self.t_jit is None or not t_verify or self.lookups < MIN_LOOKUPS_FOR_AUTO:
             return "jit"
-        unmeasured = [f for f in FALLBACKS if self.after[f][0] < MIN_LOOKUPS_AFTER]
-        if unmeasured:
-            return min(unmeasured, key=lambda f: self.after[f][0])
+        p = self.hits / self.lookups
+        a_p = estimator.a_p if estimator is not None else A_P_PRIOR
+        a_jit, a_ngram = self.jit_acceptance(a_p), self.ngram_acceptance()
+        priors = self.after_priors(p, a_p, {"jit": a_jit, "ngram": a_ngram, "random": 0.0},
+                                   estimator)
+        if priors is None:
+            unmeasured = [f for f in FALLBACKS if self.after[f][0] < MIN_LOOKUPS_AFTER]
+            if unmeasured:
+                return min(unmeasured, key=lambda f: self.after[f][0])
+            priors = dict.fromkeys(FALLBACKS, p)
         self._choices += 1
         if self._choices % EXPLORE_EVERY == 0:
             return min(FALLBACKS, key=lambda f: self.after[f][0])
-        p = self.hits / self.lookups
-        a_p = estimator.a_p if estimator is not None else A_P_PRIOR
         return choose_fallback(n_rows, self.hit_rate_after("cache", p), a_p, self.K,
-                               self.t_jit / t_verify,
-                               NGRAM_COST, self.ngram_acceptance(),
-                               a_jit=self.jit_acceptance(a_p),
-                               p_after={f: self.hit_rate_after(f, p) for f in FALLBACKS})
+                               self.t_jit / t_verify, NGRAM_COST, a_ngram, a_jit=a_jit,
+                               p_after={f: self.hit_rate_after(f, priors[f]) for f in FALLBACKS})
 
     def jit(self, rows: list[SpecRow], ans: Answer, loc: list[int]) -> None:
         """Draft ``rows`` (positions ``loc`` of ``ans``) now, timing it for :meth:`choose`."""
