@@ -264,7 +264,7 @@ def _fitted_estimator(rounds: list[tuple[int, int]], lookups: dict[int, tuple[in
 @pytest.mark.parametrize("case", ["draft accepts well", "draft fails"])
 def test_auto_chooses_from_the_miss_model_without_trying_every_backup(case, monkeypatch):
     """With a fitted miss model the hit rate after each backup is predicted before it is
-    measured (FanoutEstimator.hit_rate_after, scaled to the cache's measured rate), so auto
+    measured (FanoutEstimator.hit_rate_after), so auto
     chooses from its first decision: jit where the draft accepts well and costs little (a
     random proposal lands at k = 0, where this fan-out keeps one guess), a free backup where
     the draft fails and costs a verify (its outcomes land at k = 0, where half the guesses are).
