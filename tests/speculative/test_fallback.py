@@ -1,6 +1,7 @@
 """Thm 7 speedup and the Thm 17 choice of backup speculator."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -292,3 +293,43 @@ def test_auto_chooses_from_the_miss_model_without_trying_every_backup(case, monk
     assert set(run(Fallbacks(None, "auto", 5, 1000))) <= want
     monkeypatch.setattr(Fallbacks, "after_priors", lambda *a, **k: None)
     assert set(run(Fallbacks(None, "auto", 5, 1000))) == set(FALLBACKS)  # each one tried
+
+
+def test_ngram_acceptance_is_learned_from_misses_other_backups_answered():
+    """A miss answered by jit or random tokens still shows what the leader's n-gram proposal
+    would have kept: the tokens it shares with the target's outcome, up to the first that
+    differs (tried one more) or the end of the known ones (censored); none where no suffix
+    recurs (the leader then sends random tokens)."""
+    from ssdlib.engine.speculator.outcomes import Fallbacks
+
+    def shadow(context, outcome, k, limit=5):
+        fb = Fallbacks(None, "auto", 5, 1000)
+        fb.observe_ngram_shadow(list(context) + list(outcome), k, limit)
+        return fb.ngram_accepted, fb.ngram_tried
+    ctx = [5, 6, 7, 5, 6]  # the suffix (5, 6) recurs: the proposal is 7, 5, 6, 7, 5
+    assert shadow(ctx, [7, 5, 9], k=2) == (2, 3)  # kept 7, 5; 9 is not 6
+    assert shadow(ctx, [7, 5, 6], k=2) == (3, 3)  # all the known tokens kept: censored
+    assert shadow(ctx, [8], k=0) == (0, 1)
+    assert shadow(ctx, [7, 5, 9], k=2, limit=2) == (2, 2)  # all of a verified 2: 9 not read
+    assert shadow([1, 2, 3], [4, 9], k=1) == (0, 1)  # no suffix recurs: random tokens
+    assert shadow([], [4], k=0) == (0, 0)  # nothing before the outcome: no proposal
+
+
+def test_the_speculator_shadows_ngram_on_rows_other_backups_answered():
+    from ssdlib.engine.speculator.outcomes import Fallbacks
+    from ssdlib.engine.speculator.speculator import CacheRole
+
+    role = CacheRole.__new__(CacheRole)
+    role.fallbacks = Fallbacks(None, "auto", 5, 1000)
+    row = SimpleNamespace(tokens=[5, 6, 7, 5, 6, 7, 5, 9], source="jit")
+    role.observe(row, 2, 5)  # jit: its own acceptance, and the shadow's
+    assert (role.fallbacks.jit_accepted, role.fallbacks.ngram_accepted) == (2, 2)
+    row.source = "random"
+    role.observe(row, 2, 5)
+    assert role.fallbacks.ngram_accepted == 4 and role.fallbacks.ngram_tried == 6
+    row.source = "cache"  # a hit: no miss to learn from
+    role.observe(row, 2, 5)
+    assert role.fallbacks.ngram_tried == 6
+    row.source = "ngram"  # the n-gram's own proposal: counted once, as verified
+    role.observe(row, 2, 5)
+    assert role.fallbacks.ngram_accepted == 6 and role.fallbacks.ngram_tried == 9

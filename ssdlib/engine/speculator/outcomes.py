@@ -21,6 +21,7 @@ from ssdlib.distributed.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS, choose_fallback
+from ssdlib.speculative.ngram import propose_ngram
 
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
@@ -156,6 +157,29 @@ class Fallbacks:
         its per-token acceptance."""
         self.ngram_accepted += k
         self.ngram_tried += _tries(k, self.K if limit is None else limit)
+
+    def observe_ngram_shadow(self, tokens: list[int], k: int, limit: int | None = None) -> None:
+        """A row whose miss another backup answered committed ``tokens``, the last k + 1 of
+        them the verified outcome (k accepted, then the target's token): learn the n-gram
+        proposal's acceptance from what it would have kept there, without spending misses on
+        it. The leader's rule (``cache_mirror.local_fallback``): the n-gram proposal over the
+        tokens before the outcome, random tokens (none kept) where no suffix recurs. It keeps
+        the tokens it shares with the target's, up to the first that differs (a rejection) or
+        the end of the known ones (censored: tokens past them are not counted). A one-hot
+        proposal token x is accepted with probability p(x), the chance that the target's own
+        draw is x, so the count holds for sampling rows too."""
+        limit = self.K if limit is None else limit
+        start = len(tokens) - k - 1
+        if start < 1 or limit < 1:
+            return
+        known = tokens[start:start + min(k + 1, limit)]
+        proposal = propose_ngram(tokens[:start], limit)
+        kept = 0
+        if proposal is not None:
+            while kept < len(known) and proposal[kept] == known[kept]:
+                kept += 1
+        self.ngram_accepted += kept
+        self.ngram_tried += kept + (1 if kept < len(known) else 0)
 
     def observe_jit(self, k: int, limit: int | None = None) -> None:
         """A jit speculation had k of its first ``limit`` tokens (default K) accepted."""

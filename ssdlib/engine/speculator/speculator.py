@@ -330,8 +330,11 @@ class CacheRole:
         """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
         if row.source == "ngram":  # an n-gram backup's (random where no suffix recurs)
             self.fallbacks.observe_ngram(k, limit)
-        elif row.source == "jit":  # a jit draft: its a_p on misses
+            return
+        if row.source == "jit":  # a jit draft: its a_p on misses
             self.fallbacks.observe_jit(k, limit)
+        if row.source in ("jit", "random"):  # a miss another backup answered: what an n-gram
+            self.fallbacks.observe_ngram_shadow(row.tokens, k, limit)  # proposal would keep
 
     def observe_round(self, verified: list[tuple[int, int]]) -> None:
         """The round's verified rows: (tokens accepted, tokens verified) each (one call a
