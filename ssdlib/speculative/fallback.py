@@ -95,8 +95,8 @@ def steady_hit_rate(p_after_hit: float, p_after_miss: float) -> float:
     either state is absorbing; the row that starts on a hit stays there, so 1.)"""
     p_h = _check_prob("p_after_hit", p_after_hit)
     p_m = _check_prob("p_after_miss", p_after_miss)
-    denom = p_m + 1.0 - p_h
-    return 1.0 if denom == 0.0 else p_m / denom
+    denom = p_m + (1.0 - p_h)  # (p_m + 1.0) - p_h rounds: at p_h = 1 it gave p_m / p_m > 1
+    return 1.0 if denom == 0.0 else min(p_m / denom, 1.0)
 
 
 def fallback_speedups(batch_size: int, p_hit: float, a_p: float, K: int, t_jit: float,

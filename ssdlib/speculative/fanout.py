@@ -211,7 +211,7 @@ class FanoutEstimator:
             p_k = a ** k * ((1.0 - a) if k < k_max else 1.0)
             if p_k and fan[k] > 0:
                 hit += p_k * (1.0 - min(1.0, math.exp(log_c - r * math.log(fan[k]))))
-        return hit
+        return min(hit, 1.0)  # the outcome law's sum may round past 1
 
     def allocation(self, limit: int | None = None, budget: int | None = None) -> list[int]:
         """The current Thm 12 fan-out: K+1 integers summing to the budget (``budget``: this

@@ -154,6 +154,9 @@ def test_steady_hit_rate():
     assert steady_hit_rate(0.9, 0.0) == 0.0  # a backup that never leads back to the cache
     assert steady_hit_rate(1.0, 0.0) == 1.0  # both absorbing; a row that starts on a hit stays
     assert steady_hit_rate(1.0, 0.3) == pytest.approx(1.0)
+    # a cache that always hits: exactly 1 whatever the rate after the backup (it is weighed as
+    # a probability; (p_m + 1) - p_h rounded 31 of the p_m in 0.01..0.99 above 1)
+    assert all(steady_hit_rate(1.0, p / 100) == 1.0 for p in range(1, 100))
     with pytest.raises(ConfigError, match="p_after_miss"):
         steady_hit_rate(0.5, 1.5)
 

@@ -189,3 +189,14 @@ def test_miss_model_before_a_slope_pools_the_lookups():
     log_c, r = est._miss_fit()
     assert r == 1.0 and math.exp(log_c) == pytest.approx((10 + 0.5) / (30 * 2 ** -1.0 + 1))
     assert est.r == 1.0
+
+
+def test_hit_rate_after_stays_a_probability_where_nothing_misses():
+    """A draft as good as its target: no lookup misses, and the outcome law's sum of floats
+    must not come out above 1 (it is weighed as a probability)."""
+    for a in (0.3, 0.7, 0.9, 0.99):
+        est = FanoutEstimator(16, 5)
+        est.observe_lookups([1] * 40 + [3] * 40, [True] * 80)
+        for _ in range(50):
+            est.observe_verify([5], [5])
+        assert 0.0 <= est.hit_rate_after(a) <= 1.0
