@@ -234,25 +234,27 @@ class StepCosts:
             t = self._by_rows[rows] = _Timings(self.k_max, self.window)
         return t
 
-    def _here(self) -> _Timings | None:
-        """This batch size's timings, else the nearest timed batch size's (ties: the larger),
-        else None."""
-        timed = [r for r, t in self._by_rows.items() if t.measured]
-        if not timed:
+    def _nearest(self, usable) -> _Timings | None:
+        """The timings of the batch size nearest this one (itself first; ties: the larger)
+        among those ``usable(timings)`` accepts, else None."""
+        sizes = [r for r, t in self._by_rows.items() if usable(t)]
+        if not sizes:
             return None
-        if self.rows in timed:
-            return self._by_rows[self.rows]
-        return self._by_rows[min(timed, key=lambda r: (abs(r - self.rows), -r))]
+        return self._by_rows[min(sizes, key=lambda r: (abs(r - self.rows), -r))]
+
+    def _here(self) -> _Timings | None:
+        """This batch size's timings, else the nearest timed batch size's, else None."""
+        return self._nearest(lambda t: t.measured)
 
     @property
     def draft(self) -> float | None:
-        """Seconds a draft step at this batch size (None: not measured)."""
+        """Seconds a draft step at this batch size (None: not measured): the nearest timed
+        batch size's, else the nearest one's with a draft step timed."""
         here = self._here()
         if here is not None and here.draft is not None:
             return here.draft
-        drafts = [(abs(r - self.rows), -r, t.draft) for r, t in self._by_rows.items()
-                  if t.draft is not None]
-        return min(drafts)[2] if drafts else None
+        timed = self._nearest(lambda t: t.draft is not None)
+        return None if timed is None else timed.draft
 
     @property
     def rest(self) -> list[float | None]:

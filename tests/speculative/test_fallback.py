@@ -319,20 +319,37 @@ def test_ngram_acceptance_is_learned_from_misses_other_backups_answered():
 
 
 def test_the_speculator_shadows_ngram_on_rows_other_backups_answered():
+    """The shadow is queued at the commit and counted at the next choice (the push), off the
+    way to the answer; only auto keeps it."""
     from ssdlib.engine.speculator.outcomes import Fallbacks
     from ssdlib.engine.speculator.speculator import CacheRole
 
     role = CacheRole.__new__(CacheRole)
     role.fallbacks = Fallbacks(None, "auto", 5, 1000)
+
+    def choose():
+        return role.fallbacks.choose(1, None, None)
     row = SimpleNamespace(tokens=[5, 6, 7, 5, 6, 7, 5, 9], source="jit")
     role.observe(row, 2, 5)  # jit: its own acceptance, and the shadow's
+    assert (role.fallbacks.jit_accepted, role.fallbacks.ngram_accepted) == (2, 0)
+    choose()
     assert (role.fallbacks.jit_accepted, role.fallbacks.ngram_accepted) == (2, 2)
     row.source = "random"
     role.observe(row, 2, 5)
+    row.tokens.append(4)  # tokens committed after the shadow was queued are not its
+    choose()
     assert role.fallbacks.ngram_accepted == 4 and role.fallbacks.ngram_tried == 6
+    row.tokens.pop()
     row.source = "cache"  # a hit: no miss to learn from
     role.observe(row, 2, 5)
+    choose()
     assert role.fallbacks.ngram_tried == 6
     row.source = "ngram"  # the n-gram's own proposal: counted once, as verified
     role.observe(row, 2, 5)
+    choose()
     assert role.fallbacks.ngram_accepted == 6 and role.fallbacks.ngram_tried == 9
+    role.fallbacks = Fallbacks(None, "jit", 5, 1000)  # a fixed backup weighs nothing
+    row.source = "jit"
+    role.observe(row, 2, 5)
+    choose()
+    assert role.fallbacks.ngram_tried == 0

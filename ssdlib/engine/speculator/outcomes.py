@@ -143,6 +143,8 @@ class Fallbacks:
         self.t_jit: float | None = None  # measured cost of a jit draft, seconds (median)
         self._jit_times: deque[float] = deque(maxlen=JIT_TIMES)
         self._choices = 0  # choices the model made (one in EXPLORE_EVERY explores)
+        # (tokens, committed then, k, limit) of misses to shadow at the next choice
+        self._shadows: list[tuple[list[int], int, int, int | None]] = []
         self.ngram_accepted = self.ngram_tried = 0  # per-token acceptance of n-gram proposals
         self.jit_accepted = self.jit_tried = 0  # and of jit drafts (rows that missed, firsts)
         # cache lookups and hits over the rank's life (the STATS counters restart with every
@@ -158,7 +160,16 @@ class Fallbacks:
         self.ngram_accepted += k
         self.ngram_tried += _tries(k, self.K if limit is None else limit)
 
-    def observe_ngram_shadow(self, tokens: list[int], k: int, limit: int | None = None) -> None:
+    def shadow_ngram(self, tokens: list[int], k: int, limit: int | None = None) -> None:
+        """:meth:`observe_ngram_shadow` for a row whose miss another backup answered, ``tokens``
+        its committed tokens now, run at the next :meth:`choose` (at the push, after the build's
+        launch: not on the way to an answer the leader may be waiting for). Only ``auto`` weighs
+        the n-gram's acceptance."""
+        if self.configured == "auto":
+            self._shadows.append((tokens, len(tokens), k, limit))
+
+    def observe_ngram_shadow(self, tokens: list[int], k: int, limit: int | None = None,
+                             end: int | None = None) -> None:
         """A row whose miss another backup answered committed ``tokens``, the last k + 1 of
         them the verified outcome (k accepted, then the target's token): learn the n-gram
         proposal's acceptance from what it would have kept there, without spending misses on
@@ -167,9 +178,10 @@ class Fallbacks:
         the tokens it shares with the target's, up to the first that differs (a rejection) or
         the end of the known ones (censored: tokens past them are not counted). A one-hot
         proposal token x is accepted with probability p(x), the chance that the target's own
-        draw is x, so the count holds for sampling rows too."""
+        draw is x, so the count holds for sampling rows too. ``end``: the tokens committed
+        then (default all of ``tokens``)."""
         limit = self.K if limit is None else limit
-        start = len(tokens) - k - 1
+        start = (len(tokens) if end is None else end) - k - 1
         if start < 1 or limit < 1:
             return
         known = tokens[start:start + min(k + 1, limit)]
@@ -221,6 +233,9 @@ class Fallbacks:
         measured backup's, so that the estimates of the backups not chosen keep learning.
         Without a fitted miss model each backup is first tried until measured, the least
         measured first."""
+        for tokens, end, k, limit in self._shadows:
+            self.observe_ngram_shadow(tokens, k, limit, end)
+        self._shadows.clear()
         self.pushed = self._choose(n_rows, t_verify, estimator)
         return self.pushed
 

@@ -334,7 +334,7 @@ class CacheRole:
         if row.source == "jit":  # a jit draft: its a_p on misses
             self.fallbacks.observe_jit(k, limit)
         if row.source in ("jit", "random"):  # a miss another backup answered: what an n-gram
-            self.fallbacks.observe_ngram_shadow(row.tokens, k, limit)  # proposal would keep
+            self.fallbacks.shadow_ngram(row.tokens, k, limit)  # proposal would have kept
 
     def observe_round(self, verified: list[tuple[int, int]]) -> None:
         """The round's verified rows: (tokens accepted, tokens verified) each (one call a
