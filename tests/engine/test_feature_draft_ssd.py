@@ -73,17 +73,18 @@ def test_jit_drafts_and_cached_branches_follow_the_target_with_an_oracle(fused, 
         _oracle_rounds(target, draft, fused, pool, runs, compiled)
 
 
-def _exact_forks(cache, row, target, fan) -> dict[int, bool]:
+def _exact_forks(cache, row, target, fan, limit: int = K) -> dict[int, bool]:
     """Per fork k: whether its branches assume the target's top F_k tokens after s_1..s_k
-    (other than s_{k+1}), as an oracle draft's candidates are, and each branch is the target's
-    greedy continuation of the outcome it assumes."""
+    (other than s_{k+1} where k < ``limit``, the tokens verified), as an oracle draft's
+    candidates are, and each branch is the target's greedy continuation of the outcome it
+    assumes."""
     exact = {}
     for k, f in enumerate(fan):
         before = row.tokens + row.sent[:k]
         with torch.no_grad():
             logits = target.forward_full_features(torch.tensor([before]))[0][0, -1]
         top = [t for t in logits.argsort(descending=True).tolist()
-               if k == K or t != row.sent[k]][:f]
+               if k >= limit or t != row.sent[k]][:f]
         js = [j for j in range(cache.B) if int(cache.fork[1, j]) == k]
         keys = [int(cache.bonus[1, j]) for j in js]
         exact[k] = keys == top and all(
@@ -139,6 +140,35 @@ def _oracle_rounds(target, draft, fused, pool, runs, compiled):
         assert builder.source(row) == j, round_
     # each round's chain, tree depths and commit (and the first jit draft) ran compiled layers
     assert len(runs) > (K - 1 + 3 * (1 + K + 1) if compiled else -1)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_shorter_verification_caches_its_all_accepted_outcome(captured):
+    """A speculation of K tokens verified to its first one (adaptive K): outcome k = 1 accepts
+    it and draws the bonus where s_2 stands, so the build's guesses there start at s_2 (the
+    oracle's own next token) instead of skipping it; ``captured``: the captured build's
+    inputs (a replay of its bucket, run eagerly)."""
+    target = PreviousTokenTarget()
+    draft = oracle_draft(target, fused=False)
+    pool = EagerPool(warmup=1) if captured else None
+    B = sum(FAN)
+    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool)
+    cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
+    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0, pool=pool)
+    prompt = [5, 17, 3, 42, 8, 11]
+    row = SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
+                  torch.device("cpu"))
+    drafter.prefill([row])
+    _commit(drafter, target, row, 0, False)
+    tokens, _ = drafter.propose([row], K, want_q=False)
+    _answer(row, tokens[0].tolist(), hit=False)
+    row.limit = 1
+    fan = [B - 3, 3, 0, 0]
+    builder.build([row], fan, sampling=False)
+    exact = _exact_forks(cache, row, target, fan, limit=1)
+    assert all(exact.values()), exact
+    first = [int(cache.bonus[1, j]) for j in range(B) if int(cache.fork[1, j]) == 1]
+    assert first[0] == row.sent[1]
 
 
 def test_a_foreign_speculation_is_built_on_the_slots_last_output():

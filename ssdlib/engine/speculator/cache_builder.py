@@ -63,7 +63,8 @@ class CacheBuilder:
         # captured steps on GPU (tree_build.py): hit rows' continuation, then outcomes, K tree
         # depths (greedy or sampled) and the cache stores
         self.tree_step.run(cand, [r.sent for r in rows], lengths, live, pos, rank, kv_len,
-                           reuse, rows if sampling else None, tuple(fan), self.saguaro_c)
+                           reuse, rows if sampling else None, tuple(fan), self.saguaro_c,
+                           verified_limits(rows, K))
         return sum(x >= 0 for x in reuse)
 
     def budget_arms(self, budget: int) -> list[int]:
@@ -104,6 +105,12 @@ class CacheBuilder:
         slots = torch.tensor([r.slot for r in sub])
         logits = self.drafter._logits(self.runner.forward(ids, pos, slots, index))
         cand[to_device(fresh, self.device)] = top_indices(logits, self.C)
+
+
+def verified_limits(rows: list[SpecRow], K: int) -> list[int]:
+    """Per row, how many tokens of its sent speculation the leader verifies (adaptive K): the
+    build excludes s_{k+1} from the guesses at k only below that (``tree_build.kept_first``)."""
+    return [K if r.limit is None else r.limit for r in rows]
 
 
 def fan_index(fan: tuple, K: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

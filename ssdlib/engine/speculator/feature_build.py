@@ -64,7 +64,7 @@ from ssdlib.engine.batching import to_device
 from ssdlib.engine.sampled_chain import fit_vocab
 from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.runner.step_graphs import GHOST_ROW, any_bucket_facts
-from ssdlib.engine.speculator.cache_builder import fan_index
+from ssdlib.engine.speculator.cache_builder import fan_index, verified_limits
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
 from ssdlib.engine.speculator.spec_cache import SpeculationCache, next_speculation
 from ssdlib.engine.speculator.tree_build import branch_setup, sampled_pick
@@ -155,24 +155,26 @@ class FeatureCacheBuilder:
             return 0
         slots, first, kv_len = d._start(rows)
         sent = to_device([r.sent for r in rows], self.device)  # [b, K]
+        limit = to_device(verified_limits(rows, self.K), self.device)  # [b]
         pick = self._sampled_pick(rows, slots, fan) if sampling else None
         self._body(slots, first, sent, to_device(src, self.device), pos, rank,
-                   min(kv_len + self.K, d.max_len), pick)
+                   min(kv_len + self.K, d.max_len), pick, limit=limit)
         return 0
 
     def _body(self, slots, first, sent, src, pos, rank, kv_len: int, pick=None,
               cache: SpeculationCache | None = None,
-              answered: SpeculationCache | None = None) -> None:
+              answered: SpeculationCache | None = None, limit=None) -> None:
         """The build on device tensors: slots, first (L - 1) [b], sent [b, K], each row's
         feature source src [b] (:meth:`source`), the fan-out's branch index pos, rank [B];
         ``pick(depth, logits)`` draws a sampled build's tokens (None: the argmax); ``cache``:
         the speculation cache it stores into (default the speculator's), ``answered``: the one
-        a hit's branch came from (default the same)."""
+        a hit's branch came from (default the same); ``limit`` [b]: each row's verified tokens
+        (None: K)."""
         cache = self.cache if cache is None else cache
         answered = cache if answered is None else answered
         feats = self.sent_features(slots, src, answered)
         cand, H = self.chain(slots, first, sent, feats, kv_len)
-        self.tree(slots, first, sent, cand, H, pos, rank, kv_len, pick, cache)
+        self.tree(slots, first, sent, cand, H, pos, rank, kv_len, pick, cache, limit)
 
     def sent_features(self, slots, src, answered: SpeculationCache) -> torch.Tensor:
         """The features paired with s_1..s_K in the chain [b, K, H]: the slot's last output
@@ -201,7 +203,7 @@ class FeatureCacheBuilder:
         return tops, torch.cat([feats[:, :1], hidden.to(feats.dtype)], dim=1)
 
     def tree(self, slots, first, sent, cand, H, pos, rank, kv_len: int, pick=None,
-             cache: SpeculationCache | None = None) -> None:
+             cache: SpeculationCache | None = None, limit=None) -> None:
         """The build's second part: the fan-out's branches from the chain's ``cand`` and ``H``
         (``chain``), K tree depths, their tokens stored in ``cache`` (default the
         speculator's) and their hidden states past the first depth in its
@@ -209,7 +211,7 @@ class FeatureCacheBuilder:
         d, K, B = self.drafter, self.K, self.B
         cache = self.cache if cache is None else cache
         kept = self.branch_hidden(cache)
-        fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank)
+        fork, start, kv_limit, full = branch_setup(cand, sent, first, pos, rank, limit)
         feat = H.gather(1, fork.unsqueeze(-1).expand(-1, -1, H.shape[-1]))  # [b, B, h]
         b = slots.shape[0]
         lane = torch.arange(B, device=slots.device).expand(b, B)
@@ -314,25 +316,27 @@ class FeatureCacheBuilder:
     def _replay(self, rows, src: list[int], pos, rank) -> None:
         """A greedy build as one replay of its batch bucket's captured body (captured at the
         bucket's first use); one key length for every build (the slot kernel reads each row
-        up to its limit). Static inputs a row: slot, first, source, sent."""
+        up to its limit). Static inputs a row: slot, first, source, verified limit, sent."""
         d, K, scratch = self.drafter, self.K, self.scratch_slot
         b = len(rows)
         bucket = batch_bucket(b)
         if bucket not in self._static:
-            st = torch.zeros(bucket, 3 + K, dtype=torch.int64, device=self.device)
-            st[:, 0], st[:, 1], st[:, 2] = scratch, 1, NONE
+            st = torch.zeros(bucket, 4 + K, dtype=torch.int64, device=self.device)
+            st[:, 0], st[:, 1], st[:, 2], st[:, 3] = scratch, 1, NONE, K
             self._static[bucket] = st
 
             def body():
-                self._body(st[:, 0], st[:, 1], st[:, 3:], st[:, 2], self._index[0],
-                           self._index[1], d.max_len)
+                self._body(st[:, 0], st[:, 1], st[:, 4:], st[:, 2], self._index[0],
+                           self._index[1], d.max_len, limit=st[:, 3])
             self.pool.capture(("feature_build", bucket), body)
-        host = torch.zeros(bucket, 3 + K, dtype=torch.int64)
-        host[:, 0], host[:, 1], host[:, 2] = scratch, 1, NONE  # ghost rows: the scratch slot
+        host = torch.zeros(bucket, 4 + K, dtype=torch.int64)
+        # ghost rows: the scratch slot
+        host[:, 0], host[:, 1], host[:, 2], host[:, 3] = scratch, 1, NONE, K
         host[:b, 0] = torch.tensor([r.slot for r in rows])
         host[:b, 1] = torch.tensor([len(r.tokens) - 1 for r in rows])
         host[:b, 2] = torch.tensor(src)
-        host[:b, 3:] = torch.tensor([r.sent for r in rows])
+        host[:b, 3] = torch.tensor(verified_limits(rows, K))
+        host[:b, 4:] = torch.tensor([r.sent for r in rows])
         self._static[bucket].copy_(host.to(self.device, non_blocking=True))
         self._index[0].copy_(pos)
         self._index[1].copy_(rank)

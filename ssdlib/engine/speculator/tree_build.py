@@ -51,37 +51,46 @@ from ssdlib.speculative.rng import RowStreams
 
 
 def branch_outcomes(cand: torch.Tensor, sent: torch.Tensor, pos: torch.Tensor,
-                    rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    rank: torch.Tensor, limit: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """cand [b, K+1, C] candidates, sent [b, K] the speculation, pos/rank [B] the fan-out's
-    branch index -> (fork [b, B], first token [b, B]). At position k < K the candidates equal to
-    s_{k+1} are skipped (a bonus after a rejection at k+1 cannot be s_{k+1})."""
-    ranked = cand.gather(-1, kept_first(cand, sent))
+    branch index -> (fork [b, B], first token [b, B]). At position k < limit the candidates
+    equal to s_{k+1} are skipped (a bonus after a rejection at k+1 cannot be s_{k+1}); ``limit``
+    [b]: how many of each row's tokens the leader verifies (None: all K). At k = limit every
+    token verified was accepted and the bonus is the target's own draw, which s_{k+1}, the
+    draft's best guess, may well be: it is kept."""
+    ranked = cand.gather(-1, kept_first(cand, sent, limit))
     first = ranked[:, pos, rank]  # [b, B]
     return pos.expand_as(first).contiguous(), first
 
 
-def kept_first(cand: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+def kept_first(cand: torch.Tensor, sent: torch.Tensor,
+               limit: torch.Tensor | None = None) -> torch.Tensor:
     """The order [b, K+1, C] of each position's candidates that puts the ones equal to s_{k+1}
-    last, each group in its own order: a stable sort of the exclusion flags, computed from a
-    cumulative count (a few small kernels instead of a segmented device sort)."""
+    last at positions k < ``limit`` [b] (None: K), each group in its own order: a stable sort
+    of the exclusion flags, computed from a cumulative count (a few small kernels instead of a
+    segmented device sort)."""
     K, C = sent.shape[1], cand.shape[-1]
     col = torch.arange(C, device=cand.device)
     kept = torch.ones(cand.shape, dtype=torch.bool, device=cand.device)
     kept[:, :K] = cand[:, :K] != sent.unsqueeze(-1)
+    if limit is not None:  # positions past a row's verified tokens exclude nothing
+        unverified = torch.arange(K, device=cand.device) >= limit.view(-1, 1)  # [b, K]
+        kept[:, :K] |= unverified.unsqueeze(-1)
     ck = kept.long().cumsum(-1)                              # kept ones up to each column
     dest = torch.where(kept, ck - 1, ck[..., -1:] + col - ck)  # each column's place
     return torch.empty_like(dest).scatter_(-1, dest, col.expand_as(dest).contiguous())
 
 
 def branch_setup(cand: torch.Tensor, sent: torch.Tensor, n: torch.Tensor, pos: torch.Tensor,
-                 rank: torch.Tensor):
+                 rank: torch.Tensor, limit: torch.Tensor | None = None):
     """What every tree build starts from: (fork, first token) per branch [b, B]
     (:func:`branch_outcomes`), each branch's slot prefix kv_limit [b, B] (committed n + the
     k speculation tokens it assumes), and the branch-to-branch mask of all depths
     [b, B*K, B*K] (tree-mask kernel on GPU; depth d's queries are rows d*B..(d+1)*B, over the
-    first B*(d+1) branch keys)."""
+    first B*(d+1) branch keys). ``limit`` [b]: each row's verified tokens (None: K)."""
     K = sent.shape[1]
-    fork, first = branch_outcomes(cand, sent, pos, rank)
+    fork, first = branch_outcomes(cand, sent, pos, rank, limit)
     kv_limit = n.view(-1, 1) + fork
     full = tree_mask_full(fork, K, K)[..., K:]
     return fork, first, kv_limit, full
@@ -141,7 +150,7 @@ class TreeBuildStep:
         K, C = self.K, branch_top.shape[-1]
         self.C = C
         self.inputs = StaticInputs(runner.device, runner.scratch_slot, {
-            "sent": Segment(K), "lengths": Segment(1, ghost=1),
+            "sent": Segment(K), "limit": Segment(1, ghost=K), "lengths": Segment(1, ghost=1),
             "slots": Segment(1, ghost=runner.scratch_slot), "reuse": Segment(1, ghost=-1),
             "cand": Segment((K + 1) * C),
             "params": Segment(4, ghost=GHOST_ROW, float64=True), "streams": Segment(2)},
@@ -150,14 +159,15 @@ class TreeBuildStep:
         self._index_src: torch.Tensor | None = None
 
     def body(self, cand, sent, n, slots, pos, rank, kv_len: int, sampler=None,
-             cache=None, keep_top: bool = True) -> None:
+             cache=None, keep_top: bool = True, limit=None) -> None:
         """The build after the candidates, on device tensors (the captured function's body);
         ``sampler`` = (SamplingTensors, RowStreams, fan-out, C) for a sampled build; ``cache``
         the speculation cache it stores into (default the speculator's); ``keep_top``: keep
-        each branch token's top-C candidates for a hit's continuation (``continue_hits``)."""
+        each branch token's top-C candidates for a hit's continuation (``continue_hits``);
+        ``limit`` [rows]: the tokens of each row the leader verifies (None: K)."""
         cache = self.cache if cache is None else cache
         K = self.K
-        fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank)
+        fork, first, kv_limit, full = branch_setup(cand, sent, n, pos, rank, limit)
         r = self.runner
         pick = None if sampler is None else sampled_pick(slots, cache, *sampler)
         tokens, tops = r.tree_body(first, kv_limit, full, slots, K,
@@ -285,12 +295,13 @@ class TreeBuildStep:
             self.index[1, :n].copy_(rank)
             self._index_src = pos
 
-    def _fill(self, rows: int, cand, sent, lengths, slots, reuse, sampled_rows):
+    def _fill(self, rows: int, cand, sent, limits, lengths, slots, reuse, sampled_rows):
         """The build's inputs for ``rows`` rows (ghosts past the real ones: the scratch slot, no
         reused branch, greedy), in one upload -> the sampled build's facts (None: greedy).
         A sampled build reserves K * B draws of each row's stream."""
         inputs = self.inputs
         inputs.put("sent", rows, sent, self.K)
+        inputs.put("limit", rows, limits)
         inputs.put("lengths", rows, lengths)
         inputs.put("slots", rows, slots)
         inputs.put("reuse", rows, reuse)
@@ -315,11 +326,12 @@ class TreeBuildStep:
     def run(self, cand: torch.Tensor, sent: list[list[int]], lengths: list[int],
             slots: list[int], pos: torch.Tensor, rank: torch.Tensor, kv_len: int,
             reuse: list[int] | None = None, sampled_rows=None, fan: tuple = (),
-            saguaro_c: float = 1.0) -> None:
+            saguaro_c: float = 1.0, limits: list[int] | None = None) -> None:
         """cand [b, K+1, C] on the device (rows that continue a hit: any values); sent /
         lengths / slots on the host; pos, rank [B]. ``reuse``: per row the cache branch a hit
         continues, or -1. ``sampled_rows`` (with ``params`` and ``stream``): a sampled build,
-        which reserves K * B draws of each row's stream."""
+        which reserves K * B draws of each row's stream. ``limits``: per row the tokens of its
+        speculation the leader verifies (None: all K)."""
         kv_len = self.runner.kv_bucket(kv_len)
         b = cand.shape[0]
         rows = batch_bucket(b) if self.pool is not None else b
@@ -327,13 +339,15 @@ class TreeBuildStep:
         hits = any(x >= 0 for x in reuse)
         # the inputs' rows: every bucket's when all of them are captured at once
         width = self.inputs.fill_rows(rows)
-        facts = self._fill(width, cand, sent, lengths, slots, reuse, sampled_rows)
+        limits = [self.K] * b if limits is None else limits
+        facts = self._fill(width, cand, sent, limits, lengths, slots, reuse, sampled_rows)
         if self.pool is None:
             sampler = None if facts is None else self._sampler(rows, facts, fan, saguaro_c)
             cand_v, sent_v, n_v, slots_v, reuse_v = self._views(rows)
             if hits:
                 self.continue_hits(cand_v, sent_v, n_v, slots_v, reuse_v, kv_len)
-            self.body(cand_v, sent_v, n_v, slots_v, pos, rank, kv_len, sampler)
+            self.body(cand_v, sent_v, n_v, slots_v, pos, rank, kv_len, sampler,
+                      limit=self.inputs.view("limit", rows))
             return
         self._run_captured(rows, pos, rank, kv_len, hits, facts, fan, saguaro_c)
 
@@ -356,7 +370,7 @@ class TreeBuildStep:
             sampler = None if facts is None else self._sampler(r, facts, fan, saguaro_c)
             cand_v, sent_v, n_v, slots_v, _ = self._views(r)
             self.body(cand_v, sent_v, n_v, slots_v, self.index[0], self.index[1], kv_len,
-                      sampler)
+                      sampler, limit=self.inputs.view("limit", r))
         self.graphs.capture(key, step)
         self.pool.replay(key)
 

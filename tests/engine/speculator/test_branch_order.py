@@ -8,10 +8,12 @@ import torch
 from ssdlib.engine.speculator.tree_build import branch_outcomes, kept_first
 
 
-def _reference(cand, sent):
+def _reference(cand, sent, limit=None):
     K = sent.shape[1]
     excluded = torch.zeros(cand.shape, dtype=torch.int8)
-    excluded[:, :K] = (cand[:, :K] == sent.unsqueeze(-1)).to(torch.int8)
+    for b in range(cand.shape[0]):
+        for k in range(K if limit is None else int(limit[b])):
+            excluded[b, k] = (cand[b, k] == sent[b, k]).to(torch.int8)
     return torch.argsort(excluded, dim=-1, stable=True)
 
 
@@ -43,3 +45,21 @@ def test_branch_first_tokens_skip_the_speculation():
     fork, first = branch_outcomes(cand, sent, pos, rank)
     assert fork.tolist() == [[0, 0, 1, 2]]
     assert first.tolist() == [[6, 7, 1, 4]]  # 5 and 2 are the speculation's own tokens
+
+
+def test_a_shorter_verification_keeps_the_next_token_at_its_all_accepted_position():
+    """With only the first ``limit`` tokens verified (adaptive K), outcome k = limit is every
+    verified token accepted: its bonus is the target's draw at s_{limit+1}'s position, which
+    s_{limit+1} (the draft's best guess there) may be, so the build keeps it first."""
+    cand = torch.tensor([[[5, 6, 7], [2, 1, 3], [9, 4, 8]]])
+    sent = torch.tensor([[5, 2]])
+    pos, rank = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1])
+    assert branch_outcomes(cand, sent, pos, rank)[1].tolist() == [[6, 1, 3]]
+    limited = branch_outcomes(cand, sent, pos, rank, torch.tensor([1]))[1]
+    assert limited.tolist() == [[6, 2, 1]]  # s_2 = 2 is position 1's first guess again
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        cand = torch.randint(0, 6, (5, 4, 4), generator=g)
+        sent = cand[:, :3, 0].clone()
+        limit = torch.randint(0, 4, (5,), generator=g)
+        assert torch.equal(kept_first(cand, sent, limit), _reference(cand, sent, limit))

@@ -34,3 +34,25 @@ def test_each_build_allocates_only_outcomes_the_limit_allows(tiny_dirs, monkeypa
         assert not any(fan[limit + 1:]), (fan, limits)  # nothing past the verified limit
         assert fan[limit] > 0  # its all-accepted outcome is cached
     assert {0, 3} <= limits_seen
+
+
+def test_a_shorter_verification_hits_as_often_as_a_shorter_k(tiny_dirs, monkeypatch):
+    """Speculations of K = 3 verified to 2 tokens (adaptive K's choice, fixed here) hit the
+    cache about as often as speculations of K = 2: the all-accepted outcome's bonus at
+    position 2 is often the draft's s_3, which the build must not exclude there (it did, and
+    such rounds hit half as often)."""
+    def hit_rate(k, schedule):
+        if schedule:
+            monkeypatch.setenv("SSDLIB_K_SCHEDULE", schedule)
+        else:
+            monkeypatch.delenv("SSDLIB_K_SCHEDULE", raising=False)
+        with Generator(target=tiny_dirs["smol_heads"], draft=tiny_dirs["smol_heads_draft"],
+                       mode="ssd", k=k, adaptive_k=False, max_batch=2, max_len=96,
+                       fallback="ngram", device="cpu", speculator_placement="stream") as g:
+            g.generate([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]],
+                       SamplingParams(max_new_tokens=40, ignore_eos=True))
+            return g.last_run_metrics["hit_rate"]
+
+    short = hit_rate(3, "2")
+    native = hit_rate(2, "")
+    assert short > 0.5 and short >= native - 0.1, (short, native)
