@@ -110,6 +110,10 @@ SWITCHES: tuple[Switch, ...] = (
            "side) and a round's acceptance and records (~30) through torch.compile where the "
            "steps compile; 0: eager (ssdlib.engine.speculator.spec_cache.next_speculation, "
            "ssdlib.engine.leader.chained_rounds.maybe_compiled)"),
+    Switch("SSDLIB_FANOUT_KINDS", "flag", True,
+           "the fan-out's miss model keeps the lookups after the draft's own rejected token apart "
+           "from the rest (one slope, an intercept each: the allocation and the backups' "
+           "predicted hit rates); 0: every lookup pooled (ssdlib.speculative.fanout)"),
     Switch("SSDLIB_FEATURE_COMPILE", "flag", False,
            "a feature draft's decoder layers compiled in its captured steps (SD's proposals, "
            "SSD's commits, jit drafts and builds) where a draft runner's would compile; off: "

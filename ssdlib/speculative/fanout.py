@@ -9,8 +9,12 @@ F_k proportional to P_k^(1/(1+r)), i.e. after dividing out (1 - a)^(1/(1+r)):
     F_k = F_0 a^(k/(1+r))                           for k < K
     F_K = F_0 a^(K/(1+r)) (1 - a)^(-1/(1+r))
 
-with F_0 set by the budget B; the constant c drops out. The real values are rounded to integers
->= 0 summing exactly to B (largest remainder), so the cache shape stays fixed when estimates move.
+with F_0 set by the budget B; a constant c common to the positions drops out. It is not quite
+common: after a rejection at k < K the draft's own token there is excluded from the guesses, its
+next ones miss more than its first choices do at k = K (``FanoutEstimator``'s kinds of lookup).
+With c_K / c = w the all-accepted position's F_K gains a factor w^(1/(1+r)) (w < 1: fewer
+guesses there, more for the rejections). The real values are rounded to integers >= 0 summing
+exactly to B (largest remainder), so the cache shape stays fixed when estimates move.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from ssdlib import env
 from ssdlib.errors import ConfigError, require_int
 
 # a_p is clipped into this range: at a_p = 1 the all-accepted weight (1 - a)^(-1/(1+r)) is
@@ -38,13 +43,17 @@ def _check_geometry(budget: int, K: int, a_p: float, r: float) -> float:
     return min(max(float(a_p), A_P_RANGE[0]), A_P_RANGE[1])
 
 
-def geometric_fanout_real(budget: int, K: int, a_p: float, r: float) -> list[float]:
+def geometric_fanout_real(budget: int, K: int, a_p: float, r: float,
+                          last_weight: float = 1.0) -> list[float]:
     """The Thm 12 allocation before rounding: K+1 non-negative reals summing to ``budget``
-    (a_p clipped to :data:`A_P_RANGE`)."""
+    (a_p clipped to :data:`A_P_RANGE`). ``last_weight``: c_K / c, the all-accepted position's
+    miss constant over the others' (module doc)."""
     a = _check_geometry(budget, K, a_p, r)
+    if not isinstance(last_weight, (int, float)) or not 0.0 < last_weight < math.inf:
+        raise ConfigError(f"last_weight must be a finite number > 0, got {last_weight!r}")
     e = 1.0 / (1.0 + r)
     weights = [a ** (k * e) for k in range(K)]
-    weights.append(a ** (K * e) * (1.0 - a) ** (-e))
+    weights.append(a ** (K * e) * (1.0 - a) ** (-e) * last_weight ** e)
     f0 = budget / sum(weights)
     return [f0 * w for w in weights]
 
@@ -59,9 +68,10 @@ def round_to_total(values: Sequence[float], total: int) -> list[int]:
     return floors
 
 
-def geometric_fanout(budget: int, K: int, a_p: float, r: float) -> list[int]:
+def geometric_fanout(budget: int, K: int, a_p: float, r: float,
+                     last_weight: float = 1.0) -> list[int]:
     """Thm 12 fan-out: K+1 integers >= 0 summing to ``budget``; non-increasing over k < K."""
-    return round_to_total(geometric_fanout_real(budget, K, a_p, r), budget)
+    return round_to_total(geometric_fanout_real(budget, K, a_p, r, last_weight), budget)
 
 
 def parse_fanout(spec: str | Sequence[int], K: int) -> list[int] | Literal["auto"]:
@@ -105,6 +115,19 @@ def cache_branches(spec: str | Sequence[int], budget: int, K: int) -> int:
     return budget if fan == "auto" else sum(fan)
 
 
+# where a speculation came from when its tokens are the draft's own guesses: the cache, a jit
+# draft (a sequence's "first" speculation is one too); the others are a backup's tokens
+OWN_SOURCES = frozenset({"cache", "jit", "first"})
+
+
+def lookup_is_fresh(k: int, limit: int, own: bool) -> bool:
+    """The kind of the lookup after outcome k of a speculation verified to ``limit`` tokens
+    (:class:`FanoutEstimator`): fresh where the build's guesses at k start at the draft's first
+    choice -- every verified token accepted (k = limit), or the token rejected at k was a
+    backup's, not the draft's own (``own``: the speculation came from ``OWN_SOURCES``)."""
+    return k >= limit or not own
+
+
 class FanoutEstimator:
     """Online estimates of a_p and r, and the Thm 12 allocation they imply (constant total B).
 
@@ -118,6 +141,17 @@ class FanoutEstimator:
     weights n m / (1 - m); buckets with fewer than ``min_lookups`` lookups are skipped). The free
     intercept c matters: the top-1 guess usually hits, so forcing m(1) = 1 would bias r. With fewer
     than two usable buckets r stays at ``r_prior``; fits are clipped to ``r_range``.
+
+    Two kinds of lookup miss differently at the same F. The build's guesses at outcome position
+    k < K are the draft's best candidates there except the speculation's own token (a bonus
+    after a rejection at k cannot be it): where that token was the draft's own guess (a cached
+    or jit speculation), the draft's first choice was just rejected and its next ones are
+    weaker guesses; where it was a backup's (n-gram, random) token, or k = K (every token
+    accepted, the bonus at a fresh position), the guesses start at the draft's first choice.
+    Lookups observed with their kind are fitted with one slope r and an intercept c per kind
+    (``_fit``); the allocation weighs the all-accepted position by its kind's c against the
+    rejections' (module doc) and :meth:`hit_rate_after` looks each outcome up with its kind's
+    c. ``SSDLIB_FANOUT_KINDS=0``: every lookup pooled, one c.
     """
 
     def __init__(self, budget: int, K: int, *, a_p_prior: float = 0.7, r_prior: float = 1.0,
@@ -133,6 +167,9 @@ class FanoutEstimator:
         self.accepted = 0
         self.rejections = 0
         self.lookups: dict[int, list[int]] = {}  # F -> [lookups, misses]
+        # the same by kind (class doc): fresh (True: the guesses start at the draft's first
+        # choice) -> F -> [lookups, misses]
+        self.kind_lookups: dict[bool, dict[int, list[int]]] = {True: {}, False: {}}
 
     def observe_verify(self, accepted: torch.Tensor | Sequence[int],
                        num_draft: torch.Tensor | Sequence[int]) -> None:
@@ -142,13 +179,21 @@ class FanoutEstimator:
         self.rejections += sum(a < n for a, n in zip(acc, nd))
 
     def observe_lookups(self, fan_out: torch.Tensor | Sequence[int],
-                        hit: torch.Tensor | Sequence[bool]) -> None:
-        """Record cache lookups: fan_out [n] = F at the outcome's position, hit [n] bool."""
+                        hit: torch.Tensor | Sequence[bool],
+                        fresh: Sequence[bool] | None = None) -> None:
+        """Record cache lookups: fan_out [n] = F at the outcome's position, hit [n] bool;
+        ``fresh`` [n] (optional): each lookup's kind (class doc), True where the guesses at
+        its position start at the draft's first choice."""
         fs, hits = _host_list(fan_out), _host_list(hit)
-        for f, h in zip(fs, hits):
-            bucket = self.lookups.setdefault(int(f), [0, 0])
-            bucket[0] += 1
-            bucket[1] += 0 if h else 1
+        kinds = [None] * len(fs) if fresh is None else [bool(f) for f in fresh]
+        if len(kinds) != len(fs):
+            raise ValueError("observe_lookups: one kind per lookup")
+        for f, h, kind in zip(fs, hits, kinds):
+            for table in (self.lookups, None if kind is None else self.kind_lookups[kind]):
+                if table is not None:
+                    bucket = table.setdefault(int(f), [0, 0])
+                    bucket[0] += 1
+                    bucket[1] += 0 if h else 1
 
     @property
     def a_p(self) -> float:
@@ -157,60 +202,105 @@ class FanoutEstimator:
 
     @property
     def r(self) -> float:
-        fit = self._miss_fit()
-        return self.r_prior if fit is None else fit[1]  # (the prior too without a slope)
+        return self._model()[2]
+
+    def _fit(self, tables: list[dict[int, list[int]]]
+             ) -> tuple[list[float | None], float] | None:
+        """The miss model m(F) = c F^(-r) fitted with one slope r and an intercept c per table
+        of lookups (F -> [lookups, misses]): the slope from every table's usable buckets, each
+        table centred on its own weighted centroid (class doc; clipped; r's prior where no
+        table has two usable buckets); a table's log c is the line through its centroid where
+        it has two, else the moment estimate at r (misses = c sum_F n_F F^(-r)), None where it
+        holds no lookup. None before any lookup."""
+        groups = []
+        sxx = sxy = 0.0
+        for table in tables:
+            xs, ys, ws = [], [], []
+            for f, (n, misses) in table.items():
+                if f < 1 or n < self.min_lookups:
+                    continue
+                m = (misses + 0.5) / (n + 1.0)  # smoothed: a bucket with no misses stays finite
+                xs.append(math.log(f))
+                ys.append(math.log(m))
+                ws.append(n * m / (1.0 - m))
+            centroid = None
+            if len(set(xs)) >= 2:
+                sw = sum(ws)
+                mx = sum(w * x for w, x in zip(ws, xs)) / sw
+                my = sum(w * y for w, y in zip(ws, ys)) / sw
+                sxx += sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+                sxy += sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
+                centroid = (mx, my)
+            groups.append(centroid)
+        r = self.r_prior if sxx <= 0.0 else min(max(-sxy / sxx, self.r_range[0]),
+                                                  self.r_range[1])
+        logs: list[float | None] = []
+        for table, centroid in zip(tables, groups):
+            if centroid is not None:
+                logs.append(centroid[1] + r * centroid[0])
+                continue
+            seen = [(f, n, misses) for f, (n, misses) in table.items() if f >= 1 and n]
+            expected = sum(n * f ** -r for f, n, _ in seen)
+            logs.append(math.log((sum(m for _, _, m in seen) + 0.5) / (expected + 1.0))
+                        if seen else None)
+        return None if all(c is None for c in logs) else (logs, r)
 
     def _miss_fit(self) -> tuple[float, float] | None:
-        """(log c, r) of the miss model m(F) = c F^(-r) fitted to the lookups (class doc), the
-        line through the buckets' weighted centroid at the clipped slope; with fewer than two
-        usable buckets r's prior and c pooled over every lookup; None before any lookup."""
-        xs, ys, ws = [], [], []
-        for f, (n, misses) in self.lookups.items():
-            if f < 1 or n < self.min_lookups:
-                continue
-            m = (misses + 0.5) / (n + 1.0)   # smoothed: a bucket with no misses stays finite
-            xs.append(math.log(f))
-            ys.append(math.log(m))
-            ws.append(n * m / (1.0 - m))
-        if len(set(xs)) < 2:
-            # one F or too few lookups for a slope: r's prior, and c from every lookup so far
-            # (the moment estimate: misses = c sum_F n_F F^(-r))
-            pooled = [(f, n, misses) for f, (n, misses) in self.lookups.items() if f >= 1 and n]
-            if not pooled:
-                return None
-            r = self.r_prior
-            expected = sum(n * f ** -r for f, n, _ in pooled)
-            return math.log((sum(m for _, _, m in pooled) + 0.5) / (expected + 1.0)), r
-        sw = sum(ws)
-        mx = sum(w * x for w, x in zip(ws, xs)) / sw
-        my = sum(w * y for w, y in zip(ws, ys)) / sw
-        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
-        sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
-        r = min(max(-sxy / sxx, self.r_range[0]), self.r_range[1])
-        return my + r * mx, r
+        """(log c, r) of the miss model fitted to every lookup pooled (:meth:`_fit` of one
+        table); None before any lookup."""
+        fit = self._fit([self.lookups])
+        return None if fit is None else (fit[0][0], fit[1])
 
-    def hit_rate_after(self, a: float, limit: int | None = None) -> float | None:
+    def _model(self) -> tuple[float | None, float | None, float]:
+        """(log c of fresh lookups, log c after the draft's own rejection, r): with the
+        lookups' kinds (class doc) one slope and an intercept each (a kind not seen yet takes
+        the other's); without them, or with ``SSDLIB_FANOUT_KINDS=0``, the pooled fit for
+        both. (None, None, r's prior) before any lookup."""
+        if env.flag("SSDLIB_FANOUT_KINDS") and any(self.kind_lookups.values()):
+            fit = self._fit([self.kind_lookups[True], self.kind_lookups[False]])
+            if fit is not None:
+                (fresh, rejected), r = fit
+                return (rejected if fresh is None else fresh,
+                        fresh if rejected is None else rejected, r)
+        fit = self._miss_fit()
+        return (None, None, self.r_prior) if fit is None else (fit[0], fit[0], fit[1])
+
+    def _last_weight(self, model) -> float:
+        """c of the all-accepted position over c of the others (the allocation's weight on
+        F_K, ``geometric_fanout``): 1 until both kinds have ``min_lookups`` lookups."""
+        fresh, rejected, _ = model
+        counts = [sum(n for n, _ in self.kind_lookups[k].values()) for k in (True, False)]
+        if fresh is None or min(counts) < self.min_lookups:
+            return 1.0
+        return math.exp(fresh - rejected)
+
+    def hit_rate_after(self, a: float, limit: int | None = None,
+                       budget: int | None = None, own: bool = True) -> float | None:
         """The hit rate the model predicts for the lookup after a speculation whose tokens the
         target accepts at per-token rate ``a``: sum over outcomes k of P_k(a) (1 - m(F_k)),
         with P_k the geometric outcome law over the verified ``limit`` (default K) tokens, F_k
         the current allocation's guesses at k and m(F) = min(1, c F^(-r)) the fitted miss
         model (m(0) = 1). A random proposal (a = 0) always ends at k = 0, where the geometric
         fan-out puts the most guesses once the draft is often rejected; a backup whose tokens
-        are accepted like the draft's leads to the cache's own hit rate. None before any
-        lookup."""
-        fit = self._miss_fit()
-        if fit is None:
-            return None
-        log_c, r = fit
+        are accepted like the draft's leads to the cache's own hit rate. ``budget``: a build
+        of that many branches (None: the estimator's). ``own``: the speculation's tokens are
+        the draft's own guesses (a jit draft), so a rejection at k < K is looked up with the
+        misses of that kind; else (a backup's tokens) with the fresh kind's, as k = K always is
+        (class doc). None before any lookup."""
         if not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ConfigError(f"acceptance a must be in [0, 1], got {a!r}")
-        fan = self.allocation(limit)
+        model = self._model()
+        fresh_c, rejected_c, r = model
+        if fresh_c is None:
+            return None
+        fan = self._allocate(limit, budget, model)
         k_max = self.K if limit is None else min(max(int(limit), 0), self.K)
         hit = 0.0
         for k in range(k_max + 1):
             p_k = a ** k * ((1.0 - a) if k < k_max else 1.0)
             if p_k and fan[k] > 0:
-                hit += p_k * (1.0 - min(1.0, math.exp(log_c - r * math.log(fan[k]))))
+                c = rejected_c if own and k < k_max else fresh_c
+                hit += p_k * (1.0 - min(1.0, math.exp(c - r * math.log(fan[k]))))
         return min(hit, 1.0)  # the outcome law's sum may round past 1
 
     def allocation(self, limit: int | None = None, budget: int | None = None) -> list[int]:
@@ -218,13 +308,19 @@ class FanoutEstimator:
         build's, at most the estimator's; None: the estimator's). ``limit``: the
         verification checks only the first ``limit`` <= K tokens (adaptive K), so its outcomes
         are k = 0 .. limit, k = limit the all-accepted one; the budget goes to those and the
-        positions after ``limit`` get 0."""
+        positions after ``limit`` get 0. With the lookups' kinds (class doc) the all-accepted
+        position's miss constant is its own (``geometric_fanout``'s ``last_weight``)."""
+        return self._allocate(limit, budget, self._model())
+
+    def _allocate(self, limit: int | None, budget: int | None, model) -> list[int]:
+        """:meth:`allocation` at the miss model ``model`` (:meth:`_model`)."""
         k = self.K if limit is None else min(max(int(limit), 0), self.K)
         b = self.budget if budget is None else budget
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.budget:
             raise ConfigError(f"a build's fan-out budget must be an integer in [1, "
                               f"{self.budget}], got {budget!r}")
-        return geometric_fanout(b, k, self.a_p, self.r) + [0] * (self.K - k)
+        return geometric_fanout(b, k, self.a_p, model[2], self._last_weight(model)) \
+            + [0] * (self.K - k)
 
 
 def _host_list(values) -> list:

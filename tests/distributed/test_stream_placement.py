@@ -130,9 +130,13 @@ def test_chained_rounds_feed_the_fanout_estimates(tiny_dirs, monkeypatch):
     known = [m for m in seen if m.fan is not None]
     assert len(known) >= len(seen) - run["chain_counts"]["chains"]  # all but chains' first
     assert all(sum(m.fan) in (16, 8, 4) and len(m.fan) == 4 for m in known)
-    assert all(0 <= k <= 3 for m in known for k, _ in m.lookups)
-    hits = [h for m in known for _, h in m.lookups]
+    assert all(0 <= k <= 3 for m in known for k, _, _ in m.lookups)
+    hits = [h for m in known for _, h, _ in m.lookups]
     assert any(hits) and not all(hits)
+    # the kind of each lookup (fanout.lookup_is_fresh): k = K always fresh, both kinds seen
+    assert all(fresh for m in known for k, _, fresh in m.lookups if k == 3)
+    kinds = {fresh for m in known for _, _, fresh in m.lookups}
+    assert kinds == {True, False}
     est = roles[-1].estimator
     counted = sum(n for n, _ in est.lookups.values())
     assert counted >= len(hits)  # (plain rounds' lookups besides)

@@ -326,12 +326,14 @@ def test_the_speculator_shadows_ngram_on_rows_other_backups_answered():
 
     role = CacheRole.__new__(CacheRole)
     role.fallbacks = Fallbacks(None, "auto", 5, 1000)
+    role._fresh = {}
 
     def choose():
         return role.fallbacks.choose(1, None, None)
-    row = SimpleNamespace(tokens=[5, 6, 7, 5, 6, 7, 5, 9], source="jit")
+    row = SimpleNamespace(slot=0, tokens=[5, 6, 7, 5, 6, 7, 5, 9], source="jit")
     role.observe(row, 2, 5)  # jit: its own acceptance, and the shadow's
     assert (role.fallbacks.jit_accepted, role.fallbacks.ngram_accepted) == (2, 0)
+    assert role._fresh == {0: False}  # its next lookup: after the draft's own rejection
     choose()
     assert (role.fallbacks.jit_accepted, role.fallbacks.ngram_accepted) == (2, 2)
     row.source = "random"

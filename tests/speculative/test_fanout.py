@@ -200,3 +200,108 @@ def test_hit_rate_after_stays_a_probability_where_nothing_misses():
         for _ in range(50):
             est.observe_verify([5], [5])
         assert 0.0 <= est.hit_rate_after(a) <= 1.0
+
+
+def test_hit_rate_after_weighs_each_kind_of_lookup_by_its_own_misses():
+    """Lookups observed with their kind keep an intercept each at the pooled slope: a backup's
+    rejected token (and k = K) is looked up with the fresh kind's c, a jit draft's rejected
+    token with the rejected kind's; without kinds both take the pooled c."""
+    K, r = 3, 1.0
+    est = FanoutEstimator(16, K, r_prior=r)
+    # fresh lookups miss 1 in 10 at F = 4; lookups after the draft's own rejection 6 in 10
+    est.observe_lookups([4] * 100, [i >= 10 for i in range(100)], [True] * 100)
+    est.observe_lookups([4] * 100, [i >= 60 for i in range(100)], [False] * 100)
+    assert sum(n for n, _ in est.lookups.values()) == 200  # pooled as before
+    log_c, r_fit = est._miss_fit()
+    assert r_fit == r  # one F: the prior
+    fan = est.allocation()
+    c_fresh = (10 + 0.5) / (100 * 4 ** -r + 1)
+    c_rejected = (60 + 0.5) / (100 * 4 ** -r + 1)
+
+    def hit(c, f):
+        return 0.0 if f == 0 else 1 - min(1.0, c * f ** -r)
+    for a in (0.0, 0.4, 0.8):
+        law = [a ** k * (1 - a) for k in range(K)] + [a ** K]
+        backup = sum(p * hit(c_fresh, f) for p, f in zip(law, fan))
+        own = sum(p * hit(c_rejected if k < K else c_fresh, f)
+                  for k, (p, f) in enumerate(zip(law, fan)))
+        assert est.hit_rate_after(a, own=False) == pytest.approx(backup)
+        assert est.hit_rate_after(a) == pytest.approx(own)
+    assert est.hit_rate_after(0.0, own=False) > est.hit_rate_after(0.0) + 0.3
+    # no kinds observed: the pooled c for both
+    plain = FanoutEstimator(16, K, r_prior=r)
+    plain.observe_lookups([4] * 200, [i >= 10 for i in range(100)] + [i >= 60 for i in range(100)])
+    assert plain.hit_rate_after(0.4, own=False) == pytest.approx(plain.hit_rate_after(0.4))
+    with pytest.raises(ValueError, match="one kind per lookup"):
+        est.observe_lookups([4, 4], [True, False], [True])
+
+
+def test_the_kind_of_a_lookup():
+    from ssdlib.speculative.fanout import OWN_SOURCES, lookup_is_fresh
+    assert lookup_is_fresh(3, 3, True) and lookup_is_fresh(2, 2, True)  # all verified accepted
+    assert not lookup_is_fresh(1, 3, True)                              # the draft's own rejected
+    assert lookup_is_fresh(1, 3, False)                                 # a backup's rejected
+    assert {"cache", "jit", "first"} == OWN_SOURCES
+
+
+def kinds_rounds(est, rounds, a, r, c_fresh, c_rejected, K, allocations, seed):
+    """Synthetic rounds whose all-accepted lookups (k = K, fresh) miss at c_fresh F^(-r) and
+    the rest (the draft's own token rejected) at c_rejected F^(-r)."""
+    rng = random.Random(seed)
+    for i in range(rounds):
+        k = 0
+        while k < K and rng.random() < a:
+            k += 1
+        est.observe_verify([k], [K])
+        f = allocations[i % len(allocations)][k]
+        c = c_fresh if k == K else c_rejected
+        if f > 0:
+            est.observe_lookups([f], [rng.random() >= min(1.0, c * f ** -r)], [k == K])
+
+
+def test_one_slope_and_an_intercept_per_kind(monkeypatch):
+    """Lookups of two kinds at different F: the common-slope fit recovers r and both c; the
+    pooled fit, which reads the kinds' difference as a slope, does not. The allocation weighs
+    F_K by (c_K / c)^(1/(1+r)); SSDLIB_FANOUT_KINDS=0 pools them again."""
+    K, B, a, r, c_fresh, c_rejected = 3, 16, 0.7, 1.0, 0.3, 0.9
+    est = FanoutEstimator(B, K)
+    # the all-accepted position always with many guesses, the rejections with few: pooled,
+    # the kinds' different c reads as a steeper slope
+    allocations = [[3, 2, 1, 10], [2, 2, 2, 10], [4, 2, 2, 8], [1, 1, 1, 13], [2, 1, 1, 12]]
+    kinds_rounds(est, 40_000, a, r, c_fresh, c_rejected, K, allocations, seed=4)
+    fresh, rejected, r_fit = est._model()
+    assert r_fit == pytest.approx(r, abs=0.12)
+    assert math.exp(fresh) == pytest.approx(c_fresh, rel=0.15)
+    assert math.exp(rejected) == pytest.approx(c_rejected, rel=0.15)
+    pooled_r = est._miss_fit()[1]
+    assert pooled_r > r + 0.1, pooled_r  # (1.13 here)
+    weight = math.exp(fresh - rejected)
+    assert est.allocation() == geometric_fanout(B, K, est.a_p, r_fit, weight)
+    assert est.allocation()[K] < geometric_fanout(B, K, est.a_p, r_fit)[K]
+    monkeypatch.setenv("SSDLIB_FANOUT_KINDS", "0")
+    assert est.r == pooled_r
+    assert est.allocation() == geometric_fanout(B, K, est.a_p, pooled_r)
+
+
+def test_the_all_accepted_weight_waits_for_both_kinds():
+    """Until each kind has min_lookups lookups the all-accepted position is weighed as the
+    others; a kind not seen takes the other's c."""
+    est = FanoutEstimator(16, 3, min_lookups=20)
+    est.observe_lookups([4] * 30, [True] * 25 + [False] * 5, [True] * 30)
+    fresh, rejected, _ = est._model()
+    assert fresh == rejected
+    est.observe_lookups([2] * 10, [False] * 10, [False] * 10)
+    assert est.allocation() == geometric_fanout(16, 3, est.a_p, est.r)  # 10 < 20: weight 1
+    est.observe_lookups([2] * 10, [False] * 10, [False] * 10)
+    assert est.allocation() != geometric_fanout(16, 3, est.a_p, est.r)
+
+
+def test_the_last_weight_scales_the_all_accepted_share():
+    base = geometric_fanout_real(16, 3, 0.7, 1.0)
+    half = geometric_fanout_real(16, 3, 0.7, 1.0, last_weight=0.25)
+    assert sum(half) == pytest.approx(16)
+    # F_K / F_0 shrinks by 0.25^(1/2) = 0.5
+    assert half[3] / half[0] == pytest.approx(0.5 * base[3] / base[0])
+    for bad in (0.0, -1.0, math.inf, "1"):
+        with pytest.raises(ConfigError, match="last_weight"):
+            geometric_fanout_real(16, 3, 0.7, 1.0, last_weight=bad)

@@ -47,6 +47,7 @@ from ssdlib.loading.feature_draft import is_feature_draft
 from ssdlib.ops.graph_pool import capture_count
 from ssdlib.speculative.acceptance import DraftQ, QKind
 from ssdlib.speculative.adaptive_k import DRAFT_PRIOR, AdaptiveK, StepCosts, k_schedule
+from ssdlib.speculative.fanout import OWN_SOURCES, lookup_is_fresh
 
 
 @dataclass
@@ -100,6 +101,8 @@ class LinkVerifier:
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._joining: list = []  # admitted into a running chain, not launched in it yet
         self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
+        # per slot: that round's speculation was the draft's own (the cache's or a jit draft)
+        self._chain_own: dict[int, bool] = {}
         self._chain_estimates = env.flag("SSDLIB_CHAIN_ESTIMATES")  # chained rounds teach them
 
     def admit(self, seqs) -> None:
@@ -201,8 +204,9 @@ class LinkVerifier:
             if self._chain_estimates:
                 self.link.observe_chain(ChainSeen(
                     list(result.accepted), K,
-                    [(self._chain_k[q.slot], h) for q, h in zip(done, hits)
-                     if q.slot in self._chain_k], got.looked_up))
+                    [(self._chain_k[q.slot], h,
+                      lookup_is_fresh(self._chain_k[q.slot], K, self._chain_own[q.slot]))
+                     for q, h in zip(done, hits) if q.slot in self._chain_k], got.looked_up))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]
@@ -213,6 +217,7 @@ class LinkVerifier:
         for q, source, accepted in zip(done, sources, result.accepted):
             record_source(q.metrics, source, accepted)
             self._chain_k[q.slot] = accepted
+            self._chain_own[q.slot] = source in OWN_SOURCES
         clock.tick("commit")
         if not any(self._alive(q) for q in active):
             # the batch has ended: so does the chain (the round in flight dropped), and the
@@ -432,6 +437,7 @@ class LinkVerifier:
         self._restart = [q for q in self._restart if q is not seq]
         self._joining = [q for q in self._joining if q is not seq]
         self._chain_k.pop(seq.slot, None)
+        self._chain_own.pop(seq.slot, None)
         self.source.release_row(seq.slot)
         self.policy.release(seq.slot)
         # tell the speculator with the next outcome (a chain's row may have no speculation in

@@ -246,11 +246,13 @@ class Fallbacks:
         24 chat prompts, one backup forced in each run: random predicted 0.62, measured 0.69;
         n-gram 0.50 and 0.59; jit 0.37 and 0.35. Scaling the predictions by the cache's measured
         rate over its predicted one put random at 0.41 and n-gram at 0.42: the model's error is
-        not common to the sources. It pools the lookups of every position, where a draft's
-        token rejected at k makes its other guesses there likelier to miss, a random one not.)"""
+        not common to the sources: it pooled the lookups of every position, where a draft's
+        token rejected at k makes its other guesses there likelier to miss, a random one not.
+        Hence the miss model's two kinds of lookup, ``FanoutEstimator``'s class doc.)"""
         if estimator is None:
             return None
-        predicted = {f: estimator.hit_rate_after(a) for f, a in accepted.items()}
+        # a jit draft's rejected tokens are the draft's own guesses; a backup's are not
+        predicted = {f: estimator.hit_rate_after(a, own=f == "jit") for f, a in accepted.items()}
         return None if None in predicted.values() else predicted
 
     def _choose(self, n_rows: int, t_verify: float | None, estimator) -> str:

@@ -41,7 +41,8 @@ from ssdlib.loading.feature_draft import feature_spec_for, is_feature_draft, loa
 from ssdlib.ops.graph_pool import EagerPool, make_graph_pool
 from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.fallback import FALLBACKS
-from ssdlib.speculative.fanout import FanoutEstimator, cache_branches, parse_fanout
+from ssdlib.speculative.fanout import (OWN_SOURCES, FanoutEstimator, cache_branches,
+                                       lookup_is_fresh, parse_fanout)
 from ssdlib.speculative.fanout_budget import BudgetTuner
 from ssdlib.speculative.rng import RowStreams
 
@@ -293,6 +294,7 @@ class CacheRole:
                               f"{self.B} branches")
         self._fanout_used = self.fanout()
         self._push_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fresh: dict[int, bool] = {}  # per slot: the kind of its next lookup (observe)
         self._second: SpeculationCache | None = None  # chained rounds' second cache
         self._chain = None  # the running chain's ChainState
         self._chain_rows: list[SpecRow] | None = None  # its rows, when some samples
@@ -327,7 +329,9 @@ class CacheRole:
             raise RuntimeError("an OUTCOME carried target features to a standalone draft")
 
     def observe(self, row: SpecRow, k: int, limit: int) -> None:
-        """The row's speculation in flight had k of its first ``limit`` tokens accepted."""
+        """The row's speculation in flight had k of its first ``limit`` tokens accepted (and
+        the kind of the lookup of its outcome is kept for :meth:`answered`)."""
+        self._fresh[row.slot] = lookup_is_fresh(k, limit, row.source in OWN_SOURCES)
         if row.source == "ngram":  # an n-gram backup's (random where no suffix recurs)
             self.fallbacks.observe_ngram(k, limit)
             return
@@ -364,8 +368,10 @@ class CacheRole:
         self.fallbacks.observe_lookups(len(hs), sum(hs))
         if self.estimator is not None and hs:
             fan = self._fanout_used
+            fed = [i for i, f in zip(live, built) if f]
             self.estimator.observe_lookups(
-                [fan[outcome.accepted[i]] for i, f in zip(live, built) if f], hs)
+                [fan[outcome.accepted[i]] for i in fed], hs,
+                [self._fresh.get(outcome.slots[i], True) for i in fed])
         if ans.q is not None and any(hit):  # the hit rows' q, gathered here on the device
             branch = ans.branch.tolist()
             at = [j for j, h in enumerate(hit) if h]
@@ -447,10 +453,11 @@ class CacheRole:
         self.observe_round([(k, msg.k) for k in msg.accepted])
         if msg.fan is None or not msg.lookups:
             return
-        hits = [h for _, h in msg.lookups]
+        hits = [h for _, h, _ in msg.lookups]
         self.fallbacks.observe_lookups(len(hits), sum(hits))
         if self.estimator is not None:
-            self.estimator.observe_lookups([msg.fan[k] for k, _ in msg.lookups], hits)
+            self.estimator.observe_lookups([msg.fan[k] for k, _, _ in msg.lookups], hits,
+                                           [fresh for _, _, fresh in msg.lookups])
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """A chained round's times, its build of ``budget`` branches (for the tuner)."""
