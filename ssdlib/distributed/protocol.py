@@ -554,6 +554,8 @@ class ChainSeen:
     k: int
     lookups: list[tuple[int, bool, bool]]  # (k, hit, fresh: ``fanout.lookup_is_fresh``)
     fan: tuple | None
+    cached: list[bool] = field(default_factory=list)  # per row of ``accepted``: its
+    # speculation was the cache's (else the miss's backup); empty: not told
 
 
 @dataclass

@@ -18,13 +18,24 @@ round: the rounds that captured a build are outliers), or the smallest arm when 
 hidden, and probes again after a hold that starts at ``first_hold`` builds and doubles up to
 ``hold``: the first choices, made while the warm-up captured and compiled, are checked again
 soon, later ones rarely. Without timings (CPU) it probes and then holds the full budget.
+
+That rule does not weigh what a larger build costs the verify beside it: on one H100 at b = 8
+the verify of a round ran 1.28x AR's step beside builds of 16 branches a row (128 rows), and a
+probe of the same shapes slowed a verify 1.17x beside 16 rows and 1.42x beside 128
+(docs/BENCHMARKS.md, 2026-12-05). ``SSDLIB_BUDGET_THROUGHPUT=1`` (an experiment, off by
+default) holds instead the arm with the most tokens a millisecond: the tokens a round the
+fan-out's miss model expects of builds of that budget (:func:`tokens_a_round`) over the arm's
+median round, the longer of its build and its verify.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
+from ssdlib import env
 from ssdlib.errors import ConfigError, require_int
+from ssdlib.speculative.fallback import expected_tokens, steady_hit_rate
 
 
 def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
@@ -37,11 +48,30 @@ def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
     return arms
 
 
+def tokens_a_round(estimator, budget: int, a_hit: float, a_miss: float) -> float | None:
+    """The tokens a chained round is expected to commit a row with builds of ``budget``
+    branches: a row's speculation is the cache's after a hit (its tokens accepted at ``a_hit``
+    a token) or the miss's backup (``a_miss``); its next lookup hits at the rate the fan-out's
+    miss model predicts after each (``FanoutEstimator.hit_rate_after`` at that budget), a
+    two-state chain whose long-run share of the cache's speculations is ``steady_hit_rate``; a
+    speculation accepted at a commits (1 - a^(K+1)) / (1 - a) tokens. None before any lookup."""
+    after_hit = estimator.hit_rate_after(a_hit, budget=budget)
+    after_miss = estimator.hit_rate_after(a_miss, budget=budget, own=False)
+    if after_hit is None or after_miss is None:
+        return None
+    share = steady_hit_rate(after_hit, after_miss)
+    K = estimator.K
+    return share * expected_tokens(a_hit, K) + (1.0 - share) * expected_tokens(a_miss, K)
+
+
 class BudgetTuner:
-    """Chooses each build's fan-out budget among ``arms`` (see the module doc)."""
+    """Chooses each build's fan-out budget among ``arms`` (see the module doc). ``value``:
+    the tokens a round expected of builds of a budget (None: not known yet), for
+    ``SSDLIB_BUDGET_THROUGHPUT=1``."""
 
     def __init__(self, arms: list[int], probe: int = 4, hold: int = 512,
-                 first_hold: int = 32) -> None:
+                 first_hold: int = 32,
+                 value: Callable[[int], float | None] | None = None) -> None:
         if not arms or any(a < 1 for a in arms) or sorted(set(arms), reverse=True) != list(arms):
             raise ConfigError(f"budget arms must be distinct positive integers, largest first, "
                               f"got {arms!r}")
@@ -49,9 +79,10 @@ class BudgetTuner:
             raise ConfigError("BudgetTuner: probe >= 1 and 1 <= first_hold <= hold required")
         self.arms = list(arms)
         self.probe, self.hold = probe, hold
+        self.value = value
         self._hold = first_hold  # the next hold's builds
-        # per arm: each timed round's build ms minus its verify ms
-        self._timed: dict[int, list[float]] = {a: [] for a in self.arms}
+        # per arm: each timed round's (build ms, verify ms)
+        self._timed: dict[int, list[tuple[float, float]]] = {a: [] for a in self.arms}
         self._step = 0  # builds since the phase began
         self._probing = True
         self.held = self.arms[0]  # the arm held after the last probe
@@ -81,21 +112,33 @@ class BudgetTuner:
         """One round's times with a build of ``budget`` (another budget's: ignored)."""
         t = self._timed.get(budget)
         if t is not None:
-            t.append(build_ms - verify_ms)
+            t.append((build_ms, verify_ms))
 
     def hidden(self, budget: int) -> bool | None:
         """Whether the verify hid the build of ``budget`` in most of its timed rounds (the
         median of build - verify <= 0: a round that captured the build, timed with the capture's
         eager runs, is an outlier that does not decide); None: no round timed."""
         t = self._timed[budget]
-        return None if not t else statistics.median_low(t) <= 0.0
+        return None if not t else statistics.median_low([b - v for b, v in t]) <= 0.0
+
+    def round_ms(self, budget: int) -> float | None:
+        """The median timed round of ``budget``: the longer of its build and its verify (None:
+        no round timed)."""
+        t = self._timed[budget]
+        return None if not t else statistics.median_low([max(b, v) for b, v in t])
 
     def choose(self) -> int:
         """The largest arm the verify hides; the smallest when it hides none; the largest when
-        no arm was timed."""
+        no arm was timed. With ``SSDLIB_BUDGET_THROUGHPUT=1``, every arm timed and valued:
+        the arm of the most expected tokens a millisecond (the largest of equals)."""
         seen = [(a, self.hidden(a)) for a in self.arms]
         if all(h is None for _, h in seen):
             return self.arms[0]
+        if self.value is not None and env.flag("SSDLIB_BUDGET_THROUGHPUT") \
+                and all(h is not None for _, h in seen):
+            tokens = {a: self.value(a) for a in self.arms}
+            if all(t is not None for t in tokens.values()):
+                return max(self.arms, key=lambda a: tokens[a] / max(self.round_ms(a), 1e-9))
         for a, h in seen:
             if h:
                 return a

@@ -141,6 +141,12 @@ def test_chained_rounds_feed_the_fanout_estimates(tiny_dirs, monkeypatch):
     counted = sum(n for n, _ in est.lookups.values())
     assert counted >= len(hits)  # (plain rounds' lookups besides)
     assert est.accepted >= sum(sum(m.accepted) for m in seen)
+    # each row's source: the cache's speculations and the misses' apart (the tuner's tokens)
+    assert all(len(m.cached) == len(m.accepted) for m in seen)
+    acc = roles[-1].chain_acceptance
+    assert acc[True][0] + acc[False][0] == sum(sum(m.accepted) for m in seen)
+    assert acc[True][0] > 0 and sum(acc[False]) > 0
+    assert roles[-1].tokens_a_round(8) is not None
 
 
 @pytest.mark.parametrize("path", ["", "eager"])

@@ -101,3 +101,48 @@ def test_the_holds_double_from_the_first():
     held = run(tuner, 4 + 2 + 4 + 4 + 4 + 8 + 4 + 8 + 4, times)
     assert held == (probe + [16] * 2 + probe + [16] * 4 + probe + [16] * 8 + probe
                     + [16] * 8 + probe)
+
+
+def test_tokens_a_round_follows_the_miss_model_and_the_two_state_chain():
+    from ssdlib.speculative.fallback import expected_tokens, steady_hit_rate
+    from ssdlib.speculative.fanout_budget import tokens_a_round
+
+    est = FanoutEstimator(16, 3)
+    assert tokens_a_round(est, 16, 0.7, 0.2) is None  # no lookup yet
+    est.observe_lookups([1] * 50 + [4] * 50, [i % 2 == 0 for i in range(50)] + [True] * 40
+                        + [False] * 10)
+    for budget in (16, 8, 4):
+        h = est.hit_rate_after(0.7, budget=budget)
+        m = est.hit_rate_after(0.2, budget=budget, own=False)
+        share = steady_hit_rate(h, m)
+        want = share * expected_tokens(0.7, 3) + (1 - share) * expected_tokens(0.2, 3)
+        assert tokens_a_round(est, budget, 0.7, 0.2) == pytest.approx(want)
+    # more branches, more hits, more tokens
+    assert tokens_a_round(est, 16, 0.7, 0.2) > tokens_a_round(est, 4, 0.7, 0.2)
+
+
+def test_the_throughput_rule_weighs_the_verify_slowed_by_a_larger_build(monkeypatch):
+    """Every build hidden, but the verify slows with the budget: the hidden rule holds the
+    largest, the throughput rule (SSDLIB_BUDGET_THROUGHPUT=1) the most tokens a millisecond;
+    without a value for every arm it keeps the hidden rule."""
+    times = {16: (1.3, 1.52), 8: (1.2, 1.39), 4: (1.1, 1.37)}  # (build, verify) ms
+    tokens = {16: 2.30, 8: 2.24, 4: 2.10}   # 1.513, 1.612, 1.533 tokens a ms
+
+    def held(value, throughput: bool):
+        if throughput:
+            monkeypatch.setenv("SSDLIB_BUDGET_THROUGHPUT", "1")
+        else:
+            monkeypatch.delenv("SSDLIB_BUDGET_THROUGHPUT", raising=False)
+        tuner = BudgetTuner([16, 8, 4], probe=1, hold=4, first_hold=4, value=value)
+        run(tuner, 6, times)
+        return run(tuner, 1, times)[0]
+    assert held(tokens.get, False) == 16
+    assert held(tokens.get, True) == 8
+    assert held(lambda b: None if b == 4 else tokens[b], True) == 16
+    # a build that outlasts the verify makes the round: 16's round is its 1.9 ms build
+    times[16] = (1.9, 1.52)
+    tokens[16] = 2.9   # 1.526 a ms, below 8's 1.612
+    assert held(tokens.get, True) == 8
+    # equal rates: the largest
+    times = {16: (1.0, 2.0), 8: (1.0, 1.0), 4: (1.0, 1.0)}
+    assert held({16: 4.0, 8: 2.0, 4: 1.0}.get, True) == 16

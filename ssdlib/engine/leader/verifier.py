@@ -206,7 +206,8 @@ class LinkVerifier:
                     list(result.accepted), K,
                     [(self._chain_k[q.slot], h,
                       lookup_is_fresh(self._chain_k[q.slot], K, self._chain_own[q.slot]))
-                     for q, h in zip(done, hits) if q.slot in self._chain_k], got.looked_up))
+                     for q, h in zip(done, hits) if q.slot in self._chain_k], got.looked_up,
+                    list(hits)))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]

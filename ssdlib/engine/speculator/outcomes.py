@@ -128,7 +128,7 @@ def _tries(k: int, K: int) -> int:
     return k + (1 if k < K else 0)
 
 
-def _shrunk(accepted: int, tried: int, prior: float, prior_tries: int = 10) -> float:
+def shrunk_acceptance(accepted: int, tried: int, prior: float, prior_tries: int = 10) -> float:
     """Per-token acceptance accepted / tried, shrunk towards ``prior`` as ``prior_tries``."""
     return (accepted + prior * prior_tries) / (tried + prior_tries)
 
@@ -211,16 +211,16 @@ class Fallbacks:
     def hit_rate_after(self, source: str, prior: float) -> float:
         """The hit rate of lookups after ``source``'s speculations, shrunk towards ``prior``."""
         lookups, hits = self.after[source]
-        return _shrunk(hits, lookups, prior)
+        return shrunk_acceptance(hits, lookups, prior)
 
     def jit_acceptance(self, prior: float) -> float:
         """Measured per-token acceptance of jit drafts, shrunk towards ``prior``: the draft
         accepts less on the rows that missed the cache than on average."""
-        return _shrunk(self.jit_accepted, self.jit_tried, prior)
+        return shrunk_acceptance(self.jit_accepted, self.jit_tried, prior)
 
     def ngram_acceptance(self) -> float:
         """Measured per-token acceptance of n-gram speculations, shrunk towards the prior."""
-        return _shrunk(self.ngram_accepted, self.ngram_tried, NGRAM_ACCEPTANCE_PRIOR)
+        return shrunk_acceptance(self.ngram_accepted, self.ngram_tried, NGRAM_ACCEPTANCE_PRIOR)
 
     def choose(self, n_rows: int, t_verify: float | None, estimator) -> str:
         """The backup the next CACHE names (:attr:`pushed`): the configured one, or Thm 17's

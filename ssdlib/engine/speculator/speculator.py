@@ -31,7 +31,8 @@ from ssdlib.engine.runner.step_graphs import GHOST_PARAMS
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
 from ssdlib.engine.speculator.feature_build import FeatureCacheBuilder
 from ssdlib.engine.speculator.feature_spec_draft import FeatureSpecDraft
-from ssdlib.engine.speculator.outcomes import Answer, Fallbacks, answer_jit, q_after_build
+from ssdlib.engine.speculator.outcomes import (NGRAM_ACCEPTANCE_PRIOR, Answer, Fallbacks,
+                                              answer_jit, q_after_build, shrunk_acceptance)
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.engine.timing import HostClock, RoundTimer
@@ -43,7 +44,7 @@ from ssdlib.profiling import RoundProfiler
 from ssdlib.speculative.fallback import FALLBACKS
 from ssdlib.speculative.fanout import (OWN_SOURCES, FanoutEstimator, cache_branches,
                                        lookup_is_fresh, parse_fanout)
-from ssdlib.speculative.fanout_budget import BudgetTuner
+from ssdlib.speculative.fanout_budget import BudgetTuner, tokens_a_round
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -288,7 +289,10 @@ class CacheRole:
         # with an estimated fan-out, where the builder's chained build takes smaller budgets
         arms = self.builder.budget_arms(self.B) if fan == "auto" and cfg.fan_out_tuning \
             else [self.B]
-        self.tuner = BudgetTuner(arms) if len(arms) > 1 else None
+        # per-token acceptance of chained rounds' speculations: [accepted, rejections] of the
+        # cache's (True) and of a miss's backup (False), for the tuner's expected tokens
+        self.chain_acceptance = {True: [0, 0], False: [0, 0]}
+        self.tuner = BudgetTuner(arms, value=self.tokens_a_round) if len(arms) > 1 else None
         if self.B != sum(self.fanout()):
             raise ConfigError(f"fan-out {self.fanout()} does not sum to the cache's "
                               f"{self.B} branches")
@@ -451,6 +455,10 @@ class CacheRole:
         """A chained round's outcomes and lookups (``protocol.ChainSeen``): into the fan-out's
         estimates and the fallbacks' hit rate, as a plain round's OUTCOME and answer are."""
         self.observe_round([(k, msg.k) for k in msg.accepted])
+        for k, cached in zip(msg.accepted, msg.cached):
+            counts = self.chain_acceptance[cached]
+            counts[0] += k
+            counts[1] += int(k < msg.k)
         if msg.fan is None or not msg.lookups:
             return
         hits = [h for _, h, _ in msg.lookups]
@@ -458,6 +466,17 @@ class CacheRole:
         if self.estimator is not None:
             self.estimator.observe_lookups([msg.fan[k] for k, _, _ in msg.lookups], hits,
                                            [fresh for _, _, fresh in msg.lookups])
+
+    def tokens_a_round(self, budget: int) -> float | None:
+        """The tokens a chained round is expected to commit a row with builds of ``budget``
+        branches (``fanout_budget.tokens_a_round``), at the chained rounds' measured
+        acceptance of the cache's speculations and of the misses' backups (shrunk towards the
+        draft's a_p and the n-gram prior)."""
+        (acc_hit, rej_hit), (acc_miss, rej_miss) = (self.chain_acceptance[True],
+                                                    self.chain_acceptance[False])
+        a_hit = shrunk_acceptance(acc_hit, acc_hit + rej_hit, self.estimator.a_p)
+        a_miss = shrunk_acceptance(acc_miss, acc_miss + rej_miss, NGRAM_ACCEPTANCE_PRIOR)
+        return tokens_a_round(self.estimator, budget, a_hit, a_miss)
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
         """A chained round's times, its build of ``budget`` branches (for the tuner)."""
