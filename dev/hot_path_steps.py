@@ -133,7 +133,7 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
                                   pool=pool)
     sent = torch.randint(0, V, (b, K))
     rows = [SimpleNamespace(tokens=list(range(1, L + 1)), slot=i, sent=sent[i].tolist(),
-                            fed=False, params=None, reuse=None, is_jit=True)
+                            fed=False, params=None, reuse=None, is_jit=True, limit=None)
             for i in range(b)]  # jit drafts: the features their steps left
     for r in rows:
         drafter.fed[r.slot] = L - 1
