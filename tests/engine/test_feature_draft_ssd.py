@@ -105,16 +105,12 @@ def _answer(row, tokens, hit: bool, branch: int = 0, kind=QKind.DENSE):
            torch.tensor([branch]), None).record([row], "ngram")
 
 
-def _oracle_rounds(target, draft, fused, pool, runs, compiled):
-    """A jit draft's round, then rounds answered from the cache (the branch of an outcome
-    that accepts s_1 and rejects s_2 for another candidate): the chain reads the jit draft's,
-    then the hit branch's own features (an oracle's h is the target's next feature, so a
-    feature from the wrong depth or branch gives a wrong candidate or branch)."""
+def _jit_drafted_row(target, draft, fused, pool, backend=None):
+    """(drafter, cache, builder, row): an oracle pair's speculator whose row holds a jit
+    draft's speculation, sent and answered (a miss), its prompt's features committed."""
     B = sum(FAN)
     drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool,
-                               compile_backend=counting_backend(runs) if compiled else None)
-    assert (drafter.step_draft is not draft) == compiled
-    assert len(runs) == compiled  # the compile's trial step
+                               compile_backend=backend)
     cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
     builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0, pool=pool)
     prompt = [5, 17, 3, 42, 8, 11]
@@ -125,6 +121,19 @@ def _oracle_rounds(target, draft, fused, pool, runs, compiled):
     tokens, _ = drafter.propose([row], K, want_q=False)  # a jit draft
     assert tokens[0].tolist() == _greedy(target, row.tokens, K)
     _answer(row, tokens[0].tolist(), hit=False)
+    return drafter, cache, builder, row
+
+
+def _oracle_rounds(target, draft, fused, pool, runs, compiled):
+    """A jit draft's round, then rounds answered from the cache (the branch of an outcome
+    that accepts s_1 and rejects s_2 for another candidate): the chain reads the jit draft's,
+    then the hit branch's own features (an oracle's h is the target's next feature, so a
+    feature from the wrong depth or branch gives a wrong candidate or branch)."""
+    B = sum(FAN)
+    drafter, cache, builder, row = _jit_drafted_row(
+        target, draft, fused, pool, counting_backend(runs) if compiled else None)
+    assert (drafter.step_draft is not draft) == compiled
+    assert bool(runs) == compiled  # the compile's trial step and the jit draft's ran compiled
     assert builder.source(row) == JIT
     for round_ in range(3):
         assert builder.build([row], FAN, sampling=False) == 0
@@ -152,16 +161,7 @@ def test_a_shorter_verification_caches_its_all_accepted_outcome(captured):
     draft = oracle_draft(target, fused=False)
     pool = EagerPool(warmup=1) if captured else None
     B = sum(FAN)
-    drafter = FeatureSpecDraft(draft, 3, 64, V, B * K, "cpu", torch.float32, draws=K, pool=pool)
-    cache = SpeculationCache(3, B, K, V, torch.device("cpu"))
-    builder = FeatureCacheBuilder(drafter, cache, V, saguaro_c=1.0, pool=pool)
-    prompt = [5, 17, 3, 42, 8, 11]
-    row = SpecRow(1, prompt + _greedy(target, prompt, 1), SamplingParams(), 0,
-                  torch.device("cpu"))
-    drafter.prefill([row])
-    _commit(drafter, target, row, 0, False)
-    tokens, _ = drafter.propose([row], K, want_q=False)
-    _answer(row, tokens[0].tolist(), hit=False)
+    _, cache, builder, row = _jit_drafted_row(target, draft, False, pool)
     row.limit = 1
     fan = [B - 3, 3, 0, 0]
     builder.build([row], fan, sampling=False)

@@ -81,7 +81,9 @@ def test_parse_fanout_errors(spec, K):
         parse_fanout(spec, K)
 
 
-def synthetic_rounds(est, rounds, a, r, c, K, allocations, seed):
+def synthetic_rounds(est, rounds, a, r, c, K, allocations, seed, c_fresh=None):
+    """Rounds whose lookups miss at c F^(-r); with ``c_fresh`` the all-accepted ones (k = K)
+    at c_fresh F^(-r) instead, and every lookup is observed with its kind."""
     rng = random.Random(seed)
     for i in range(rounds):
         k = 0
@@ -89,8 +91,10 @@ def synthetic_rounds(est, rounds, a, r, c, K, allocations, seed):
             k += 1
         est.observe_verify([k], [K])
         fan_out = allocations[i % len(allocations)][k]
+        c_k = c_fresh if c_fresh is not None and k == K else c
         if fan_out > 0:
-            est.observe_lookups([fan_out], [rng.random() >= min(1.0, c * fan_out ** -r)])
+            hit = [rng.random() >= min(1.0, c_k * fan_out ** -r)]
+            est.observe_lookups([fan_out], hit, None if c_fresh is None else [k == K])
 
 
 @pytest.mark.parametrize("a, r", [(0.65, 1.2), (0.85, 0.7), (0.4, 2.0)])
@@ -244,21 +248,6 @@ def test_the_kind_of_a_lookup():
     assert {"cache", "jit", "first"} == OWN_SOURCES
 
 
-def kinds_rounds(est, rounds, a, r, c_fresh, c_rejected, K, allocations, seed):
-    """Synthetic rounds whose all-accepted lookups (k = K, fresh) miss at c_fresh F^(-r) and
-    the rest (the draft's own token rejected) at c_rejected F^(-r)."""
-    rng = random.Random(seed)
-    for i in range(rounds):
-        k = 0
-        while k < K and rng.random() < a:
-            k += 1
-        est.observe_verify([k], [K])
-        f = allocations[i % len(allocations)][k]
-        c = c_fresh if k == K else c_rejected
-        if f > 0:
-            est.observe_lookups([f], [rng.random() >= min(1.0, c * f ** -r)], [k == K])
-
-
 def test_one_slope_and_an_intercept_per_kind(monkeypatch):
     """Lookups of two kinds at different F: the common-slope fit recovers r and both c; the
     pooled fit, which reads the kinds' difference as a slope, does not. The allocation weighs
@@ -268,7 +257,7 @@ def test_one_slope_and_an_intercept_per_kind(monkeypatch):
     # the all-accepted position always with many guesses, the rejections with few: pooled,
     # the kinds' different c reads as a steeper slope
     allocations = [[3, 2, 1, 10], [2, 2, 2, 10], [4, 2, 2, 8], [1, 1, 1, 13], [2, 1, 1, 12]]
-    kinds_rounds(est, 40_000, a, r, c_fresh, c_rejected, K, allocations, seed=4)
+    synthetic_rounds(est, 40_000, a, r, c_rejected, K, allocations, seed=4, c_fresh=c_fresh)
     fresh, rejected, r_fit = est._model()
     assert r_fit == pytest.approx(r, abs=0.12)
     assert math.exp(fresh) == pytest.approx(c_fresh, rel=0.15)
