@@ -542,7 +542,8 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     same over chained rounds, ``chained_rounds`` how many rounds were chained, ``chain_counts``
     how many chains started and how many rows joined a running one, ``chain_budgets`` the
     chained builds per fan-out budget and the budget held at the end, where the budget is
-    tuned: ``speculative/fanout_budget.py``).
+    tuned: ``speculative/fanout_budget.py``; ``fanout_model`` the fan-out estimator's state at
+    the end, ``FanoutEstimator.summary``, with the speculator in the process).
     """
     tokens = sum(o.metrics.get("tokens", 0) for o in outputs)
     out = {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -585,7 +586,7 @@ def run_metrics(outputs: list[Output], wall_s: float) -> dict:
     for key in ("speculator_rounds", "speculator_rows_held", "speculator_ms_per_round",
                 "speculator_host_ms_per_round",
                 "stream_overlap", "chain_overlap", "chain_counts", "chain_budgets",
-                "k_costs"):
+                "fanout_model", "k_costs"):
         value = next((o.metrics[key] for o in outputs if key in o.metrics), None)
         if value is not None:
             out[key] = dict(value) if isinstance(value, dict) else value

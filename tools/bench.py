@@ -317,6 +317,8 @@ def breakdown(mode: str, run: dict, batch: int = 1) -> dict:
         out["chain_counts"] = dict(run["chain_counts"])
     if "chain_budgets" in run:  # the tuned fan-out budget (speculative/fanout_budget.py)
         out["chain_budgets"] = dict(run["chain_budgets"])
+    if "fanout_model" in run:  # the fan-out estimator at the end (speculative/fanout.py)
+        out["fanout_model"] = dict(run["fanout_model"])
     return out
 
 
@@ -559,6 +561,21 @@ def print_tables(rows: list[dict], breakdowns: list[dict]) -> None:
                   f"{verify_ratios(o['verify_ms'], breakdowns) if key == 'chain_overlap' else ''}"
                   f"  build {o['build_ms']:.3f}  hidden {o['hidden_ms']:.3f} "
                   f"({100 * share:.0f}% of the build){tuned}")
+    models = [b for b in breakdowns if "fanout_model" in b]
+    if models:
+        print("\nfan-out estimates at the end (speculative/fanout.py): allocation, a_p, r, miss "
+              "constant c of fresh lookups / after the draft's own rejection (lookups)")
+    for b in models:
+        print(f"{b['mode']:12} {fanout_model_line(b['fanout_model'])}")
+
+
+def fanout_model_line(m: dict) -> str:
+    """One line of a ``fanout_model`` (``FanoutEstimator.summary``)."""
+    def c(x):
+        return "-" if x is None else f"{x:.3f}"
+    n = m["lookups"]
+    return (f"{','.join(map(str, m['allocation']))}  a_p {m['a_p']:.3f}  r {m['r']:.3f}  "
+            f"c {c(m['c_fresh'])} / {c(m['c_rejected'])} ({n['fresh']} / {n['rejected']})")
 
 
 def verify_ratios(verify_ms: float, breakdowns: list[dict]) -> str:

@@ -269,6 +269,11 @@ class LocalLink:
         """The chained builds per fan-out budget and the budget held (None: not tuned)."""
         return self.speculator.cache.budget_summary()
 
+    def fanout_summary(self) -> dict | None:
+        """The speculator's fan-out estimates (None: a fixed fan-out or no cache)."""
+        cache = self.speculator.cache
+        return cache.fanout_summary() if cache is not None else None
+
     def end_chain(self, msg: ChainEnd) -> None:
         self._run(self.speculator.end_chain, msg)
 

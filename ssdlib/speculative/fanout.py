@@ -204,6 +204,17 @@ class FanoutEstimator:
     def r(self) -> float:
         return self._model()[2]
 
+    def summary(self) -> dict:
+        """The estimates now: the allocation of the whole budget, a_p, r, the miss constants c
+        of fresh lookups and of lookups after the draft's own rejection (class doc; None before
+        a lookup) and how many lookups of each kind were observed."""
+        fresh, rejected, r = self._model()
+        return {"allocation": self.allocation(), "a_p": self.a_p, "r": r,
+                "c_fresh": None if fresh is None else math.exp(fresh),
+                "c_rejected": None if rejected is None else math.exp(rejected),
+                "lookups": {kind: sum(n for n, _ in self.kind_lookups[fresh_kind].values())
+                            for kind, fresh_kind in (("fresh", True), ("rejected", False))}}
+
     def _fit(self, tables: list[dict[int, list[int]]]
              ) -> tuple[list[float | None], float] | None:
         """The miss model m(F) = c F^(-r) fitted with one slope r and an intercept c per table

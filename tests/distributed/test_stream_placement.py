@@ -147,6 +147,9 @@ def test_chained_rounds_feed_the_fanout_estimates(tiny_dirs, monkeypatch):
     assert acc[True][0] + acc[False][0] == sum(sum(m.accepted) for m in seen)
     assert acc[True][0] > 0 and sum(acc[False]) > 0
     assert roles[-1].tokens_a_round(8) is not None
+    model = run["fanout_model"]  # the estimator's state in the run metrics
+    assert sum(model["allocation"]) == roles[-1].B and model["lookups"]["fresh"] > 0
+    assert model["lookups"]["fresh"] + model["lookups"]["rejected"] == counted
 
 
 @pytest.mark.parametrize("path", ["", "eager"])

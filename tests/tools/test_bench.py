@@ -281,3 +281,16 @@ def test_chained_verify_is_compared_with_ar_and_sd_verify(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines()
                 if x.startswith("ssd") and "chained" in x)
     assert "verify 1.500  build 1.200" in line
+
+
+def test_the_fanout_estimates_reach_the_json_row_and_a_table_line(capsys):
+    model = {"allocation": [5, 4, 3, 4], "a_p": 0.664, "r": 0.668, "c_fresh": 0.603,
+             "c_rejected": None, "lookups": {"fresh": 412, "rejected": 0}}
+    run = {"tokens": 22, "requests": 2, "rounds": 10, "verify_s": 0.02, "fanout_model": model}
+    b = breakdown("ssd", run)
+    assert b["fanout_model"] == model
+    print_tables([], [b])
+    out = capsys.readouterr().out
+    line = out[out.index("fan-out estimates"):].splitlines()[1]
+    assert line.split() == ["ssd", "5,4,3,4", "a_p", "0.664", "r", "0.668", "c", "0.603", "/",
+                            "-", "(412", "/", "0)"]

@@ -469,6 +469,10 @@ class LinkVerifier:
         budgets = self.link.budget_summary() if self.chain is not None else None
         if budgets is not None and budgets["builds"]:
             chain["chain_budgets"] = budgets
+        if isinstance(self.link, LocalLink):  # in process: the speculator's fan-out estimates
+            model = self.link.fanout_summary()
+            if model is not None:
+                chain["fanout_model"] = model
         if stats is None:
             return {"k_costs": self.policy.costs.snapshot(), **chain}
         idle, busy, hits, rounds = stats.idle_s, stats.busy_s, stats.hits, stats.rounds

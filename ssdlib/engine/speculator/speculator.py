@@ -483,6 +483,11 @@ class CacheRole:
         if self.tuner is not None:
             self.tuner.observe(budget, build_ms, verify_ms)
 
+    def fanout_summary(self) -> dict | None:
+        """The fan-out estimator's state (``FanoutEstimator.summary``; None: a fixed
+        ``--fan-out``)."""
+        return self.estimator.summary() if self.estimator is not None else None
+
     def budget_summary(self) -> dict | None:
         """The tuner's builds per budget since the last call and the budget it holds (None: no
         tuner)."""
