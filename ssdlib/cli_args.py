@@ -33,8 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per rank (default: OMP_NUM_THREADS if set, else "
                         "on CPU the cores but one shared out among the job's ranks on this host)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="'auto' (default): bfloat16 on CUDA and on a CPU with native bfloat16 "
+                        "arithmetic (AVX512-BF16 or AMX), else float32")
     g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     g.add_argument("--max-len", type=int, default=2048, help="context per sequence (tokens)")
     g.add_argument("--compile", nargs="?", const="on", default="auto",

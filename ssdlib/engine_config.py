@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placement
+from ssdlib.distributed.host_cpu import available_cores, cpu_speculator_placement, native_bf16
 from ssdlib.engine.runner.compiled import compile_setting
 from ssdlib.engine.runner.model_runner import POSITION_SLACK
 from ssdlib.errors import ConfigError, require_int
@@ -58,7 +58,9 @@ class EngineConfig:
     # "auto": CUDA where a GPU is visible, else CPU; resolved once, when the config is validated,
     # so every rank (and every later check) sees "cpu" or "cuda"
     device: str = "auto"
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # None: float32 on CPU, bfloat16 on CUDA; "auto" (the command line's default, resolved at
+    # init): bfloat16 on CUDA and on a CPU with native bfloat16 arithmetic, else float32
+    dtype: str | None = None
     k: int = 5  # draft tokens per round; with adaptive_k the most a round drafts
     # choose each sequence's K (0 .. k) every round from its measured acceptance and the measured
     # costs of a draft step and a verify (ssdlib.speculative.adaptive_k); False: always k
@@ -134,8 +136,11 @@ class EngineConfig:
         if self.cache_dir is not None and not (isinstance(self.cache_dir, str)
                                                and self.cache_dir.strip()):
             raise ConfigError(f"--cache-dir must be a directory path, got {self.cache_dir!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got "
+                              f"{self.dtype!r}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" or native_bf16() else "float32"
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not (1 <= self.k <= 32):
             raise ConfigError(f"--k must be an integer in [1, 32], got {self.k!r}")
         if not isinstance(self.adaptive_k, bool):
@@ -222,9 +227,13 @@ class EngineConfig:
                               f"keeps past --max-len; use --k {POSITION_SLACK - 1} or less")
 
     @property
+    def torch_dtype_name(self) -> str:
+        """The models' dtype (see the field)."""
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        name = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
-        return getattr(torch, name)
+        return getattr(torch, self.torch_dtype_name)
 
     @property
     def placement(self) -> str:

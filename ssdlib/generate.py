@@ -89,7 +89,8 @@ def run(args) -> int:
             for o in outputs:
                 sys.stdout.write(f"--- [{o.index}] ---\n{o.text}\n")
         m = gen.last_run_metrics
-    sys.stderr.write(f"[ssdlib] mode={args.mode} device={gen.cfg.device} tokens={m['tokens']} "
+    sys.stderr.write(f"[ssdlib] mode={args.mode} device={gen.cfg.device} "
+                     f"dtype={gen.cfg.torch_dtype_name} tokens={m['tokens']} "
                      + (f"ready_s={m['ready_s']:.1f} " if "ready_s" in m else "")
                      + f"decode_tok_s={m['decode_tok_s']:.1f}"
                      + (f" acceptance_rate={m['acceptance_rate']:.3f}"

@@ -59,7 +59,9 @@ WARM_UP_PROMPT = 16
 class Generator:
     """Generate text with a target model, alone (``ar``) or speculatively (``sd``, ``ssd``).
 
-    Keyword names match the CLI flags. Use as a context manager or call :meth:`close`; leaving
+    Keyword names match the CLI flags (``dtype``: None, float32 on a CPU and bfloat16 on CUDA,
+    where the command line's default is ``"auto"``, bfloat16 also on a CPU with native bfloat16
+    arithmetic). Use as a context manager or call :meth:`close`; leaving
     the ``with`` block on an exception stops the ranks at once and never replaces that exception.
     Raises :class:`ConfigError` / :class:`CheckpointError` for anything checkable before the models
     load; ``start=False`` defers loading them to :meth:`start` or the first :meth:`generate`.

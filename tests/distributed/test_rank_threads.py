@@ -103,3 +103,33 @@ def test_device_auto_resolves_once():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="--threads"):
             EngineConfig(threads=bad)
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("fpu sse avx2 avx512f avx512_bf16 avx512_vnni", True),
+    ("fpu sse avx2 amx_bf16 amx_tile", True),
+    ("fpu sse avx2 avx512f avx512bw", False),   # AVX512 without bfloat16 arithmetic
+    ("fpu sse avx2 avx512_bf16x", False),       # a flag is a whole word
+])
+def test_native_bf16_reads_the_cpu_flags(tmp_path, flags, want):
+    from ssdlib.distributed.host_cpu import native_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\n")
+    assert native_bf16(str(info)) is want
+    assert native_bf16(str(tmp_path / "absent")) is False
+
+
+def test_dtype_auto_resolves_by_device_and_cpu(monkeypatch):
+    """--dtype auto (the command line's default): bfloat16 on a CPU with native bfloat16
+    arithmetic, else float32; None (the Python API's default) stays float32 on a CPU."""
+    import ssdlib.engine_config as engine_config
+
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(engine_config, "native_bf16", lambda: native)
+        cfg = EngineConfig(device="cpu", dtype="auto")
+        assert cfg.dtype == want and cfg.torch_dtype == getattr(torch, want)
+        assert EngineConfig(device="cpu").torch_dtype == torch.float32
+        assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"
+    with pytest.raises(ConfigError, match="--dtype must be auto, float32"):
+        EngineConfig(device="cpu", dtype="double")
