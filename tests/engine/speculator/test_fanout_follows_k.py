@@ -2,6 +2,8 @@
 first ``limit`` tokens ends at k <= limit, so the build spends no branch on later positions
 (CPU, the stream placement: the speculator runs in this process)."""
 
+import pytest
+
 from ssdlib import Generator, SamplingParams
 from ssdlib.engine.speculator.cache_builder import CacheBuilder
 
@@ -36,11 +38,16 @@ def test_each_build_allocates_only_outcomes_the_limit_allows(tiny_dirs, monkeypa
     assert {0, 3} <= limits_seen
 
 
-def test_a_shorter_verification_hits_as_often_as_a_shorter_k(tiny_dirs, monkeypatch):
+@pytest.mark.parametrize("path", ["", "eager"])
+def test_a_shorter_verification_hits_as_often_as_a_shorter_k(tiny_dirs, monkeypatch, path):
     """Speculations of K = 3 verified to 2 tokens (adaptive K's choice, fixed here) hit the
     cache about as often as speculations of K = 2: the all-accepted outcome's bonus at
     position 2 is often the draft's s_3, which the build must not exclude there (it did, and
-    such rounds hit half as often)."""
+    such rounds hit half as often). ``eager``: the captured build's code path (its static
+    inputs carry the limits), run eagerly."""
+    if path:
+        monkeypatch.setenv("SSDLIB_STEP_GRAPHS", path)
+
     def hit_rate(k, schedule):
         if schedule:
             monkeypatch.setenv("SSDLIB_K_SCHEDULE", schedule)
