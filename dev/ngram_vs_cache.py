@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssdlib import Generator, SamplingParams  # noqa: E402
 from ssdlib.engine.speculator.speculator import CacheRole  # noqa: E402
-from ssdlib.speculative.ngram import propose_ngram  # noqa: E402
+from ssdlib.speculative.ngram import kept_prefix, propose_ngram  # noqa: E402
 from tools.bench import encode_prompts, file_prompts, humaneval_prompts  # noqa: E402
 
 
@@ -63,10 +63,7 @@ def main() -> int:
         start = len(tokens) - k - 1
         known = tokens[start:start + min(k + 1, limit)]
         n, proposal = matched_order(tokens[:start], limit)
-        kept = 0
-        if proposal is not None:
-            while kept < len(known) and proposal[kept] == known[kept]:
-                kept += 1
+        kept = kept_prefix(proposal, known)
         row = by_n.setdefault(n, [0, 0, 0])
         row[0] += 1
         row[1] += k

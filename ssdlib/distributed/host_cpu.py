@@ -22,7 +22,7 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
+                    return not set(NATIVE_BF16_FLAGS).isdisjoint(line.split())
     except OSError:
         pass
     return False

@@ -212,8 +212,12 @@ class FanoutEstimator:
         return {"allocation": self.allocation(), "a_p": self.a_p, "r": r,
                 "c_fresh": None if fresh is None else math.exp(fresh),
                 "c_rejected": None if rejected is None else math.exp(rejected),
-                "lookups": {kind: sum(n for n, _ in self.kind_lookups[fresh_kind].values())
-                            for kind, fresh_kind in (("fresh", True), ("rejected", False))}}
+                "lookups": {"fresh": self._kind_count(True),
+                            "rejected": self._kind_count(False)}}
+
+    def _kind_count(self, fresh: bool) -> int:
+        """Lookups observed of one kind (class doc)."""
+        return sum(n for n, _ in self.kind_lookups[fresh].values())
 
     def _fit(self, tables: list[dict[int, list[int]]]
              ) -> tuple[list[float | None], float] | None:
@@ -280,8 +284,8 @@ class FanoutEstimator:
         """c of the all-accepted position over c of the others (the allocation's weight on
         F_K, ``geometric_fanout``): 1 until both kinds have ``min_lookups`` lookups."""
         fresh, rejected, _ = model
-        counts = [sum(n for n, _ in self.kind_lookups[k].values()) for k in (True, False)]
-        if fresh is None or min(counts) < self.min_lookups:
+        if fresh is None or min(self._kind_count(True), self._kind_count(False)) \
+                < self.min_lookups:
             return 1.0
         return math.exp(fresh - rejected)
 

@@ -95,6 +95,16 @@ def ngram_or_random(sequences: Sequence[Sequence[int] | torch.Tensor], K: int, v
     return torch.tensor(tokens, dtype=torch.int64).reshape(b, K), DraftQ.per_row(kinds)
 
 
+def kept_prefix(proposal: Sequence[int] | None, known: Sequence[int]) -> int:
+    """How many tokens of a one-hot ``proposal`` (None: no proposal) the verified ``known``
+    tokens keep: the shared prefix, up to the first that differs or the end of ``known``."""
+    kept = 0
+    if proposal is not None:
+        while kept < len(known) and proposal[kept] == known[kept]:
+            kept += 1
+    return kept
+
+
 def propose_ngram_device(history: torch.Tensor, lengths: torch.Tensor, K: int,
                          max_ngram: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`propose_ngram`'s rule (``min_ngram`` 1) on the device, batched, with nothing read

@@ -100,9 +100,9 @@ class LinkVerifier:
             and getattr(target, "channel", None) is None else None
         self._restart: list = []  # rows of an ended chain: their next speculation is a jit draft
         self._joining: list = []  # admitted into a running chain, not launched in it yet
-        self._chain_k: dict[int, int] = {}  # per slot: k of the last chained round read
-        # per slot: that round's speculation was the draft's own (the cache's or a jit draft)
-        self._chain_own: dict[int, bool] = {}
+        # per slot: the last chained round read, (k, its speculation was the draft's own: the
+        # cache's or a jit draft)
+        self._chain_last: dict[int, tuple[int, bool]] = {}
         self._chain_estimates = env.flag("SSDLIB_CHAIN_ESTIMATES")  # chained rounds teach them
 
     def admit(self, seqs) -> None:
@@ -197,17 +197,17 @@ class LinkVerifier:
             hits = [got.hit[j] for j in at]
             sources = [speculation_source(h, kind) for h, kind in zip(hits, kinds)]
             for q, h, kind in zip(done, hits, kinds):
-                record_lookup(q.metrics, self._chain_k.get(q.slot, 0), h, kind)
+                record_lookup(q.metrics, self._chain_last.get(q.slot, (0, True))[0], h, kind)
                 q.metrics["chained_rounds"] = q.metrics.get("chained_rounds", 0) + 1
             # the speculator's estimates (Thm 12's a_p and r): its outcomes, and the lookups of
             # rows whose last round was chained too (a joined row's first found an empty cache)
             if self._chain_estimates:
+                last = [(self._chain_last[q.slot], h) for q, h in zip(done, hits)
+                        if q.slot in self._chain_last]
                 self.link.observe_chain(ChainSeen(
                     list(result.accepted), K,
-                    [(self._chain_k[q.slot], h,
-                      lookup_is_fresh(self._chain_k[q.slot], K, self._chain_own[q.slot]))
-                     for q, h in zip(done, hits) if q.slot in self._chain_k], got.looked_up,
-                    list(hits)))
+                    [(k, h, lookup_is_fresh(k, K, own)) for (k, own), h in last],
+                    got.looked_up, list(hits)))
         clock.tick("read")
         commit_round(done, result)
         keys = [q.slot for q in done]
@@ -217,8 +217,7 @@ class LinkVerifier:
         record_acceptance(done, result, limits, K, [self.policy.alpha(i) for i in keys])
         for q, source, accepted in zip(done, sources, result.accepted):
             record_source(q.metrics, source, accepted)
-            self._chain_k[q.slot] = accepted
-            self._chain_own[q.slot] = source in OWN_SOURCES
+            self._chain_last[q.slot] = (accepted, source in OWN_SOURCES)
         clock.tick("commit")
         if not any(self._alive(q) for q in active):
             # the batch has ended: so does the chain (the round in flight dropped), and the
@@ -437,8 +436,7 @@ class LinkVerifier:
             or (self.chain.flight is not None and any(q is seq for q in self.chain.flight.seqs)))
         self._restart = [q for q in self._restart if q is not seq]
         self._joining = [q for q in self._joining if q is not seq]
-        self._chain_k.pop(seq.slot, None)
-        self._chain_own.pop(seq.slot, None)
+        self._chain_last.pop(seq.slot, None)
         self.source.release_row(seq.slot)
         self.policy.release(seq.slot)
         # tell the speculator with the next outcome (a chain's row may have no speculation in

@@ -21,7 +21,7 @@ from ssdlib.distributed.protocol import Choice, Outcome, Speculation
 from ssdlib.engine.speculator.spec_row import SpecRow
 from ssdlib.speculative.acceptance import QKind
 from ssdlib.speculative.fallback import FALLBACKS, choose_fallback
-from ssdlib.speculative.ngram import propose_ngram
+from ssdlib.speculative.ngram import kept_prefix, propose_ngram
 
 # fallback="auto" (Thm 17): lookups observed before deciding; n-gram cost in verify rounds
 # (a suffix search, ~0) and the prior of its per-token acceptance (then measured online); a_p
@@ -185,11 +185,7 @@ class Fallbacks:
         if start < 1 or limit < 1:
             return
         known = tokens[start:start + min(k + 1, limit)]
-        proposal = propose_ngram(tokens[:start], limit)
-        kept = 0
-        if proposal is not None:
-            while kept < len(known) and proposal[kept] == known[kept]:
-                kept += 1
+        kept = kept_prefix(propose_ngram(tokens[:start], limit), known)
         self.ngram_accepted += kept
         self.ngram_tried += kept + (1 if kept < len(known) else 0)
 
