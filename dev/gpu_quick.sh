@@ -61,7 +61,14 @@ if [ "${PART:-1}" = 1 ]; then
     tail -2 "$OUT/install.log"; python3 -m ssdlib.ops.check_ext 2>&1 | tail -6
     T="$T tests/ops/test_graph_pool.py tests/ops/test_extension_status.py tests/ops/test_tree_mask.py"
   fi
-  PYTHONPATH=$ROOT:/tmp/site timeout 300 python3 -m pytest $T -q 2>&1 | tail -5
+  PYTHONPATH=$ROOT:/tmp/site timeout 240 python3 -m pytest $T -q 2>&1 | tail -5
+  # the CUDA cases of the engine's other GPU tests (stream placement, feature draft, warm-up)
+  X="tests/distributed/test_stream_placement.py tests/engine/test_feature_draft_ssd.py
+     tests/engine/test_feature_draft_sd.py tests/engine/test_chained_sampling.py
+     tests/engine/runner/test_warm_up.py tests/engine/test_draft_vocab_exact.py
+     tests/ops/test_row_top.py tests/ops/test_slot_attention.py"
+  [ -n "${GPU_TESTS_X:-1}" ] && PYTHONPATH=$ROOT:/tmp/site timeout 240 python3 -m pytest $X -q \
+      -k "cuda or gpu or triton" 2>&1 | tail -8
   exit 0
 fi
 if [ "${PART}" = 2 ]; then
