@@ -41,7 +41,8 @@
 # kinds1: b = 1, SSD with the miss model's two kinds of lookup against every lookup pooled
 # (SSDLIB_FANOUT_KINDS=0). budget8: b = 8, AR, SSD, SSD with the throughput budget rule
 # (SSDLIB_BUDGET_THROUGHPUT=1) and SSD with pooled lookups, in one invocation.
-# exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
+# feat1: b = 1 on the 24 held-out chat prompts, SD / SSD with both drafts (the feature draft's
+# layers compiled too). exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
 # DRAFT=path benchmarks another draft. Runs from .snap (a `git archive` of HEAD, see
 # gpu_run.sh) when it travels, so that work in progress in the checkout stays out.
@@ -121,6 +122,11 @@ for b in ${BENCHES:-b1}; do
       timeout 560 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --n-prompts 24 --k 3 \
           --modes "ar,sd,sd:draft_vocab=16384,ssd,ssd:draft_vocab=16384,sd:draft=smollm2-135m-eagle,sd:draft=smollm2-135m-eagle:draft_vocab=16384,ssd:draft=smollm2-135m-eagle:draft_vocab=16384" \
           --json "$OUT/vocabchat.json" 2>&1 | $F | tail -30 ;;
+    feat1)  # b = 1 greedy, the 24 held-out chat prompts: SD and SSD with both drafts, and SSD with
+      # the feature draft's layers compiled (SSDLIB_FEATURE_COMPILE=1)
+      timeout 560 $B --prompts-file "$SRC/tools/distill/heldout_chat.jsonl" --n-prompts 24 --k 3 \
+          --modes "ar,sd,ssd,sd:draft=smollm2-135m-eagle,ssd:draft=smollm2-135m-eagle,ssd:draft=smollm2-135m-eagle:env=SSDLIB_FEATURE_COMPILE=1" \
+          --json "$OUT/feat1.json" 2>&1 | $F | tail -24 ;;
     k5warm)  # the default K = 5: AR / SD / SSD, nothing captured inside the timed call
       timeout 200 $B --modes ar,sd,ssd --n-prompts 4 --k 5 --json "$OUT/k5warm.json" 2>&1 | $F | tail -14
       python3 -c "import json; print('captured_in_run', {r['mode']: r.get('captured_in_run') for r in json.load(open('$OUT/k5warm.json'))['rows']})" ;;
