@@ -283,7 +283,9 @@ def _protocol_rank(results) -> None:
     from ssdlib.engine_config import EngineConfig
 
     world = init_world(EngineConfig(target="unused", mode="ssd", draft="unused"))
-    for staged in (False, True):
+    # gloo on CPU carries either kind of link; on a GPU the world's own: staged where the two
+    # ranks share one GPU (gloo cannot send CUDA tensors), direct over NCCL between two GPUs
+    for staged in (False, True) if world.device.type == "cpu" else (world.spec_staged,):
         link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged,
                         branches=2)
         spec = _spec()
