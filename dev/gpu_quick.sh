@@ -59,7 +59,7 @@ if [ "${PART:-1}" = 1 ]; then
      tests/engine/test_round_timer.py"
   if [ "${EXT:-}" = 1 ]; then
     python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
-    tail -2 "$OUT/install.log"; python3 -m ssdlib.ops.check_ext 2>&1 | tail -6
+    tail -2 "$OUT/install.log"; PYTHONPATH=$ROOT:/tmp/site python3 -m ssdlib.ops.check_ext 2>&1 | tail -6
     T="$T tests/ops/test_graph_pool.py tests/ops/test_extension_status.py tests/ops/test_tree_mask.py"
   fi
   PYTHONPATH=$ROOT:/tmp/site timeout 240 python3 -m pytest $T -q 2>&1 | tail -5

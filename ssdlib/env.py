@@ -110,10 +110,10 @@ SWITCHES: tuple[Switch, ...] = (
            "side) and a round's acceptance and records (~30) through torch.compile where the "
            "steps compile; 0: eager (ssdlib.engine.speculator.spec_cache.next_speculation, "
            "ssdlib.engine.leader.chained_rounds.maybe_compiled)"),
-    Switch("SSDLIB_BUDGET_THROUGHPUT", "flag", False,
-           "1: the fan-out budget tuner holds the chained build's budget of the most expected "
-           "tokens a millisecond of round instead of the largest whose build the verify hides "
-           "(ssdlib.speculative.fanout_budget)", experiment=True),
+    Switch("SSDLIB_BUDGET_THROUGHPUT", "flag", True,
+           "the fan-out budget tuner holds the chained build's budget of the most expected "
+           "tokens a millisecond of round; 0: the largest whose build the verify hides "
+           "(ssdlib.speculative.fanout_budget)"),
     Switch("SSDLIB_FANOUT_KINDS", "flag", True,
            "the fan-out's miss model keeps the lookups after the draft's own rejected token apart "
            "from the rest (one slope, an intercept each: the allocation and the backups' "

@@ -69,6 +69,7 @@ from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa:
 from ssdlib.engine_config import draft_vocab_value  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
+from ssdlib.ops._extension import diagnose as extension_diagnosis  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
 from ssdlib.loading.draft import materialize_hf  # noqa: E402
@@ -482,7 +483,9 @@ def machine_info() -> dict:
             "triton": _version("triton"), "transformers": _version("transformers"),
             "gguf": _version("gguf"), "ssdlib_commit": commit,
             "ssdlib_dirty": None if git is None else _git_dirty(),
-            "ssdlib_source": source_digest()}
+            "ssdlib_source": source_digest(),
+            # whether ssdlib._C served the run (its CUDA-graph pool and kernels) or torch's own
+            "ssdlib_extension": extension_diagnosis()[1].split(" | ")[0]}
 
 
 def fmt(value, spec: str, width: int) -> str:

@@ -22,10 +22,13 @@ soon, later ones rarely. Without timings (CPU) it probes and then holds the full
 That rule does not weigh what a larger build costs the verify beside it: on one H100 at b = 8
 the verify of a round ran 1.28x AR's step beside builds of 16 branches a row (128 rows), and a
 probe of the same shapes slowed a verify 1.17x beside 16 rows and 1.42x beside 128
-(docs/BENCHMARKS.md, 2026-12-05). ``SSDLIB_BUDGET_THROUGHPUT=1`` (an experiment, off by
-default) holds instead the arm with the most tokens a millisecond: the tokens a round the
-fan-out's miss model expects of builds of that budget (:func:`tokens_a_round`) over the arm's
-median round, the longer of its build and its verify.
+(docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner holds the arm
+with the most tokens a millisecond: the tokens a round the fan-out's miss model expects of
+builds of that budget (:func:`tokens_a_round`) over the arm's median round, the longer of its
+build and its verify. On one H200 at b = 8 that held 4 branches a row where the hidden rule held
+16: the verify 1.20x AR's step instead of 1.27x, 2.42 tokens a round instead of 2.48, 1.05x the
+tokens a second; at b = 1 both held 16 (docs/BENCHMARKS.md, 2026-12-05).
+``SSDLIB_BUDGET_THROUGHPUT=0`` keeps the hidden rule.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def tokens_a_round(estimator, budget: int, a_hit: float, a_miss: float) -> float
 class BudgetTuner:
     """Chooses each build's fan-out budget among ``arms`` (see the module doc). ``value``:
     the tokens a round expected of builds of a budget (None: not known yet), for
-    ``SSDLIB_BUDGET_THROUGHPUT=1``."""
+    the throughput rule (``SSDLIB_BUDGET_THROUGHPUT``, on by default)."""
 
     def __init__(self, arms: list[int], probe: int = 4, hold: int = 512,
                  first_hold: int = 32,
@@ -128,9 +131,10 @@ class BudgetTuner:
         return None if not t else statistics.median_low([max(b, v) for b, v in t])
 
     def choose(self) -> int:
-        """The largest arm the verify hides; the smallest when it hides none; the largest when
-        no arm was timed. With ``SSDLIB_BUDGET_THROUGHPUT=1``, every arm timed and valued:
-        the arm of the most expected tokens a millisecond (the largest of equals)."""
+        """Every arm timed and valued: the arm of the most expected tokens a millisecond (the
+        largest of equals; ``SSDLIB_BUDGET_THROUGHPUT=0`` skips this rule). Otherwise the
+        largest arm the verify hides; the smallest when it hides none; the largest when no arm
+        was timed."""
         seen = [(a, self.hidden(a)) for a in self.arms]
         if all(h is None for _, h in seen):
             return self.arms[0]

@@ -123,16 +123,16 @@ def test_tokens_a_round_follows_the_miss_model_and_the_two_state_chain():
 
 def test_the_throughput_rule_weighs_the_verify_slowed_by_a_larger_build(monkeypatch):
     """Every build hidden, but the verify slows with the budget: the hidden rule holds the
-    largest, the throughput rule (SSDLIB_BUDGET_THROUGHPUT=1) the most tokens a millisecond;
-    without a value for every arm it keeps the hidden rule."""
+    largest (SSDLIB_BUDGET_THROUGHPUT=0), the throughput rule (the default) the most tokens a
+    millisecond; without a value for every arm it keeps the hidden rule."""
     times = {16: (1.3, 1.52), 8: (1.2, 1.39), 4: (1.1, 1.37)}  # (build, verify) ms
     tokens = {16: 2.30, 8: 2.24, 4: 2.10}   # 1.513, 1.612, 1.533 tokens a ms
 
     def held(value, throughput: bool):
         if throughput:
-            monkeypatch.setenv("SSDLIB_BUDGET_THROUGHPUT", "1")
+            monkeypatch.delenv("SSDLIB_BUDGET_THROUGHPUT", raising=False)  # the default
         else:
-            monkeypatch.delenv("SSDLIB_BUDGET_THROUGHPUT", raising=False)
+            monkeypatch.setenv("SSDLIB_BUDGET_THROUGHPUT", "0")
         tuner = BudgetTuner([16, 8, 4], probe=1, hold=4, first_hold=4, value=value)
         run(tuner, 6, times)
         return run(tuner, 1, times)[0]
