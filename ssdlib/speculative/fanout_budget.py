@@ -13,16 +13,17 @@ K + 1: one branch per outcome position). It probes them in turn, two rounds each
 into each of chained rounds' two caches), for ``probe`` cycles (the first cycle also captures
 every arm's builds, during the warm-up), keeping
 each arm's build and verify times (ms a round, from CUDA events, fed by the leader a round
-late). Then it holds the largest arm whose build the verify hides (build <= verify in the median
-round: the rounds that captured a build are outliers), or the smallest arm when none is
-hidden, and probes again after a hold that starts at ``first_hold`` builds and doubles up to
+late). Then it holds an arm: the one of the most expected tokens a millisecond (below), or,
+until every arm has a value, the largest arm whose build the verify hides (build <= verify in
+the median round: the rounds that captured a build are outliers), the smallest when none is
+hidden; and it probes again after a hold that starts at ``first_hold`` builds and doubles up to
 ``hold``: the first choices, made while the warm-up captured and compiled, are checked again
 soon, later ones rarely. Without timings (CPU) it probes and then holds the full budget.
 
-That rule does not weigh what a larger build costs the verify beside it: on one H100 at b = 8
-the verify of a round ran 1.28x AR's step beside builds of 16 branches a row (128 rows), and a
-probe of the same shapes slowed a verify 1.17x beside 16 rows and 1.42x beside 128
-(docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner holds the arm
+Whether the verify hides a build does not weigh what a larger build costs the verify beside it:
+on one H100 at b = 8 the verify of a round ran 1.28x AR's step beside builds of 16 branches a
+row (128 rows), and a probe of the same shapes slowed a verify 1.17x beside 16 rows and 1.42x
+beside 128 (docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner holds the arm
 with the most tokens a millisecond: the tokens a round the fan-out's miss model expects of
 builds of that budget (:func:`tokens_a_round`) over the arm's median round, the longer of its
 build and its verify. On one H200 at b = 8 that held 4 branches a row where the hidden rule held
