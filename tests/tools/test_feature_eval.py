@@ -61,3 +61,50 @@ def test_sampled_positions_leave_room(docs):
     assert flat and len(flat) == len(set(flat))
     for d, p in flat:
         assert K + 2 <= p <= len(docs.ids[d]) - 1 and p + K < 30
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_tree_verify_equals_whole_rows(tmp_path, k):
+    """accepted_lengths' tree forward (one prefill, the rows' drafts as branches) gives the
+    target's greedy tokens of the cache-free reference at every drafted position; drafts that
+    follow the target for a random number of tokens are accepted for exactly that many."""
+    from ssdlib.loading import load_checkpoint
+    from ssdlib.models.llama import LlamaForCausalLM
+    from tests.tiny import make_tiny_llama
+    from tools.distill.feature_eval import (TargetPrefix, accepted_lengths,
+                                             accepted_lengths_full)
+
+    ck = load_checkpoint(make_tiny_llama(str(tmp_path / "t"), "gqa", scale=2.0))
+    target = LlamaForCausalLM(ck.config, max_positions=128).eval()
+    target.load_weights(ck.weights)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ck.config.vocab_size, (70,), generator=g)
+    points = [5, 9, 9, 30, 47, 60]
+    with torch.no_grad():   # each row: the target's own greedy tokens, one of them changed
+        drafted = torch.stack([greedy(target, ids[:p + 1], k) for p in points])
+    keep = torch.randint(0, k + 1, (len(points),), generator=g)
+    for j, c in enumerate(keep.tolist()):
+        if c < k:
+            drafted[j, c] = (drafted[j, c] + 1) % ck.config.vocab_size
+    with torch.no_grad():
+        ref = target.forward_full_features(torch.cat([ids[:61], drafted[-1]]).view(1, -1))[0]
+    prefix = TargetPrefix(target, ids[:61])
+    assert prefix.greedy(points, drafted)[-1].tolist() == \
+        ref[0, 60:60 + k].argmax(-1).tolist()
+    assert accepted_lengths(target, ids, points, drafted) == keep.tolist() == \
+        accepted_lengths_full(target, ids, points, drafted)
+    # the prefix's features: the last layer's output before the norm, as the full forward's
+    with torch.no_grad():
+        full = target.forward_full_features(ids[:61].view(1, -1))[1][0]
+    assert torch.allclose(prefix.features, full, atol=1e-4)
+    # and a fused draft's: the chosen layers' outputs concatenated
+    with torch.no_grad():
+        fused = target.forward_full_features(ids[:61].view(1, -1), (0, 1))[1][0]
+    assert torch.allclose(TargetPrefix(target, ids[:61], (0, 1)).features, fused, atol=1e-4)
+
+
+def greedy(model, prefix: torch.Tensor, n: int) -> torch.Tensor:
+    out = prefix.tolist()
+    for _ in range(n):
+        out.append(int(model.forward_full_features(torch.tensor([out]))[0][0, -1].argmax()))
+    return torch.tensor(out[len(prefix):])

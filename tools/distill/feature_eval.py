@@ -100,10 +100,27 @@ def draft_greedy(draft: FeatureDraft, ids: torch.Tensor, features: torch.Tensor,
 
 
 @torch.no_grad()
-def accepted_lengths(target, ids: torch.Tensor, points: list[int],
-                     drafted: torch.Tensor) -> list[int]:
+def accepted_lengths(target, ids: torch.Tensor, points: list[int], drafted: torch.Tensor,
+                     prefix: "TargetPrefix | None" = None) -> list[int]:
     """Per row: how many of its drafted tokens the target accepts greedily (the leading ones
-    equal to its argmax on x_0..x_p, y_1..y_{i-1})."""
+    equal to its argmax on x_0..x_p, y_1..y_{i-1}). A target with a KV cache (a
+    ``LlamaForCausalLM``) reads the prefix once (``prefix``, or a new :class:`TargetPrefix`) and
+    verifies every row's drafts as branches of one tree forward; any other model takes the
+    plain reference (:func:`accepted_lengths_full`)."""
+    if prefix is None:
+        if not hasattr(target, "kv_heads_local"):
+            return accepted_lengths_full(target, ids, points, drafted)
+        prefix = TargetPrefix(target, ids[:max(points) + 1])
+    top = prefix.greedy(points, drafted)
+    return [int((top[j] == drafted[j]).int().cumprod(0).sum()) for j in range(len(points))]
+
+
+@torch.no_grad()
+def accepted_lengths_full(target, ids: torch.Tensor, points: list[int],
+                          drafted: torch.Tensor) -> list[int]:
+    """:func:`accepted_lengths` by cache-free forwards of whole rows (``VERIFY_ROWS`` at a
+    time, each as long as its prefix): the reference, for any model with
+    ``forward_full_features``."""
     k = drafted.shape[1]
     out = []
     for at in range(0, len(points), VERIFY_ROWS):
@@ -117,6 +134,65 @@ def accepted_lengths(target, ids: torch.Tensor, points: list[int],
             match = (logits[j, p:p + k].argmax(-1) == drafted[at + j]).int()
             out.append(int(match.cumprod(0).sum()))
     return out
+
+
+class TargetPrefix:
+    """One forward of the target over a document's prefix ``ids`` into a KV slot: its greedy
+    token after every position and the features of ``layers`` (the outputs before any norm,
+    concatenated: what a feature draft reads; None: the last layer's) at every position. Then
+    :meth:`greedy` verifies drafts after any of its positions as branches of a tree forward
+    that reads the slot, so one prefix serves many positions and both views."""
+
+    @torch.no_grad()
+    def __init__(self, target, ids: torch.Tensor, layers=None) -> None:
+        cfg, device = target.config, ids.device
+        dtype = next(target.parameters()).dtype
+        layers = (cfg.num_hidden_layers - 1,) if layers is None else tuple(layers)
+        self.target, self.length = target, len(ids)
+        self.cache = KVCache(cfg.num_hidden_layers, 1, target.kv_heads_local, self.length,
+                             cfg.head_dim, dtype, device,
+                             features_dim=len(layers) * cfg.hidden_size, feature_layers=layers)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        pos = torch.arange(self.length, device=device).view(1, -1)
+        meta = AttentionMetadata.build(pos, self.slot, self.length)
+        meta.from_zero = True
+        self.next_token = target.lm_head(target.model(ids.view(1, -1), self.cache, meta)[0]
+                                         ).argmax(-1)                     # [length]
+        self.features = self.cache.features[0]                            # [length, W]
+        self.cache.features = None  # the tree forwards past the prefix keep none
+
+    @torch.no_grad()
+    def greedy(self, points: list[int], drafted: torch.Tensor) -> torch.Tensor:
+        """The target's greedy tokens [n, K] at x_p, y_1, .., y_{K-1} of each row (p in
+        ``points``, each below the prefix's length; y = ``drafted`` [n, K]): the first column
+        from the prefix, the rest from one tree forward of the n rows' y_1..y_{K-1}, each row a
+        branch that sees the slot's keys up to its own p and its own earlier tokens."""
+        n, k = drafted.shape
+        device = drafted.device
+        p = torch.tensor(points, device=device)
+        first = self.next_token[p].view(n, 1)
+        if k == 1:
+            return first
+        t = n * (k - 1)
+        if self.cache.tree_k is None or self.cache.tree_k.shape[3] < t:
+            cfg = self.target.config
+            shape = (cfg.num_hidden_layers, 1, self.target.kv_heads_local, t, cfg.head_dim)
+            self.cache.tree_k = self.cache.k.new_zeros(shape)
+            self.cache.tree_v = self.cache.v.new_zeros(shape)
+        r = torch.arange(k - 1, device=device)
+        branch = torch.arange(n, device=device).repeat_interleave(k - 1)
+        step = r.repeat(n)
+        sees = (branch.view(-1, 1) == branch.view(1, -1)) & (step.view(1, -1) <= step.view(-1, 1))
+        tree_len = self.cache.tree_k.shape[3]
+        mask = torch.zeros(1, t, tree_len, dtype=torch.bool, device=device)
+        mask[0, :, :t] = sees
+        meta = AttentionMetadata((p.view(-1, 1) + 1 + r).view(1, -1), self.slot, self.length,
+                                 kv_limit=(p + 1).repeat_interleave(k - 1).view(1, -1),
+                                 tree_index=torch.arange(t, device=device).view(1, -1),
+                                 tree_mask=mask, tree_len=tree_len)
+        hidden = self.target.model(drafted[:, :k - 1].reshape(1, -1), self.cache, meta)[0]
+        rest = self.target.lm_head(hidden).argmax(-1).view(n, k - 1)
+        return torch.cat([first, rest], dim=1)
 
 
 @torch.no_grad()
@@ -134,12 +210,15 @@ def acceptance_rows(draft: FeatureDraft, target, docs: Docs, k: int = 5, positio
     points = sample_points(docs, positions, k, m, max_len, seed)
     views = (("true features", 0), ("self-conditioned", m))
     accepted: dict[str, list[int]] = {name: [] for name, _ in views}
+    cached = hasattr(target, "kv_heads_local")  # else the cache-free reference forwards
     for d, ps in points.items():
         ids = torch.tensor(docs.ids[d][:max(ps) + 1], device=device)
-        features = teacher_outputs(target, draft, ids[:max(ps)].unsqueeze(0))[1][0]
+        prefix = TargetPrefix(target, ids, draft.feature.layers) if cached else None
+        features = (prefix.features if cached else
+                    teacher_outputs(target, draft, ids[:max(ps)].unsqueeze(0))[1][0])
         for name, view_m in views:
             drafted = draft_greedy(draft, ids, features, ps, k, view_m)
-            accepted[name] += accepted_lengths(target, ids, ps, drafted)
+            accepted[name] += accepted_lengths(target, ids, ps, drafted, prefix)
     rows = []
     for name, view_m in views:
         acc = accepted[name]
