@@ -488,6 +488,15 @@ def machine_info() -> dict:
             "ssdlib_extension": extension_diagnosis()[1].split(" | ")[0]}
 
 
+def machine_line(machine: dict, dtype: str) -> str:
+    """What ran the tables, in one line: the device, dtype, torch, ssdlib's commit and whether
+    its extension served the run."""
+    device = ", ".join(machine["gpus"]) or f"CPU ({machine['cpu_count']} cores)"
+    commit = (machine["ssdlib_commit"] or "?")[:12] + (" (dirty)" if machine["ssdlib_dirty"] else "")
+    return (f"{device}, {dtype}, torch {machine['torch']}, ssdlib {commit}; "
+            f"{machine['ssdlib_extension']}")
+
+
 def fmt(value, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
 
@@ -692,13 +701,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if ar is not None and r is not ar and args.temperature == 0:
             r["greedy_equals_ar"] = r["token_ids"] == ar["token_ids"]
+    machine = machine_info()
+    print(machine_line(machine, dtype))
     print_tables(rows, breakdowns)
     if args.json:
         models = {"target": {"name": args.target, "path": os.path.abspath(resolve(args.target))}}
         if args.draft_resolved and (args.peers or any(parse_mode(m)[0] != "ar" for m in modes)):
             models["draft"] = {"name": args.draft_resolved,
                                "path": os.path.abspath(resolve(args.draft_resolved))}
-        report = {"machine": machine_info(), "models": models,
+        report = {"machine": machine, "models": models,
                   "command": shlex.join([sys.executable, os.path.relpath(__file__), *argv]),
                   "args": dict(vars(args), dtype_resolved=dtype),
                   "prompts": {"n": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids]},

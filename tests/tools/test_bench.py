@@ -29,6 +29,7 @@ def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
     assert bench(tiny_dirs, prompts_file, out, "--modes", "ar,sd,sd:adaptive_k=0") == 0
     printed = capsys.readouterr().out
     assert "greedy==AR" in printed and "per-round time" in printed and "mean K" in printed
+    assert "ssdlib._C: " in printed and "float32, torch " in printed  # the machine's line
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "models", "command", "args", "rows", "breakdown"}
     machine = report["machine"]
