@@ -108,3 +108,28 @@ def greedy(model, prefix: torch.Tensor, n: int) -> torch.Tensor:
     for _ in range(n):
         out.append(int(model.forward_full_features(torch.tensor([out]))[0][0, -1].argmax()))
     return torch.tensor(out[len(prefix):])
+
+
+def test_several_self_conditioned_counts_share_their_positions(docs):
+    """One view per count, all on the positions sampled for the largest: the exact draft is
+    accepted everywhere in each, the featureless one equally in the true view of both calls;
+    a bad count is refused (the command line's parser too)."""
+    import argparse
+
+    from tools.distill.feature_eval import self_conditioned_counts
+    target = PreviousTokenTarget()
+    rows = acceptance_rows(oracle_draft(target), target, docs, k=K, positions=20, m=[3, 1, 3],
+                           seed=0)
+    assert [(r["view"], r["self_conditioned"]) for r in rows] == \
+        [("true features", 0), ("self-conditioned", 1), ("self-conditioned", 3)]
+    assert all(r["positions"] == 20 and r["accepted"] == 20 * K for r in rows)
+    blind = oracle_draft(target, with_feature=False)
+    both = acceptance_rows(blind, target, docs, k=K, positions=20, m=[1, 3], seed=0)
+    alone = acceptance_rows(blind, target, docs, k=K, positions=20, m=3, seed=0)
+    assert both[0] == alone[0] and both[2] == alone[1]   # the same positions as m = 3 alone
+    with pytest.raises(ValueError, match="counts >= 0"):
+        acceptance_rows(blind, target, docs, k=K, positions=5, m=[2, -1])
+    assert self_conditioned_counts("1,3,6") == [1, 3, 6]
+    for bad in ("", "1,x", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            self_conditioned_counts(bad)

@@ -18,7 +18,7 @@ Two views of the same positions:
 Past the prefix (the tokens it drafts) the draft reads its own features in both views.
 
     python -m tools.distill.feature_eval --draft DIR --target T --data-from data.safetensors \
-        [--k 5] [--positions 64] [--self-conditioned M]
+        [--k 5] [--positions 64] [--self-conditioned M[,M...]]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import os
 import random
 import sys
+from collections.abc import Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -197,31 +198,32 @@ class TargetPrefix:
 
 @torch.no_grad()
 def acceptance_rows(draft: FeatureDraft, target, docs: Docs, k: int = 5, positions: int = 64,
-                    m: int | None = None, seed: int = 0) -> list[dict]:
-    """Greedy acceptance at up to ``positions`` sampled positions of ``docs`` in the two views
-    (``m`` self-conditioned positions, default K + 1). ``target``: any model with
-    ``forward_full_features`` (a LlamaForCausalLM; for a fused draft it takes the layers too).
-    Rows: view, k, self_conditioned (m), positions, tried, accepted, a_p, mean_accepted."""
-    m = k + 1 if m is None else m
-    if k < 1 or m < 0:
-        raise ValueError(f"need K >= 1 and m >= 0, got K = {k}, m = {m}")
+                    m: int | Sequence[int] | None = None, seed: int = 0) -> list[dict]:
+    """Greedy acceptance at up to ``positions`` sampled positions of ``docs`` with the target's
+    features and self-conditioned: ``m`` (one count or several; default K + 1) positions whose
+    features are the draft's own, every view on the same positions (sampled for the largest m).
+    ``target``: any model with ``forward_full_features`` (a LlamaForCausalLM; for a fused draft
+    it takes the layers too). Rows: view, k, self_conditioned (m), positions, tried, accepted,
+    a_p, mean_accepted."""
+    ms = [k + 1] if m is None else [m] if isinstance(m, int) else sorted(set(m))
+    if k < 1 or not ms or min(ms) < 0:
+        raise ValueError(f"need K >= 1 and self-conditioned counts >= 0, got K = {k}, m = {m}")
     device = next(draft.parameters()).device
     max_len = draft.rotary.cos.shape[0]
-    points = sample_points(docs, positions, k, m, max_len, seed)
-    views = (("true features", 0), ("self-conditioned", m))
-    accepted: dict[str, list[int]] = {name: [] for name, _ in views}
+    points = sample_points(docs, positions, k, max(ms), max_len, seed)
+    views = [("true features", 0)] + [("self-conditioned", mi) for mi in ms]
+    accepted: list[list[int]] = [[] for _ in views]
     cached = hasattr(target, "kv_heads_local")  # else the cache-free reference forwards
     for d, ps in points.items():
         ids = torch.tensor(docs.ids[d][:max(ps) + 1], device=device)
         prefix = TargetPrefix(target, ids, draft.feature.layers) if cached else None
         features = (prefix.features if cached else
                     teacher_outputs(target, draft, ids[:max(ps)].unsqueeze(0))[1][0])
-        for name, view_m in views:
+        for i, (_, view_m) in enumerate(views):
             drafted = draft_greedy(draft, ids, features, ps, k, view_m)
-            accepted[name] += accepted_lengths(target, ids, ps, drafted, prefix)
+            accepted[i] += accepted_lengths(target, ids, ps, drafted, prefix)
     rows = []
-    for name, view_m in views:
-        acc = accepted[name]
+    for (name, view_m), acc in zip(views, accepted):
         tried = sum(min(a + 1, k) for a in acc)
         rows.append({"view": name, "k": k, "self_conditioned": view_m, "positions": len(acc),
                      "tried": tried, "accepted": sum(acc), "a_p": sum(acc) / max(tried, 1),
@@ -239,6 +241,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def self_conditioned_counts(text: str) -> list[int]:
+    """``--self-conditioned``'s value: counts >= 0, comma-separated."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts >= 0 separated by commas, got {text!r}")
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tools.distill.models import STORAGE_DTYPES
 
@@ -249,9 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a data.safetensors (tools/distill_data.py gen): its held-out split")
     p.add_argument("--k", type=int, default=5, help="draft tokens per position")
     p.add_argument("--positions", type=int, default=64, help="positions sampled")
-    p.add_argument("--self-conditioned", type=int, default=None, metavar="M",
-                   help="positions whose features are the draft's own in the second view "
-                        "(default K + 1)")
+    p.add_argument("--self-conditioned", type=self_conditioned_counts, default=None,
+                   metavar="M[,M...]",
+                   help="positions whose features are the draft's own in the self-conditioned "
+                        "view(s) (default K + 1); several (e.g. 1,3,6) measure each on the same "
+                        "positions")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=tuple(STORAGE_DTYPES))
     p.add_argument("--seed", type=int, default=0)
