@@ -8,14 +8,15 @@ x_0..x_p, y_1..y_K: y_i is tried only if y_1..y_{i-1} were accepted and accepted
 target's argmax; drafting a round stops at the first mismatch. Reported per view: a_p =
 accepted / tried, and the mean accepted length (accepted draft tokens per position, of K).
 
-Two views of the same positions:
+Views of the same positions:
 - "true features": the target's features f_i of every committed position i < p (the SD view:
   after a verify the target has run over all but the newest token), conditioned by the draft
   (``FeatureDraft.condition``: a fused draft's ``fuse`` over the target's three layers);
 - "self-conditioned": the features of the last ``m`` of them (default K + 1: the positions an SSD
   speculator drafts past while the target is still verifying them) are the draft's own, h_{i-1}
-  at position i, computed autoregressively from the earlier true feature f_{p-m-1}.
-Past the prefix (the tokens it drafts) the draft reads its own features in both views.
+  at position i, computed autoregressively from the earlier true feature f_{p-m-1}; one view
+  per ``m`` asked for.
+Past the prefix (the tokens it drafts) the draft reads its own features in every view.
 
     python -m tools.distill.feature_eval --draft DIR --target T --data-from data.safetensors \
         [--k 5] [--positions 64] [--self-conditioned M[,M...]]
