@@ -64,8 +64,7 @@ if [ "${PART:-1}" = 1 ]; then
   fi
   PYTHONPATH=$ROOT:/tmp/site timeout 240 python3 -m pytest $T -q 2>&1 | tail -5
   # the CUDA cases of the engine's other GPU tests (stream placement, feature draft, warm-up)
-  # (the quick ones first: on one H200 the first six files' cases took ~200 s, the warm-up's and
-  # the sampled chains' law test are the slow ones)
+  # (the kernels' quick cases first; the warm-up's and the sampled chains' law test, slow, last)
   X="tests/ops/test_row_top.py tests/ops/test_slot_attention.py
      tests/distributed/test_stream_placement.py tests/engine/test_feature_draft_ssd.py
      tests/engine/test_feature_draft_sd.py tests/engine/test_draft_vocab_exact.py
