@@ -69,7 +69,7 @@ from ssdlib.distributed.protocol import SPEC_HOST_SEGMENTS, SPEC_PHASES  # noqa:
 from ssdlib.engine_config import draft_vocab_value  # noqa: E402
 from ssdlib.engine.timing import HOST_PREFIX  # noqa: E402
 from ssdlib.generator import is_phase_key  # noqa: E402
-from ssdlib.ops._extension import diagnose as extension_diagnosis  # noqa: E402
+from ssdlib.ops._extension import status as extension_status  # noqa: E402
 from ssdlib.loading import load_checkpoint  # noqa: E402
 from ssdlib.loading import registry  # noqa: E402
 from ssdlib.loading.draft import materialize_hf  # noqa: E402
@@ -485,14 +485,15 @@ def machine_info() -> dict:
             "ssdlib_dirty": None if git is None else _git_dirty(),
             "ssdlib_source": source_digest(),
             # whether ssdlib._C served the run (its CUDA-graph pool and kernels) or torch's own
-            "ssdlib_extension": extension_diagnosis()[1].split(" | ")[0]}
+            "ssdlib_extension": extension_status()[1]}
 
 
 def machine_line(machine: dict, dtype: str) -> str:
     """What ran the tables, in one line: the device, dtype, torch, ssdlib's commit and whether
     its extension served the run."""
     device = ", ".join(machine["gpus"]) or f"CPU ({machine['cpu_count']} cores)"
-    commit = (machine["ssdlib_commit"] or "?")[:12] + (" (dirty)" if machine["ssdlib_dirty"] else "")
+    commit = (machine["ssdlib_commit"] or "?")[:12]
+    commit += " (dirty)" if machine["ssdlib_dirty"] else ""
     return (f"{device}, {dtype}, torch {machine['torch']}, ssdlib {commit}; "
             f"{machine['ssdlib_extension']}")
 

@@ -546,8 +546,8 @@ class ChainSeen:
     """A chained round read back, for the speculator's online estimates (Thm 12's a_p and r,
     the fallbacks' hit rate), which chained rounds otherwise never tell it: each row's accepted
     tokens out of ``k`` verified, and each lookup against a cache built for its row (the
-    outcome position it looked up, hit or not, and the lookup's kind) with ``fan`` the fan-out of the build that
-    cache came from (None: not known to the leader, the lookups are not counted).
+    outcome position it looked up, hit or not, and the lookup's kind) with ``fan`` the fan-out of
+    the build that cache came from (None: not known to the leader, the lookups are not counted).
     In-process only."""
 
     accepted: list[int]

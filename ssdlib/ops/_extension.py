@@ -170,20 +170,30 @@ def native_graph_pool_class() -> type | None:
     return None
 
 
-def diagnose() -> tuple[bool, str]:
-    """(ok, one line) on ``ssdlib._C`` for this process: ok when it serves this machine fully
-    (with a visible GPU: CUDA kernels and GraphPool). ``python3 -m ssdlib.ops.check_ext`` prints it."""
+def status() -> tuple[bool, str]:
+    """(ok, what ``ssdlib._C`` is in this process: OK with its facts, MISSING with why, or NOT
+    USABLE HERE with why): ok when it serves this machine fully (with a visible GPU: CUDA
+    kernels and GraphPool). :func:`diagnose`'s line starts with it."""
     cuda = torch.cuda.is_available()
-    env = (f"python {sys.executable}, torch {torch.__version__} "
-           f"({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'}), "
-           f"{'GPU visible' if cuda else 'no GPU'}")
     module, error = _load_result()
     if module is None:
-        return False, f"ssdlib._C: MISSING: {error}; {describe_build_status(build_status())} | fix: {BUILD_COMMAND} | {env}"
+        return False, f"ssdlib._C: MISSING: {error}; {describe_build_status(build_status())}"
     with_cuda = bool(module.WITH_CUDA)
     has_pool = getattr(module, "GraphPool", None) is not None
     facts = f"WITH_CUDA={with_cuda}, GraphPool={'yes' if has_pool else 'no'}, {module.__file__}"
     reason = _unavailable("cuda" if cuda else "cpu", graph_pool=cuda)
     if reason is None:
-        return True, f"ssdlib._C: OK ({facts}) | {env}"
-    return False, f"ssdlib._C: NOT USABLE HERE ({facts}): {reason} | fix: {BUILD_COMMAND} | {env}"
+        return True, f"ssdlib._C: OK ({facts})"
+    return False, f"ssdlib._C: NOT USABLE HERE ({facts}): {reason}"
+
+
+def diagnose() -> tuple[bool, str]:
+    """(ok, one line) on ``ssdlib._C`` for this process: :func:`status`, the command that
+    builds it where it does not serve, and the environment. ``python3 -m ssdlib.ops.check_ext``
+    prints it."""
+    cuda = torch.cuda.is_available()
+    env = (f"python {sys.executable}, torch {torch.__version__} "
+           f"({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'}), "
+           f"{'GPU visible' if cuda else 'no GPU'}")
+    ok, line = status()
+    return ok, f"{line} | {env}" if ok else f"{line} | fix: {BUILD_COMMAND} | {env}"

@@ -189,11 +189,11 @@ class FanoutEstimator:
         if len(kinds) != len(fs):
             raise ValueError("observe_lookups: one kind per lookup")
         for f, h, kind in zip(fs, hits, kinds):
-            for table in (self.lookups, None if kind is None else self.kind_lookups[kind]):
-                if table is not None:
-                    bucket = table.setdefault(int(f), [0, 0])
-                    bucket[0] += 1
-                    bucket[1] += 0 if h else 1
+            tables = [self.lookups] if kind is None else [self.lookups, self.kind_lookups[kind]]
+            for table in tables:
+                bucket = table.setdefault(int(f), [0, 0])
+                bucket[0] += 1
+                bucket[1] += 0 if h else 1
 
     @property
     def a_p(self) -> float:

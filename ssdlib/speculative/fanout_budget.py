@@ -23,10 +23,10 @@ soon, later ones rarely. Without timings (CPU) it probes and then holds the full
 Whether the verify hides a build does not weigh what a larger build costs the verify beside it:
 on one H100 at b = 8 the verify of a round ran 1.28x AR's step beside builds of 16 branches a
 row (128 rows), and a probe of the same shapes slowed a verify 1.17x beside 16 rows and 1.42x
-beside 128 (docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner holds the arm
-with the most tokens a millisecond: the tokens a round the fan-out's miss model expects of
-builds of that budget (:func:`tokens_a_round`) over the arm's median round, the longer of its
-build and its verify. On one H200 at b = 8 that held 4 branches a row where the hidden rule held
+beside 128 (docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner
+holds the arm with the most tokens a millisecond: the tokens a round the fan-out's miss model
+expects of builds of that budget (:func:`tokens_a_round`) over the arm's median round, the
+longer of its build and its verify. On one H200 at b = 8 that held 4 branches a row where the hidden rule held
 16: the verify 1.20x AR's step instead of 1.27x, 2.42 tokens a round instead of 2.48, 1.05x the
 tokens a second; at b = 1 both held 16 (docs/BENCHMARKS.md, 2026-12-05).
 ``SSDLIB_BUDGET_THROUGHPUT=0`` keeps the hidden rule.

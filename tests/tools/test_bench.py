@@ -40,7 +40,7 @@ def test_engine_modes_json(tiny_dirs, prompts_file, tmp_path, capsys):
     assert machine["ssdlib_source"] == source_digest() and len(source_digest()) == 12
     from ssdlib.ops._extension import diagnose
     assert machine["ssdlib_extension"].startswith("ssdlib._C: ")  # whether the extension served
-    assert machine["ssdlib_extension"] == diagnose()[1].split(" | ")[0]
+    assert machine["ssdlib_extension"] == diagnose()[1].split(" | ")[0]  # diagnose's first part
     assert report["models"]["target"]["path"] == tiny_dirs["smol_heads"]
     assert report["models"]["draft"]["path"] == tiny_dirs["smol_heads_draft"]
     assert "--prompts-file" in report["command"]
