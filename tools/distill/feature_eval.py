@@ -139,11 +139,11 @@ def accepted_lengths_full(target, ids: torch.Tensor, points: list[int],
 
 
 class TargetPrefix:
-    """One forward of the target over a document's prefix ``ids`` into a KV slot: its greedy
-    token after every position and the features of ``layers`` (the outputs before any norm,
-    concatenated: what a feature draft reads; None: the last layer's) at every position. Then
-    :meth:`greedy` verifies drafts after any of its positions as branches of a tree forward
-    that reads the slot, so one prefix serves many positions and both views."""
+    """One forward of the target over a document's prefix ``ids`` into a KV slot: its output at
+    every position (normed; the head runs where :meth:`greedy` asks) and the features of
+    ``layers`` (the outputs before any norm, concatenated: what a feature draft reads; None: the
+    last layer's). Then :meth:`greedy` verifies drafts after any of its positions as branches
+    of a tree forward that reads the slot, so one prefix serves many positions and views."""
 
     @torch.no_grad()
     def __init__(self, target, ids: torch.Tensor, layers=None) -> None:
@@ -158,8 +158,8 @@ class TargetPrefix:
         pos = torch.arange(self.length, device=device).view(1, -1)
         meta = AttentionMetadata.build(pos, self.slot, self.length)
         meta.from_zero = True
-        self.next_token = target.lm_head(target.model(ids.view(1, -1), self.cache, meta)[0]
-                                         ).argmax(-1)                     # [length]
+        # the final norm's output at every position: the head runs at the positions asked for
+        self.hidden = target.model(ids.view(1, -1), self.cache, meta)[0]  # [length, H]
         self.features = self.cache.features[0]                            # [length, W]
         self.cache.features = None  # the tree forwards past the prefix keep none
 
@@ -172,7 +172,7 @@ class TargetPrefix:
         n, k = drafted.shape
         device = drafted.device
         p = torch.tensor(points, device=device)
-        first = self.next_token[p].view(n, 1)
+        first = self.target.lm_head(self.hidden[p]).argmax(-1).view(n, 1)
         if k == 1:
             return first
         t = n * (k - 1)
