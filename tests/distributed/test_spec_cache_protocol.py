@@ -146,8 +146,10 @@ def _same_admit(a: Admit, b: Admit) -> bool:
 
 
 def _same_spec(a: Speculation, b: Speculation) -> bool:
-    return (torch.equal(a.tokens, b.tokens) and torch.equal(a.kinds, b.kinds)
-            and (a.q is None) == (b.q is None) and (a.q is None or torch.equal(a.q, b.q)))
+    """Equal parts, wherever each side's tensors are (a link's received q is on its device)."""
+    same = lambda x, y: torch.equal(x.cpu(), y.cpu())
+    return (same(a.tokens, b.tokens) and same(a.kinds, b.kinds)
+            and (a.q is None) == (b.q is None) and (a.q is None or same(a.q, b.q)))
 
 
 def test_control_frame_carries_header_and_outcome_rows():
@@ -288,7 +290,10 @@ def _protocol_rank(results) -> None:
     for staged in (False, True) if world.device.type == "cpu" else (world.spec_staged,):
         link = SpecLink(world.spec_group, 1 - world.rank, world.device, 4, K, V, staged=staged,
                         branches=2)
+        # as the engine holds them: q and the cache's rows on the link's device
         spec = _spec()
+        spec.q = spec.q.to(world.device)
+        cache_rows = _cache_rows().to(world.device)
         stats = SpeculatorStats(0.5, 2.0, 3, 4, 1, 7, {"push": 0.25, "build": 1.5})
         if world.rank == 0:  # the leader
             link.send_admit(_admit())
@@ -299,7 +304,7 @@ def _protocol_rank(results) -> None:
             assert link.recv_cache(2) == CacheRows.unpack(_cache_rows(), 2, K)
             link.send_outcome(Outcome([0], [1], [2], [True], sampling=False, k=K))
             got = link.recv_spec_tokens(1)
-            assert got.q is None and torch.equal(got.tokens, spec.tokens[:1])
+            assert got.q is None and torch.equal(got.tokens.cpu(), spec.tokens[:1])
             link.post_cache(2)  # posted early (as during a verify forward), completed later
             with pytest.raises(RuntimeError, match="already posted"):
                 link.post_cache(2)
@@ -318,12 +323,12 @@ def _protocol_rank(results) -> None:
             header = link.recv_header()
             assert header == _outcome().header() and link.recv_outcome(header) == _outcome()
             link.send_spec(spec)
-            link.send_cache(_cache_rows())
+            link.send_cache(cache_rows)
             header = link.recv_header()
             assert link.recv_outcome(header) == Outcome([0], [1], [2], [True], sampling=False,
                                                         k=K)
             link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], None))
-            link.send_cache(_cache_rows())
+            link.send_cache(cache_rows)
             header = link.recv_header()
             assert link.recv_outcome(header).spec_parts() == (False, True)
             link.send_spec(Speculation(spec.tokens[:1], spec.kinds[:1], spec.q[:1]),
