@@ -26,10 +26,16 @@ row (128 rows), and a probe of the same shapes slowed a verify 1.17x beside 16 r
 beside 128 (docs/BENCHMARKS.md, 2026-12-05). So once every arm is timed and valued the tuner
 holds the arm with the most tokens a millisecond: the tokens a round the fan-out's miss model
 expects of builds of that budget (:func:`tokens_a_round`) over the arm's median round, the
-longer of its build and its verify. On one H200 at b = 8 that held 4 branches a row where the hidden rule held
-16: the verify 1.20x AR's step instead of 1.27x, 2.42 tokens a round instead of 2.48, 1.05x the
-tokens a second; at b = 1 both held 16 (docs/BENCHMARKS.md, 2026-12-05).
+longer of its build and its verify. On one H200 at b = 8 that held 4 branches a row where the
+hidden rule held 16: the verify 1.20x AR's step instead of 1.27x, 2.42 tokens a round instead of
+2.48, 1.05x the tokens a second; at b = 1 both held 16 (docs/BENCHMARKS.md, 2026-12-05).
 ``SSDLIB_BUDGET_THROUGHPUT=0`` keeps the hidden rule.
+
+At b = 8 that rule holds the smallest arm, K + 1 branches a row, and the verify beside its build
+still runs 1.20-1.28x AR's step (one H200, one H100). ``SSDLIB_BUDGET_FEWER_BRANCHES`` (an
+experiment, off) lets the arms go on halving below K + 1 down to one branch a row: the fan-out
+then guesses only the likeliest outcomes (positions without a branch miss), for fewer rows
+beside the verify; the same rule weighs the hits it loses against the time it saves.
 """
 
 from __future__ import annotations
@@ -42,14 +48,20 @@ from ssdlib.errors import ConfigError, require_int
 from ssdlib.speculative.fallback import expected_tokens, steady_hit_rate
 
 
-def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
+def budget_arms(budget: int, K: int, count: int = 3, smallest: int | None = None) -> list[int]:
     """The budgets a tuner tries, largest first: ``budget``, then halved (rounded up) while
-    the half is at least K + 1, at most ``count`` of them."""
+    the half is at least K + 1 (a branch per outcome position), at most ``count`` of them.
+    ``smallest`` < K + 1 goes on halving below K + 1 down to it, past ``count``: builds that
+    guess only the likeliest outcomes, fewer rows beside the verify (the chained build's
+    arms with ``SSDLIB_BUDGET_FEWER_BRANCHES``)."""
     require_int("fan-out budget", budget, 1)
+    floor = K + 1 if smallest is None else require_int("smallest fan-out budget", smallest, 1)
     arms = [budget]
-    while len(arms) < count and (arms[-1] + 1) // 2 >= K + 1 and (arms[-1] + 1) // 2 < arms[-1]:
-        arms.append((arms[-1] + 1) // 2)
-    return arms
+    while True:
+        half = (arms[-1] + 1) // 2
+        if half >= arms[-1] or half < floor or (half >= K + 1 and len(arms) >= count):
+            return arms
+        arms.append(half)
 
 
 def tokens_a_round(estimator, budget: int, a_hit: float, a_miss: float) -> float | None:
