@@ -10,7 +10,9 @@
 #                in (tools/distill_data.py merge: held-out documents stay unseen)
 #   PART=merge   no sampling: the sets carried so far (.stage/data*.safetensors.gz, any call
 #                may carry one: every call keeps them in /tmp/distill/sets) merged into
-#                /tmp/distill/data.safetensors, the training set of PART=train
+#                /tmp/distill/data.safetensors, the training set of PART=train. A set (~7.7 MB)
+#                and a GGUF part (~32.8 MB) with the tree (~26.5 MB) pass a call's 64 MiB:
+#                carry the sets in a call of their own (two fit, with .whl), e.g. the first
 #   PART=train   the default draft continued with long rows (tools/distill_draft.py
 #                --long-seq-len, its window kept) and the feature draft continued
 #                (tools/distill_feature_draft.py), side by side on the GPU; FD_ONLY=1: the
