@@ -39,6 +39,7 @@ from ssdlib.engine_config import draft_vocab_value  # noqa: E402
 from ssdlib.engine.runner.kv_cache import KVCache  # noqa: E402
 from ssdlib.layers.attention import AttentionMetadata  # noqa: E402
 from ssdlib.models.feature_draft import FeatureDraft  # noqa: E402
+from ssdlib.ops.tree_mask import tree_mask_full  # noqa: E402
 from tools.distill.data import Docs  # noqa: E402
 from tools.distill.feature_train import teacher_outputs  # noqa: E402
 
@@ -168,7 +169,8 @@ class TargetPrefix:
         """The target's greedy tokens [n, K] at x_p, y_1, .., y_{K-1} of each row (p in
         ``points``, each below the prefix's length; y = ``drafted`` [n, K]): the first column
         from the prefix, the rest from one tree forward of the n rows' y_1..y_{K-1}, each row a
-        branch that sees the slot's keys up to its own p and its own earlier tokens."""
+        branch that sees the slot's keys up to its own p and its own earlier tokens (the
+        speculator's tree mask with no speculation keys: ``tree_mask_full``, depth-major)."""
         n, k = drafted.shape
         device = drafted.device
         p = torch.tensor(points, device=device)
@@ -181,19 +183,17 @@ class TargetPrefix:
             shape = (cfg.num_hidden_layers, 1, self.target.kv_heads_local, t, cfg.head_dim)
             self.cache.tree_k = self.cache.k.new_zeros(shape)
             self.cache.tree_v = self.cache.v.new_zeros(shape)
-        r = torch.arange(k - 1, device=device)
-        branch = torch.arange(n, device=device).repeat_interleave(k - 1)
-        step = r.repeat(n)
-        sees = (branch.view(-1, 1) == branch.view(1, -1)) & (step.view(1, -1) <= step.view(-1, 1))
         tree_len = self.cache.tree_k.shape[3]
         mask = torch.zeros(1, t, tree_len, dtype=torch.bool, device=device)
-        mask[0, :, :t] = sees
-        meta = AttentionMetadata((p.view(-1, 1) + 1 + r).view(1, -1), self.slot, self.length,
-                                 kv_limit=(p + 1).repeat_interleave(k - 1).view(1, -1),
+        mask[0, :, :t] = tree_mask_full(torch.zeros(n, dtype=torch.long, device=device), 0, k - 1)
+        # token d * n + b: row b's y_{d+1}, at position p_b + 1 + d
+        r = torch.arange(k - 1, device=device).view(-1, 1)
+        meta = AttentionMetadata((p.view(1, -1) + 1 + r).view(1, -1), self.slot, self.length,
+                                 kv_limit=(p + 1).repeat(k - 1).view(1, -1),
                                  tree_index=torch.arange(t, device=device).view(1, -1),
                                  tree_mask=mask, tree_len=tree_len)
-        hidden = self.target.model(drafted[:, :k - 1].reshape(1, -1), self.cache, meta)[0]
-        rest = self.target.lm_head(hidden).argmax(-1).view(n, k - 1)
+        hidden = self.target.model(drafted[:, :k - 1].t().reshape(1, -1), self.cache, meta)[0]
+        rest = self.target.lm_head(hidden).argmax(-1).view(k - 1, n).t()
         return torch.cat([first, rest], dim=1)
 
 
