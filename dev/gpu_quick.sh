@@ -41,8 +41,6 @@
 # kinds1: b = 1, SSD with the miss model's two kinds of lookup against every lookup pooled
 # (SSDLIB_FANOUT_KINDS=0). budget8: b = 8, AR, SSD, SSD with the throughput budget rule
 # (SSDLIB_BUDGET_THROUGHPUT=1) and SSD with pooled lookups, in one invocation.
-# fewer8 / fewer1: b = 8 / b = 1 greedy, AR, SSD and SSD whose budget tuner also tries builds of
-# fewer branches a row than outcome positions (SSDLIB_BUDGET_FEWER_BRANCHES=1), in one invocation.
 # feat1: b = 1 on the 24 held-out chat prompts, SD / SSD with both drafts (the feature draft's
 # layers compiled too). exact1: fp32 greedy AR / SD / SSD equality (one GPU is enough; SSD then shares it).
 # Compiling is per decoder layer: ready s is 11-20 s at b = 1, 26-31 s at b = 8 on an H200.
@@ -139,8 +137,6 @@ for b in ${BENCHES:-b1}; do
     chain8) timeout 240 $B --modes ar,sd,ssd --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8.json" 2>&1 | $F | tail -16 ;;
     kinds1) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_FANOUT_KINDS=0 --n-prompts 16 --k 3 --json "$OUT/kinds1.json" 2>&1 | $F | tail -16 ;;
     budget8) timeout 300 $B --modes ar,ssd,ssd:env=SSDLIB_BUDGET_THROUGHPUT=1,ssd:env=SSDLIB_FANOUT_KINDS=0 --n-prompts 16 --batch 8 --k 3 --json "$OUT/budget8.json" 2>&1 | $F | tail -18 ;;
-    fewer8) timeout 300 $B --modes ar,ssd,ssd:env=SSDLIB_BUDGET_FEWER_BRANCHES=1 --n-prompts 16 --batch 8 --k 3 --json "$OUT/fewer8.json" 2>&1 | $F | tail -18 ;;
-    fewer1) timeout 300 $B --modes ar,ssd,ssd:env=SSDLIB_BUDGET_FEWER_BRANCHES=1 --n-prompts 16 --k 3 --json "$OUT/fewer1.json" 2>&1 | $F | tail -18 ;;
     chain8x) timeout 300 $B --modes sd,ssd,ssd:env=SSDLIB_CHAIN_MAX_ROWS=4,ssd:fan_out_budget=8 --n-prompts 16 --batch 8 --k 3 --json "$OUT/chain8x.json" 2>&1 | $F | tail -20 ;;
     chain087) timeout 240 $B --modes sd,ssd --n-prompts 16 --batch 8 --k 3 --temperature 0.7 --json "$OUT/chain087.json" 2>&1 | $F | tail -16 ;;
     chain074) timeout 240 $B --modes sd,ssd --n-prompts 16 --batch 4 --k 3 --temperature 0.7 --json "$OUT/chain074.json" 2>&1 | $F | tail -14 ;;

@@ -114,11 +114,6 @@ SWITCHES: tuple[Switch, ...] = (
            "the fan-out budget tuner holds the chained build's budget of the most expected "
            "tokens a millisecond of round; 0: the largest whose build the verify hides "
            "(ssdlib.speculative.fanout_budget)"),
-    Switch("SSDLIB_BUDGET_FEWER_BRANCHES", "flag", False,
-           "the fan-out budget tuner also tries chained builds of fewer branches a row than "
-           "outcome positions, halving below K + 1 down to one (guesses for the likeliest "
-           "outcomes only, fewer rows beside the verify; ssdlib.speculative.fanout_budget)",
-           experiment=True),
     Switch("SSDLIB_FANOUT_KINDS", "flag", True,
            "the fan-out's miss model keeps the lookups after the draft's own rejected token apart "
            "from the rest (one slope, an intercept each: the allocation and the backups' "

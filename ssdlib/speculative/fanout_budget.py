@@ -31,11 +31,12 @@ hidden rule held 16: the verify 1.20x AR's step instead of 1.27x, 2.42 tokens a 
 2.48, 1.05x the tokens a second; at b = 1 both held 16 (docs/BENCHMARKS.md, 2026-12-05).
 ``SSDLIB_BUDGET_THROUGHPUT=0`` keeps the hidden rule.
 
-At b = 8 that rule holds the smallest arm, K + 1 branches a row, and the verify beside its build
-still runs 1.20-1.28x AR's step (one H200, one H100). ``SSDLIB_BUDGET_FEWER_BRANCHES`` (an
-experiment, off) lets the arms go on halving below K + 1 down to one branch a row: the fan-out
-then guesses only the likeliest outcomes (positions without a branch miss), for fewer rows
-beside the verify; the same rule weighs the hits it loses against the time it saves.
+The arms stop at K + 1 (a branch per outcome position). Arms below it, down to one branch a
+row (the fan-out then guessing only the likeliest outcomes), were tried on one H100 at commit
+2190d14: the tuner held 8 branches a row at b = 8 and 16 at b = 1 with them too, and SSD ran at
+0.97x and 0.99x its tokens a second without them (probing five arms instead of three), the
+verify 1.24x AR's step at b = 8 against 1.21x (docs/BENCHMARKS.md, 2026-12-05, one H100,
+2190d14).
 """
 
 from __future__ import annotations
@@ -48,20 +49,14 @@ from ssdlib.errors import ConfigError, require_int
 from ssdlib.speculative.fallback import expected_tokens, steady_hit_rate
 
 
-def budget_arms(budget: int, K: int, count: int = 3, smallest: int | None = None) -> list[int]:
+def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
     """The budgets a tuner tries, largest first: ``budget``, then halved (rounded up) while
-    the half is at least K + 1 (a branch per outcome position), at most ``count`` of them.
-    ``smallest`` < K + 1 goes on halving below K + 1 down to it, past ``count``: builds that
-    guess only the likeliest outcomes, fewer rows beside the verify (the chained build's
-    arms with ``SSDLIB_BUDGET_FEWER_BRANCHES``)."""
+    the half is at least K + 1, at most ``count`` of them."""
     require_int("fan-out budget", budget, 1)
-    floor = K + 1 if smallest is None else require_int("smallest fan-out budget", smallest, 1)
     arms = [budget]
-    while True:
-        half = (arms[-1] + 1) // 2
-        if half >= arms[-1] or half < floor or (half >= K + 1 and len(arms) >= count):
-            return arms
-        arms.append(half)
+    while len(arms) < count and (arms[-1] + 1) // 2 >= K + 1 and (arms[-1] + 1) // 2 < arms[-1]:
+        arms.append((arms[-1] + 1) // 2)
+    return arms
 
 
 def tokens_a_round(estimator, budget: int, a_hit: float, a_miss: float) -> float | None:

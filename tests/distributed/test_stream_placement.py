@@ -176,31 +176,6 @@ def test_tuned_budgets_keep_greedy_ssd_equal_to_ar(tiny_dirs, monkeypatch, path)
     assert run["hit_rate"] > 0.2, run["hit_rate"]
 
 
-@pytest.mark.parametrize("path", ["", "eager"])
-def test_budgets_below_one_branch_per_outcome_keep_greedy_ssd_equal_to_ar(tiny_dirs,
-                                                                          monkeypatch, path):
-    """``SSDLIB_BUDGET_FEWER_BRANCHES=1``: the tuner also builds 2 and 1 branches a row (K = 3:
-    outcome positions without a branch); chained rounds built so still equal AR's tokens, and a
-    build of one branch a row still hits at times (``eager``: the GPU's captured-step path)."""
-    from ssdlib.speculative.fanout_budget import BudgetTuner
-
-    if path:
-        monkeypatch.setenv("SSDLIB_STEP_GRAPHS", path)
-    monkeypatch.setenv("SSDLIB_BUDGET_FEWER_BRANCHES", "1")
-    prompts = [[1 + i, 5, 9, 11 + i] for i in range(4)]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 25, 40)]
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2, fan_out_budget=16)
-    assert [o.token_ids for o in outs] == ar
-    assert set(run["chain_budgets"]["builds"]) == {"16", "8", "4", "2", "1"}
-    taken = []  # every build at the smallest arm
-    monkeypatch.setattr(BudgetTuner, "next_budget",
-                        lambda self: taken.append(self.arms[-1]) or self.arms[-1])
-    ar, outs, run = _ar_and_chained(tiny_dirs, prompts, params, max_batch=2, fan_out_budget=16)
-    assert [o.token_ids for o in outs] == ar
-    assert taken and set(taken) == {1}
-    assert run["hit_rate"] > 0.05, run["hit_rate"]
-
-
 def test_a_batch_outgrowing_the_chain_ends_it_and_a_smaller_one_starts_another(tiny_dirs,
                                                                                 monkeypatch):
     """With chains of at most 2 rows and 3 slots, admissions grow the batch past the chain

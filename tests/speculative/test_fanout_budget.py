@@ -18,18 +18,6 @@ def test_arms_halve_down_to_one_branch_per_outcome():
         budget_arms(0, 3)
 
 
-def test_arms_go_below_one_branch_per_outcome_down_to_the_smallest():
-    # (SSDLIB_BUDGET_FEWER_BRANCHES: builds that guess only the likeliest outcomes)
-    assert budget_arms(16, 3, smallest=1) == [16, 8, 4, 2, 1]
-    assert budget_arms(16, 3, smallest=2) == [16, 8, 4, 2]
-    assert budget_arms(16, 3, smallest=4) == [16, 8, 4]       # K + 1: the default's arms
-    assert budget_arms(16, 5, smallest=3) == [16, 8, 4]       # 4 < K + 1 = 6, >= 3
-    assert budget_arms(9, 3, smallest=2) == [9, 5, 3, 2]
-    assert budget_arms(64, 3, smallest=1) == [64, 32, 16]     # count stops it above K + 1
-    with pytest.raises(ConfigError, match="smallest fan-out budget"):
-        budget_arms(16, 3, smallest=0)
-
-
 def test_bad_arms_are_refused():
     for arms in ([], [4, 8], [8, 8], [0]):
         with pytest.raises(ConfigError, match="budget arms"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ssdlib import env
 from ssdlib.engine.batching import pack_rows, to_device
 from ssdlib.engine.speculator.spec_cache import SpeculationCache
 from ssdlib.engine.speculator.spec_row import SpecRow
@@ -69,11 +68,9 @@ class CacheBuilder:
         return sum(x >= 0 for x in reuse)
 
     def budget_arms(self, budget: int) -> list[int]:
-        """The budgets a chained build may take (``fanout_budget.budget_arms``; below K + 1
-        down to one branch with ``SSDLIB_BUDGET_FEWER_BRANCHES``): its captured build is keyed
-        by its branches."""
-        fewer = env.flag("SSDLIB_BUDGET_FEWER_BRANCHES")
-        return budget_arms(budget, self.K, smallest=1 if fewer else None)
+        """The budgets a chained build may take (``fanout_budget.budget_arms``): its captured
+        build is keyed by its branches."""
+        return budget_arms(budget, self.K)
 
     def branch_index(self, fan: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`fan_index` of ``fan``, kept per fan-out."""
