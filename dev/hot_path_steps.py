@@ -158,7 +158,7 @@ def _feature_speculator_steps(draft, backend, tck, ftr, b: int, K: int, fan: tup
         builder.tree(slots, first, sent, cand, H, pos, rank, max_len)
         return builder.cache.tokens
     return {
-        f"speculator feature commit ({K + 1} positions)": Step(lambda: drafter._commit_body(
+        f"speculator feature commit ({K + 1} positions)": Step(lambda: drafter.commit_body(
             ids, positions, slots, index, feats, max_len, True), True),
         f"speculator feature build: chain ({K} positions, one forward)": Step(chain, True),
         f"speculator feature build: tree ({K} depths, {B} rows)": Step(tree, True),

@@ -347,6 +347,10 @@ def test_features_must_continue_the_rows_fed_positions():
         drafter.commit_features([row], [1], [2], feats[1:3].unsqueeze(0))  # not from 0
     with pytest.raises(RuntimeError, match="have not arrived"):
         drafter.propose([row], K)
+    _commit(drafter, target, row, 0, False)
+    with pytest.raises(ValueError, match="at least one token"):
+        drafter.propose([row], 0)
+    assert drafter.propose([row], 1)[0].shape == (1, 1)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -15,7 +15,6 @@ class FeatureFeed:
 
     def __init__(self, features: torch.Tensor):
         self.features = features  # [slots, max_len, W], written by every target forward
-        self.device = features.device
         self.sent: dict[int, int] = {}
 
     def admit(self, slot: int) -> None:

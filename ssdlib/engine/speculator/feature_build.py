@@ -98,7 +98,8 @@ class FeatureCacheBuilder:
         self.saguaro_c = saguaro_c
         self.C = min(self.B + 1, vocab_size)  # candidates per position (max fan-out + 1)
         self._index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._static: dict[int, torch.Tensor] = {}  # per batch bucket: (slot, first, sent)
+        # per batch bucket [bucket, 4 + K]: slot, first position, source, verified limit, sent[K]
+        self._static: dict[int, torch.Tensor] = {}
         self._index = torch.zeros(2, self.B, dtype=torch.int64, device=self.device)
         self._chain_slots: torch.Tensor | None = None  # the chain's rows' slots (static)
         # the target's feature buffer [slots, max_len, W], in process (stream placement):
@@ -150,10 +151,10 @@ class FeatureCacheBuilder:
             r.fed = True
         pos, rank = self.branch_index(tuple(fan))
         if not sampling and self.pool is not None:
-            d._check_fed(rows)
+            d.check_committed(rows)
             self._replay(rows, src, pos, rank)
             return 0
-        slots, first, kv_len = d._start(rows)
+        slots, first, kv_len = d.start_rows(rows)
         sent = to_device([r.sent for r in rows], self.device)  # [b, K]
         limit = to_device(verified_limits(rows, self.K), self.device)  # [b]
         pick = self._sampled_pick(rows, slots, fan) if sampling else None
@@ -300,7 +301,7 @@ class FeatureCacheBuilder:
         ids = history.gather(1, (n.view(-1, 1) + j).clamp(max=history.shape[1] - 1))
         buf = self.target_features
         feats = buf[slots.view(-1, 1), positions.clamp(max=buf.shape[1] - 1)]
-        d._commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len, d.use_kernel)
+        d.commit_body(ids, positions, slots, k.view(-1, 1), feats, d.max_len, d.use_kernel)
         pick = None
         if sampling is not None:
             facts, fan, saguaro_c = sampling

@@ -92,7 +92,7 @@ class FeatureSpecDraft:
         for r, st, c in zip(rows, starts, counts):
             self.fed[r.slot] = st + c
 
-    def _commit_body(self, ids, positions, slots, index, feats, kv_len: int,
+    def commit_body(self, ids, positions, slots, index, feats, kv_len: int,
                      use_kernel: bool, model=None) -> None:
         """The commit on device tensors: ids / positions [b, s], slots [b], index [b, 1] (each
         row's last real place), the target's features [b, s, W]; ``model``: the draft it runs
@@ -117,7 +117,7 @@ class FeatureSpecDraft:
         s = ids.shape[1]
         feats = values[:, :s] if values.shape[1] >= s else \
             torch.nn.functional.pad(values, (0, 0, 0, s - values.shape[1]))
-        self._commit_body(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
+        self.commit_body(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
                           slots_tensor(rows).to(dev, non_blocking=True),
                           to_device([[c - 1] for c in counts], dev), feats,
                           int(positions.max()) + 1, False, self.draft)
@@ -137,7 +137,7 @@ class FeatureSpecDraft:
 
             def body():
                 h = st["host"]
-                self._commit_body(h[:, :width], h[:, width:2 * width], h[:, 2 * width],
+                self.commit_body(h[:, :width], h[:, width:2 * width], h[:, 2 * width],
                                   h[:, 2 * width + 1:], st["feats"], self.max_len,
                                   self.use_kernel)
             self.pool.capture(key, body)
@@ -168,16 +168,16 @@ class FeatureSpecDraft:
         logits, hidden = self.step_draft(tok.view(-1, 1), hidden.unsqueeze(1), self.cache, meta)
         return fit_vocab(logits[:, 0], self.vocab_size).float(), hidden[:, 0]
 
-    def _start(self, rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def start_rows(self, rows) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(slots [b], position L - 1 of each row's first chain pair [b], key length) on the
         device, checking every row's features are committed up to L - 2."""
-        self._check_fed(rows)
+        self.check_committed(rows)
         slots = slots_tensor(rows).to(self.device, non_blocking=True)
         first = to_device([len(r.tokens) - 1 for r in rows], self.device)
         kv_len = min(max(len(r.tokens) for r in rows) + self.draws + 1, self.max_len)
         return slots, first, kv_len
 
-    def _check_fed(self, rows) -> None:
+    def check_committed(self, rows) -> None:
         """Every row's features are committed up to position L - 2."""
         for r in rows:
             if self.fed.get(r.slot, 0) != len(r.tokens) - 1:
@@ -191,9 +191,11 @@ class FeatureSpecDraft:
         ``want_q`` is False). Sampled rows draw as SD's feature drafter does (draw j of the
         row's stream for token j, ``draws`` reserved); a greedy draft is one replay of a
         captured chain with a graph pool."""
+        if k < 1:
+            raise ValueError(f"a jit draft drafts at least one token, got k={k}")
         greedy = all(r.params.greedy for r in rows)
         if greedy and self.pool is not None:
-            self._check_fed(rows)
+            self.check_committed(rows)
             tokens = self._jit_captured(rows, k)
         else:
             tokens, qs = self._jit_eager(rows, k, greedy)
@@ -245,7 +247,7 @@ class FeatureSpecDraft:
         return st["out"][:b].clone()
 
     def _jit_eager(self, rows, k: int, greedy: bool):
-        slots, first, kv_len = self._start(rows)
+        slots, first, kv_len = self.start_rows(rows)
         if greedy:
             return self._jit_body(slots, first, k, kv_len), None
         host = [r.params for r in rows]
