@@ -192,6 +192,13 @@ class SamplingTensors:
         return self.greedy.shape[0]
 
 
+def one_hot_q(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft distribution q of greedy drafts (argmax tokens are drawn from a one-hot q):
+    tokens [...] -> q [..., vocab] float32, on the tokens' device."""
+    q = torch.zeros(*tokens.shape, vocab, device=tokens.device)
+    return q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
 def target_distributions(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Each row's exact AR distribution: logits [b, ..., V] -> probs [b, ..., V] float32, row i
     under row i's parameters: :func:`target_probs` on sampled rows (the same float32 operations,

@@ -49,7 +49,7 @@ from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
 from ssdlib.ops.row_top import row_argmax
-from ssdlib.sampling import SamplingTensors
+from ssdlib.sampling import SamplingTensors, one_hot_q
 from ssdlib.speculative.rng import RowStreams
 
 log = get_logger(__name__)
@@ -388,7 +388,7 @@ class FeatureDrafter:
         if greedy and self.pool is not None:
             tokens = self._captured_proposal(seqs, k)
             if tokens is not None:
-                return tokens, (self._one_hot(tokens) if want_q else None)
+                return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
         if not greedy:
             host = [s.params for s in seqs]
             keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
@@ -396,8 +396,7 @@ class FeatureDrafter:
                 out = self._captured_sampled_proposal(seqs, k, host, keys)
                 if out is not None:
                     return out
-            table = SamplingTensors.host_table(host).to(self.device, non_blocking=True)
-            params = SamplingTensors.from_table(table, SamplingTensors.host_facts(host))
+            params = SamplingTensors.from_params(host, self.device)
             keys = keys.to(self.device, non_blocking=True)
             u = RowStreams(keys[:, 0], keys[:, 1], k).uniforms(k)
         logits, hidden = self._feed(seqs)
@@ -417,10 +416,4 @@ class FeatureDrafter:
             if j < k - 1:
                 logits, hidden = self._step(tok, hidden, first + j, slots, kv_len)
         tokens = torch.cat([t.view(len(seqs), -1) for t in tokens], dim=1)
-        return tokens, (self._one_hot(tokens) if want_q else None)
-
-    def _one_hot(self, tokens: torch.Tensor) -> torch.Tensor:
-        """q of greedy drafts: one-hot [b, k, V] float32."""
-        q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
-        q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
-        return q
+        return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)

@@ -348,8 +348,7 @@ class FeatureCacheBuilder:
         row's stream (as the standalone build draws) -> ``tree_build.sampled_pick``."""
         K, B = self.K, self.B
         params = [r.params for r in rows]
-        table = SamplingTensors.host_table(params).to(self.device, non_blocking=True)
-        st = SamplingTensors.from_table(table, SamplingTensors.host_facts(params))
+        st = SamplingTensors.from_params(params, self.device)
         keys = RowStreams.reserve_host([r.stream for r in rows], K * B).to(self.device)
         return sampled_pick(slots, self.cache, st, RowStreams(keys[:, 0], keys[:, 1], K * B),
                             fan, self.saguaro_c)

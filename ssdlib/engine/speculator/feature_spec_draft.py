@@ -14,7 +14,7 @@ from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.row_top import row_argmax
-from ssdlib.sampling import SamplingTensors
+from ssdlib.sampling import SamplingTensors, one_hot_q
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -201,10 +201,7 @@ class FeatureSpecDraft:
             tokens, qs = self._jit_eager(rows, k, greedy)
             if not greedy:
                 return tokens, qs
-        if not want_q:
-            return tokens, None
-        q = torch.zeros(*tokens.shape, self.vocab_size, device=tokens.device)
-        return tokens, q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
 
     def _jit_body(self, slots, first, k: int, kv_len: int) -> torch.Tensor:
         """A greedy jit draft on device tensors -> tokens [b, k]."""
@@ -251,9 +248,7 @@ class FeatureSpecDraft:
         if greedy:
             return self._jit_body(slots, first, k, kv_len), None
         host = [r.params for r in rows]
-        params = SamplingTensors.from_table(
-            SamplingTensors.host_table(host).to(self.device, non_blocking=True),
-            SamplingTensors.host_facts(host))
+        params = SamplingTensors.from_params(host, self.device)
         keys = RowStreams.reserve_host([r.stream for r in rows], max(k, self.draws))
         keys = keys.to(self.device, non_blocking=True)
         u = RowStreams(keys[:, 0], keys[:, 1], k).uniforms(k)
