@@ -93,7 +93,7 @@ class FeatureSpecDraft:
             self.fed[r.slot] = st + c
 
     def commit_body(self, ids, positions, slots, index, feats, kv_len: int,
-                     use_kernel: bool, model=None) -> None:
+                    use_kernel: bool, model=None) -> None:
         """The commit on device tensors: ids / positions [b, s], slots [b], index [b, 1] (each
         row's last real place), the target's features [b, s, W]; ``model``: the draft it runs
         (default ``step_draft``)."""
@@ -118,9 +118,9 @@ class FeatureSpecDraft:
         feats = values[:, :s] if values.shape[1] >= s else \
             torch.nn.functional.pad(values, (0, 0, 0, s - values.shape[1]))
         self.commit_body(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
-                          slots_tensor(rows).to(dev, non_blocking=True),
-                          to_device([[c - 1] for c in counts], dev), feats,
-                          int(positions.max()) + 1, False, self.draft)
+                         slots_tensor(rows).to(dev, non_blocking=True),
+                         to_device([[c - 1] for c in counts], dev), feats,
+                         int(positions.max()) + 1, False, self.draft)
 
     def _commit_captured(self, rows, ids, positions, counts, values, width: int) -> None:
         """The commit as one replay of its batch bucket's step (rows padded to ``width``
@@ -138,8 +138,8 @@ class FeatureSpecDraft:
             def body():
                 h = st["host"]
                 self.commit_body(h[:, :width], h[:, width:2 * width], h[:, 2 * width],
-                                  h[:, 2 * width + 1:], st["feats"], self.max_len,
-                                  self.use_kernel)
+                                 h[:, 2 * width + 1:], st["feats"], self.max_len,
+                                 self.use_kernel)
             self.pool.capture(key, body)
         st = self._static[key]
         host = self._ghost_host(bucket, 2 * width + 2, width, device="cpu")
