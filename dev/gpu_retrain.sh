@@ -7,7 +7,9 @@
 #   PART=data    carry .stage/smol.part.02 .stage/smol.sha256 .stage/HumanEval.jsonl.gz
 #                fresh data (dev/gpu_draft.sh STEP=data, seed $SEED) into /tmp/distill;
 #                EXTRA_DATA="a.safetensors.gz ..." (sets of earlier seeds, carried) are merged
-#                in (tools/distill_data.py merge: held-out documents stay unseen)
+#                in (tools/distill_data.py merge: held-out documents stay unseen);
+#                GEN_EXTRA="--greedy-answers 0.5": more flags of tools/distill_data.py gen;
+#                TESTS_BG=1: the GPU tests of PART=tests beside the sampling (TEST_FILES, TEST_K)
 #   PART=merge   no sampling: the sets carried so far (.stage/data*.safetensors.gz, any call
 #                may carry one: every call keeps them in /tmp/distill/sets) merged into
 #                /tmp/distill/data.safetensors, the training set of PART=train. A set (~7.7 MB)
@@ -18,6 +20,8 @@
 #                (tools/distill_feature_draft.py), side by side on the GPU; FD_ONLY=1: the
 #                feature draft alone; with RUN_BUDGET=S (> TRAIN_S - 30) its schedule spans
 #                several calls: PART=resume goes on with it (same optimizer, no fresh warm-up)
+#   PART=fdeval  the new feature draft and the shipped one side by side: acceptance in the
+#                engine (tools.distill.evaluate, chat and HumanEval, K = 5) and offline
 #   PART=eval    acceptance of both against the shipped ones: chat, HumanEval, by prompt length
 #                (default draft); offline both ways and in the engine (feature draft; its
 #                script's bench is cut: the evaluations share the GPU)
@@ -55,7 +59,7 @@ merge_sets() {
   done
   python3 tools/distill_data.py merge --out "$out" "${sets[@]}" 2>&1 | tail -8
 }
-case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
+case "${PART:?PART=tests|data|merge|train|resume|fdeval|eval|lengths|chat}" in
   tests)
     bash dev/stage_gguf.sh
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
@@ -67,12 +71,21 @@ case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
       tests/engine/runner/test_step_graphs.py} --durations 12 2>&1 | $F | tail -30 ;;
   data)
     bash dev/stage_gguf.sh || exit 3
-    STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} DATA_EXTRA="--seed $SEED" \
-      OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25
+    if [ "${TESTS_BG:-0}" = 1 ]; then
+      # shellcheck disable=SC2086
+      ( timeout "${TEST_S:-300}" python3 -m pytest -q -p no:logging -k "${TEST_K:-cuda}" \
+          ${TEST_FILES:-tests/engine/test_feature_draft_ssd.py tests/engine/test_feature_draft_sd.py} \
+          > "$OUT/tests_bg.log" 2>&1 ) &
+    fi
+    STEP=data DATA_BUDGET=${DATA_BUDGET:-220} DATA_TIMEOUT=${DATA_TIMEOUT:-320} \
+      DATA_EXTRA="--seed $SEED ${GEN_EXTRA:-}" OUT=$OUT/data bash dev/gpu_draft.sh 2>&1 | tail -25
     if [ -n "${EXTRA_DATA:-}" ]; then
       # shellcheck disable=SC2086
       merge_sets /tmp/distill/merged.safetensors /tmp/distill/data.safetensors $EXTRA_DATA \
         && mv /tmp/distill/merged.safetensors /tmp/distill/data.safetensors
+    fi
+    if [ "${TESTS_BG:-0}" = 1 ]; then
+      wait; echo "== GPU tests"; grep -E "passed|failed|FAILED|ERROR" "$OUT/tests_bg.log" | tail -8
     fi ;;
   merge)
     bash dev/stage_gguf.sh || exit 3
@@ -102,6 +115,21 @@ case "${PART:?PART=tests|data|merge|train|resume|eval|lengths|chat}" in
     STEP=eval CANDIDATES="long|$LONG_FLAGS" HUMANEVAL=$HE EVAL_PROMPTS=24 EVAL_LENGTHS=512,2048,6144 \
       OUT=$OUT/d bash dev/gpu_draft.sh 2>&1 | grep -E '^\s*\[(long|base)\]|eval|rc' | tail -40
     wait; grep -v '^\s*$' /tmp/fd_eval.log | tail -30 ;;
+  fdeval)
+    # both drafts at once (acceptance does not depend on the other's load on the GPU)
+    for d in ssdlib/assets/smollm2-135m-eagle $FD; do
+      n=$(basename "$d")
+      ( timeout 400 python3 -m tools.distill.evaluate --draft "$d" --target smollm2-135m \
+          --device cuda --humaneval "$HE" --n-prompts 24 --k 5 --max-new-tokens 128 \
+          > "$OUT/evaluate_$n.log" 2>&1
+        timeout 150 python3 -m tools.distill.feature_eval --draft "$d" --target smollm2-135m \
+          --data-from /tmp/distill/data.safetensors --k 5 --positions "${POSITIONS:-192}" \
+          --self-conditioned 1,6 --device cuda > "$OUT/feature_eval_$n.log" 2>&1 ) &
+    done
+    wait
+    for n in smollm2-135m-eagle "$(basename "$FD")"; do
+      echo "== $n"; grep '^|' "$OUT/evaluate_$n.log"; grep -v '^\[rank\|WARN' "$OUT/feature_eval_$n.log" | tail -8
+    done ;;
   lengths)
     HUMANEVAL=$HE B8=${B8:-0} LENGTHS=${LENGTHS:-"512 2048 6144"} \
       MODES=${MODES:-"ar,sd,sd:draft=$NEW,ssd:draft=$NEW"} bash dev/gpu_lengths.sh 2>&1 | tail -80 ;;
@@ -115,5 +143,5 @@ EOF2
     timeout 540 python3 tools/bench.py --device cuda --target smollm2-135m --prompts-file /tmp/chat24.jsonl \
       --chat --modes "${MODES:-ar,sd,sd:draft=$NEW,ssd:draft=$NEW,sd:draft=$FD,ssd:draft=$FD}" \
       --max-new-tokens 256 --k 3 --n-prompts 24 --json "$OUT/chat.json" 2>&1 | $F | tail -40 ;;
-  *) echo "PART must be tests, data, merge, train, resume, eval, lengths or chat"; exit 2 ;;
+  *) echo "PART must be tests, data, merge, train, resume, fdeval, eval, lengths or chat"; exit 2 ;;
 esac
