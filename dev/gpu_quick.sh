@@ -19,8 +19,9 @@
 # cmp / cmp07: b = 1 greedy / T = 0.7, each mode with (the default) and without
 # torch.compile inside the captured steps (MODE:compile=0), in one invocation; cmp1: AR and SD
 # only (one GPU is enough).
-# qab07: T = 0.7, b = 1, SD and SSD without and with SSDLIB_Q_AFTER_BUILD=1 (q sent after the
-# cache build's launch), in one invocation.
+# qab07: T = 0.7, b = 1, SD and SSD with the speculator on a rank of its own without and with
+# SSDLIB_Q_AFTER_BUILD=1 (q sent after the cache build's launch; the stream placement has no
+# such send, so the experiment acts in the rank placement only), in one invocation.
 # cands / cands07: b = 1 greedy / T = 0.7, AR, SD, SSD and SD, SSD with each draft in CANDS
 # (directories; default: the candidates gpu_draft.sh packed on this machine) in one invocation.
 # steps: dev/step_times.py (each hot-path step's GPU time eager / one graph; the builds' and
@@ -108,7 +109,7 @@ for b in ${BENCHES:-b1}; do
     cmp1)  # one GPU: AR and SD with (the default) and without torch.compile of the layers
       timeout 420 $B --modes ar,sd,ar:compile=0,sd:compile=0 --n-prompts 4 --k 3 --json "$OUT/cmp1.json" 2>&1 | $F | tail -16 ;;
     cmp07) timeout 540 $B --modes sd,ssd,sd:compile=0,ssd:compile=0 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cmp07.json" 2>&1 | $F | tail -20 ;;
-    qab07) timeout 240 $B --modes sd,ssd,ssd:env=SSDLIB_Q_AFTER_BUILD=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/qab07.json" 2>&1 | $F | tail -16 ;;
+    qab07) timeout 240 $B --modes sd,ssd:placement=rank,ssd:placement=rank:env=SSDLIB_Q_AFTER_BUILD=1 --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/qab07.json" 2>&1 | $F | tail -16 ;;
     cands) timeout 420 $B --modes "ar,sd,ssd$(cand_modes sd ssd)" --n-prompts 4 --k 3 --json "$OUT/cands.json" 2>&1 | $F | tail -30 ;;
     cands07) timeout 300 $B --modes "sd,ssd$(cand_modes ssd)" --n-prompts 4 --k 3 --temperature 0.7 --json "$OUT/cands07.json" 2>&1 | $F | tail -24 ;;
     steps)  # each hot-path step's GPU time, eager and as one graph, and the builds' kernels
