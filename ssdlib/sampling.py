@@ -192,11 +192,12 @@ class SamplingTensors:
         return self.greedy.shape[0]
 
 
-def one_hot_q(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The draft distribution q of greedy drafts (argmax tokens are drawn from a one-hot q):
-    tokens [...] -> q [..., vocab] float32, on the tokens' device."""
-    q = torch.zeros(*tokens.shape, vocab, device=tokens.device)
-    return q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A point mass on each token: tokens [...] -> probs [..., vocab] float32, on the tokens'
+    device. The distribution of a greedy choice: a greedy draft's q (its argmax tokens are
+    drawn from it), a greedy row's target distribution."""
+    probs = torch.zeros(*tokens.shape, vocab, device=tokens.device)
+    return probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
 def target_distributions(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -209,8 +210,7 @@ def target_distributions(logits: torch.Tensor, params: SamplingTensors) -> torch
     per_row = (b,) + (1,) * (logits.dim() - 1)  # views [b] params over [b, ..., V]
     onehot = None
     if params.any_greedy:
-        onehot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        onehot = one_hot(logits.argmax(-1), vocab)
         if not params.any_sampled:
             return onehot
     x = logits.float() / params.temperature.view(per_row)

@@ -18,7 +18,7 @@ import torch
 
 from ssdlib.engine.batching import last_index, pack_rows, prefill, slots_tensor
 from ssdlib.engine.sampled_chain import fit_vocab, sampled_chain
-from ssdlib.sampling import SamplingTensors, one_hot_q
+from ssdlib.sampling import SamplingTensors, one_hot
 from ssdlib.speculative.rng import RowStreams
 
 # positions a row of the draft's catch-up forward holds (padded; a longer gap takes several)
@@ -141,7 +141,7 @@ class Drafter:
         target's extra rows would be -inf, the draft's extra rows are cut)."""
         v = min(self.vocab_size, self.runner.config.vocab_size)
         tokens = self.runner.prefix_chain(ids, positions, slots, index, k - 1, v)
-        return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
+        return tokens, (one_hot(tokens, self.vocab_size) if want_q else None)
 
     def _sampled(self, ids, positions, slots, index, seqs, k: int):
         """Each token drawn from the row's target distribution of the draft's logits with the

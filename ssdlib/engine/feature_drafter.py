@@ -49,7 +49,7 @@ from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.log import get_logger
 from ssdlib.ops.row_top import row_argmax
-from ssdlib.sampling import SamplingTensors, one_hot_q
+from ssdlib.sampling import SamplingTensors, one_hot
 from ssdlib.speculative.rng import RowStreams
 
 log = get_logger(__name__)
@@ -388,7 +388,7 @@ class FeatureDrafter:
         if greedy and self.pool is not None:
             tokens = self._captured_proposal(seqs, k)
             if tokens is not None:
-                return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
+                return tokens, (one_hot(tokens, self.vocab_size) if want_q else None)
         if not greedy:
             host = [s.params for s in seqs]
             keys = RowStreams.reserve_host([s.stream for s in seqs], max(k, self.draws))
@@ -416,4 +416,4 @@ class FeatureDrafter:
             if j < k - 1:
                 logits, hidden = self._step(tok, hidden, first + j, slots, kv_len)
         tokens = torch.cat([t.view(len(seqs), -1) for t in tokens], dim=1)
-        return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
+        return tokens, (one_hot(tokens, self.vocab_size) if want_q else None)

@@ -14,7 +14,7 @@ import torch
 from ssdlib import Generator
 from ssdlib.engine.sampler import (row_distributions, sample_branches, sample_rows,
                                    sample_tokens, sampling_tensors)
-from ssdlib.sampling import SamplingParams, one_hot_q, row_streams, target_probs
+from ssdlib.sampling import SamplingParams, one_hot, row_streams, target_probs
 from ssdlib.speculative.rng import RowStreams, sample_categorical
 from ssdlib.speculative.saguaro import saguaro_q
 from tests.speculative.spec_stats import chi2_test
@@ -94,9 +94,9 @@ def test_greedy_rows_are_argmax_and_one_hot():
     assert sample_rows(logits[:2], g) == best[:2] and g[0].stream.counter == 0
 
 
-def test_greedy_drafts_q_is_one_hot_on_their_tokens():
+def test_one_hot_is_a_point_mass_on_each_token():
     tokens = torch.tensor([[3, 0, 7], [7, 7, 1]])
-    q = one_hot_q(tokens, 9)
+    q = one_hot(tokens, 9)
     assert q.shape == (2, 3, 9) and q.dtype == torch.float32
     assert torch.equal(q.argmax(-1), tokens) and torch.equal(q.sum(-1), torch.ones(2, 3))
 

@@ -14,7 +14,7 @@ from ssdlib.engine.runner.static_inputs import batch_bucket
 from ssdlib.engine.sampled_chain import draw_chain, fit_vocab
 from ssdlib.layers.attention import AttentionMetadata
 from ssdlib.ops.row_top import row_argmax
-from ssdlib.sampling import SamplingTensors, one_hot_q
+from ssdlib.sampling import SamplingTensors, one_hot
 from ssdlib.speculative.rng import RowStreams
 
 
@@ -201,7 +201,7 @@ class FeatureSpecDraft:
             tokens, qs = self._jit_eager(rows, k, greedy)
             if not greedy:
                 return tokens, qs
-        return tokens, (one_hot_q(tokens, self.vocab_size) if want_q else None)
+        return tokens, (one_hot(tokens, self.vocab_size) if want_q else None)
 
     def _jit_body(self, slots, first, k: int, kv_len: int) -> torch.Tensor:
         """A greedy jit draft on device tensors -> tokens [b, k]."""
