@@ -54,8 +54,11 @@ def budget_arms(budget: int, K: int, count: int = 3) -> list[int]:
     the half is at least K + 1, at most ``count`` of them."""
     require_int("fan-out budget", budget, 1)
     arms = [budget]
-    while len(arms) < count and (arms[-1] + 1) // 2 >= K + 1 and (arms[-1] + 1) // 2 < arms[-1]:
-        arms.append((arms[-1] + 1) // 2)
+    while len(arms) < count:
+        half = (arms[-1] + 1) // 2
+        if half < K + 1 or half == arms[-1]:  # (a budget of 1 halves to itself)
+            break
+        arms.append(half)
     return arms
 
 
